@@ -1,0 +1,274 @@
+"""TRL backend: adaptive KL inside ``GRPOTrainer._compute_loss`` (TRL's eager loss).
+
+What is patched, each undone by :func:`unpatch`:
+
+* ``GRPOConfig``: gains the fields of :mod:`unsloth_adaptive_kl.config` in place (so a class
+  imported before this module gets them too), validated in ``__post_init__``.
+* ``GRPOTrainer._compute_loss``: rewritten at three checked anchors so that the per-token KL
+  comes from the core estimator and shaping, β from the controller, and the length-normalised
+  term is added after aggregation. TRL's ``kl`` metric keeps meaning the unshaped KL.
+* ``GRPOTrainer.__init__``: attaches an :class:`AdaptiveKL` and its checkpoint callback.
+* ``GRPOTrainer._generate_and_score_completions``: feeds the raw reward TRL logs to the
+  controller.
+* ``GRPOTrainer._load_callback_state``: brings the controller back on ``resume_from_checkpoint``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from .. import metrics
+from .._source_patch import PatchError, check_version, rewrite_function, version_of
+from ..adaptation import AdaptiveKL
+from ..config import FIELDS, validate
+
+logger = logging.getLogger("unsloth_adaptive_kl")
+
+SUPPORTED_TRL = "1.15.x"
+
+
+def _trl_supported(version: str) -> bool:
+    return version.startswith("1.15.")
+
+
+# -- the rewrite of _compute_loss ------------------------------------------------------------------
+KL_ANCHOR = """        if self.beta != 0.0:
+            ref_per_token_logps = inputs["ref_per_token_logps"]
+            per_token_kl = (
+                torch.exp(ref_per_token_logps - per_token_logps) - (ref_per_token_logps - per_token_logps) - 1
+            )
+            # Importance sampling correction for the KL divergence
+            if self.args.use_bias_correction_kl:
+                per_token_kl = per_token_kl * coef_1
+"""
+KL_REPLACEMENT = """        adaptive_kl_adapted = None
+        if self.beta != 0.0:
+            ref_per_token_logps = self._adaptive_kl.reference_logps(inputs)
+            per_token_kl, adaptive_kl_adapted = self._adaptive_kl.per_token(
+                per_token_logps, ref_per_token_logps, mask, coef_1 if self.args.use_bias_correction_kl else None
+            )
+"""
+ADD_ANCHOR = """        if self.beta != 0.0:
+            per_token_loss = per_token_loss + self.beta * per_token_kl
+"""
+ADD_REPLACEMENT = """        if self.beta != 0.0 and not self._adaptive_kl.length_normalized:
+            per_token_loss = per_token_loss + self.beta * adaptive_kl_adapted
+"""
+AFTER_AGGREGATION_ANCHOR = """        if self._entropy_bonus_enabled:
+"""
+AFTER_AGGREGATION_REPLACEMENT = """        loss = self._adaptive_kl.after_aggregation(
+            loss, per_token_kl if self.beta != 0.0 else None, adaptive_kl_adapted, mask, mode
+        )
+        if self._entropy_bonus_enabled:
+"""
+COMPUTE_LOSS_REWRITES = [
+    (KL_ANCHOR, KL_REPLACEMENT),
+    (ADD_ANCHOR, ADD_REPLACEMENT),
+    (AFTER_AGGREGATION_ANCHOR, AFTER_AGGREGATION_REPLACEMENT),
+]
+
+
+class TRLAdaptiveKL(AdaptiveKL):
+    """The :class:`AdaptiveKL` of one TRL ``GRPOTrainer``; the rewritten loss calls into it."""
+
+    def __init__(self, trainer):
+        accelerator = trainer.accelerator
+        super().__init__(trainer.args, reduce=lambda t: accelerator.reduce(t, reduction="sum"))
+        self.trainer = trainer
+
+    def reference_logps(self, inputs) -> torch.Tensor:
+        if "ref_per_token_logps" not in inputs:
+            raise RuntimeError(
+                "unsloth_adaptive_kl: beta is non-zero but this batch has no reference log-probs (they are only "
+                "computed while beta != 0 at generation time). A β controller must not leave 0 once it reached it."
+            )
+        return inputs["ref_per_token_logps"]
+
+    def after_aggregation(self, loss, raw, adapted, mask, mode):
+        """Add the length-normalised KL term (if any) and log this micro-batch's metrics."""
+        trainer = self.trainer
+        beta = trainer.beta
+        if raw is not None and self.length_normalized:
+            accumulation = trainer.current_gradient_accumulation_steps if mode == "train" else 1.0
+            loss = loss + beta * self.length_normalized_term(adapted, mask, mask.shape[0]) / accumulation
+        values = self.record(raw, adapted, mask, training=mode == "train", beta=beta)
+        for name, value in values.items():
+            trainer._metrics[mode][name].append(value)
+        return loss
+
+
+# -- the checkpoint callback ---------------------------------------------------------------------------
+def _callback_classes():
+    from transformers import TrainerCallback
+    from transformers.trainer_callback import ExportableState
+
+    class AdaptiveKLCallback(TrainerCallback, ExportableState):
+        """Updates β once per optimizer step and carries the controller state in checkpoints.
+
+        The state goes into ``trainer_state.json`` (``stateful_callbacks``) through the Trainer's
+        own mechanism; the patched ``_load_callback_state`` restores it on resume.
+        """
+
+        def __init__(self, runtime: TRLAdaptiveKL | None = None):
+            self.runtime = runtime
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.runtime.trainer.beta = self.runtime.end_step(state.global_step)
+
+        def state(self) -> dict:
+            return {"args": {}, "attributes": {"adaptive_kl_state": self.runtime.state_dict()}}
+
+    return AdaptiveKLCallback
+
+
+AdaptiveKLCallback = None  # set by patch()
+
+
+# -- patching ----------------------------------------------------------------------------------------
+_ORIGINALS: list[tuple[object, str, object, bool]] = []
+
+
+def _set(owner, name: str, value) -> None:
+    _ORIGINALS.append((owner, name, owner.__dict__.get(name), name in owner.__dict__))
+    setattr(owner, name, value)
+
+
+def is_patched() -> bool:
+    return bool(_ORIGINALS)
+
+
+def patch_config_class(config_cls) -> None:
+    """Graft the adaptive-KL fields onto a dataclass config class, in place."""
+    if "kl_adaptation_method" in config_cls.__dataclass_fields__:
+        return
+    extended = dataclasses.make_dataclass(
+        config_cls.__name__,
+        [(f.name, f.type, dataclasses.field(default=f.default, metadata={"help": f.help})) for f in FIELDS],
+        bases=(config_cls,),
+    )
+    annotations = dict(config_cls.__dict__.get("__annotations__", {}))
+    annotations.update({f.name: f.type for f in FIELDS})
+    original_post_init = config_cls.__post_init__
+
+    def __post_init__(self):
+        original_post_init(self)
+        validate(self)
+
+    _set(config_cls, "__init__", extended.__init__)
+    _set(config_cls, "__dataclass_fields__", extended.__dataclass_fields__)
+    _set(config_cls, "__annotations__", annotations)
+    _set(config_cls, "__post_init__", __post_init__)
+
+
+def _wrap_init(original):
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        attach(self)
+
+    return __init__
+
+
+def _wrap_generate(original):
+    def _generate_and_score_completions(self, *args, **kwargs):
+        mode = "train" if self.model.training else "eval"
+        rewards = self._metrics[mode]["reward"]
+        before = len(rewards)
+        output = original(self, *args, **kwargs)
+        if mode == "train":
+            rewards = self._metrics["train"]["reward"]
+            if len(rewards) != before + 1:
+                raise PatchError(
+                    f"trl {version_of('trl')}: _generate_and_score_completions did not log exactly one 'reward' "
+                    "value; the dynamic β controller cannot see the reward."
+                )
+            self._adaptive_kl.observe_reward(rewards[-1])
+        return output
+
+    return _generate_and_score_completions
+
+
+def _wrap_load_callback_state(original):
+    def _load_callback_state(self):
+        original(self)
+        runtime = self._adaptive_kl
+        stored = self.state.stateful_callbacks.get(AdaptiveKLCallback.__name__)
+        if stored is not None:
+            stored = stored[0] if isinstance(stored, list) else stored
+            runtime.load_state_dict(stored["attributes"]["adaptive_kl_state"])
+            self.beta = runtime.beta
+        # With restore_callback_states_from_checkpoint=True the Trainer rebuilt our callback without
+        # its runtime: drop such copies and keep exactly one bound callback.
+        for callback in list(self.callback_handler.callbacks):
+            if isinstance(callback, AdaptiveKLCallback) and callback.runtime is not runtime:
+                self.callback_handler.remove_callback(callback)
+        if not any(isinstance(cb, AdaptiveKLCallback) for cb in self.callback_handler.callbacks):
+            self.callback_handler.add_callback(AdaptiveKLCallback(runtime))
+
+    return _load_callback_state
+
+
+def attach(trainer) -> TRLAdaptiveKL:
+    """Give ``trainer`` its adaptive-KL state; idempotent."""
+    existing = getattr(trainer, "_adaptive_kl", None)
+    if existing is not None:
+        return existing
+    runtime = TRLAdaptiveKL(trainer)
+    trainer._adaptive_kl = runtime
+    trainer.beta = runtime.beta
+    trainer.add_callback(AdaptiveKLCallback(runtime))
+    logger.info(
+        "unsloth_adaptive_kl: kl_adaptation_method=%r, kl_estimator=%r, beta=%s (logged as %s)",
+        trainer.args.kl_adaptation_method,
+        runtime.estimator,
+        runtime.beta,
+        ", ".join(metrics.METRIC_NAMES),
+    )
+    return runtime
+
+
+def patch() -> None:
+    """Patch TRL's GRPOConfig and GRPOTrainer. Idempotent."""
+    global AdaptiveKLCallback
+    if is_patched():
+        return
+    check_version("trl", _trl_supported, SUPPORTED_TRL)
+    from trl.trainer import grpo_config, grpo_trainer
+
+    config_cls = grpo_config.GRPOConfig
+    trainer_cls = grpo_trainer.GRPOTrainer
+    # Build everything before touching anything, so a missing anchor leaves TRL untouched.
+    compute_loss = rewrite_function(trainer_cls._compute_loss, COMPUTE_LOSS_REWRITES, library="trl")
+    AdaptiveKLCallback = _callback_classes()
+    try:
+        patch_config_class(config_cls)
+        _set(trainer_cls, "_compute_loss", compute_loss)
+        _set(trainer_cls, "__init__", _wrap_init(trainer_cls.__init__))
+        _set(trainer_cls, "_generate_and_score_completions", _wrap_generate(trainer_cls._generate_and_score_completions))
+        _set(trainer_cls, "_load_callback_state", _wrap_load_callback_state(trainer_cls._load_callback_state))
+    except Exception:
+        unpatch()
+        raise
+
+
+def unpatch() -> None:
+    """Restore every patched attribute exactly (identity), in reverse order."""
+    while _ORIGINALS:
+        owner, name, original, had_own = _ORIGINALS.pop()
+        if had_own:
+            setattr(owner, name, original)
+        else:
+            delattr(owner, name)
+
+
+def original(owner, name: str):
+    """The attribute ``owner.name`` had before patching (for tests and comparisons)."""
+    for patched_owner, patched_name, value, had_own in _ORIGINALS:
+        if patched_owner is owner and patched_name == name:
+            return value if had_own else getattr(super(owner, owner), name, None)
+    return getattr(owner, name)
+
+
+__all__ = ["patch", "unpatch", "is_patched", "attach", "TRLAdaptiveKL"]

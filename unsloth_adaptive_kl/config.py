@@ -1,0 +1,161 @@
+"""The adaptive-KL fields that ``trl.GRPOConfig`` gains, with defaults, help text and validation.
+
+This module does not import TRL: it describes the fields; ``backends/trl.py`` grafts them
+onto the config class.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .controllers import ControllerConfig
+from .estimators import get_estimator
+from .shaping import Method, parse_method
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    name: str
+    type: type
+    default: object
+    help: str
+
+
+FIELDS: tuple[FieldSpec, ...] = (
+    FieldSpec(
+        "kl_adaptation_method",
+        str,
+        "none",
+        "How the KL term is adapted: 'none', 'clip', 'sigmoid', 'length_normalized', 'dynamic', 'target', or a "
+        "'+'-joined combination of at most one β controller (dynamic, target) and any shaping methods, e.g. "
+        "'dynamic+length_normalized'. Shaping always applies in the order clip, sigmoid, length_normalized.",
+    ),
+    FieldSpec(
+        "kl_estimator",
+        str,
+        "k3",
+        "Per-token KL estimator, by registered name: k1, k2 (mse, squared), k3 (low_var_kl), abs, k1+, k3+, "
+        "bottom_q, or one registered with unsloth_adaptive_kl.register_estimator.",
+    ),
+    FieldSpec("kl_clip_threshold", float, 1.0, "'clip': the per-token KL term is capped at this value (> 0)."),
+    FieldSpec(
+        "kl_target",
+        float,
+        0.1,
+        "'sigmoid': centre of the soft cap sigmoid(kl - kl_target) * kl; 'target': the KL the controller steers "
+        "toward (> 0).",
+    ),
+    FieldSpec(
+        "dynamic_beta_decay",
+        float,
+        0.9,
+        "'dynamic': beta is multiplied by this (in (0, 1]) after each optimizer step while the trailing mean "
+        "reward exceeds reward_threshold.",
+    ),
+    FieldSpec(
+        "reward_threshold",
+        float,
+        0.8,
+        "'dynamic': the trailing mean of the raw reward (TRL's logged `reward`) above which beta decays.",
+    ),
+    FieldSpec(
+        "reward_window",
+        int,
+        10,
+        "'dynamic': how many of the most recent generation batches' mean rewards form the trailing mean (>= 1).",
+    ),
+    FieldSpec(
+        "beta_min",
+        float,
+        0.0,
+        "Floor for beta under 'dynamic' and 'target' (0 <= beta_min <= beta). 'dynamic' sets beta to it from "
+        "beta_schedule_steps on; at 0 the reference model and KL are no longer computed.",
+    ),
+    FieldSpec(
+        "beta_schedule_steps",
+        int,
+        1000,
+        "'dynamic': from this optimizer step on (global_step >= beta_schedule_steps), beta = beta_min (>= 0).",
+    ),
+    FieldSpec(
+        "kl_horizon",
+        float,
+        10000.0,
+        "'target': the horizon of Ziegler et al.'s controller, in completions: "
+        "beta *= 1 + clip(kl / kl_target - 1, -0.2, 0.2) * n / kl_horizon (> 0).",
+    ),
+    FieldSpec(
+        "kl_bottom_q",
+        float,
+        0.2,
+        "'bottom_q' estimator: the fraction (0, 1] of valid tokens, lowest reference log-prob first, that get "
+        "the KL (scaled by 1 / kl_bottom_q).",
+    ),
+)
+
+FIELD_NAMES = tuple(f.name for f in FIELDS)
+
+
+def _number(config, name: str, *, integer: bool = False) -> float:
+    value = getattr(config, name)
+    ok_types = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, ok_types) or (not integer and not math.isfinite(value)):
+        kind = "an integer" if integer else "a finite number"
+        raise ValueError(f"{name}={value!r} is not valid; allowed: {kind}")
+    return value
+
+
+def _require(condition: bool, name: str, value, allowed: str) -> None:
+    if not condition:
+        raise ValueError(f"{name}={value!r} is not valid; allowed: {allowed}")
+
+
+def validate(config) -> Method:
+    """Check the adaptive-KL fields of ``config`` (any object with them as attributes).
+
+    Returns the parsed method. Raises ValueError naming the field, the value and what is allowed.
+    """
+    missing = [name for name in FIELD_NAMES if not hasattr(config, name)]
+    if missing:
+        raise ValueError(
+            f"{type(config).__name__} has no adaptive-KL field(s) {missing}: was it created by a config class "
+            "that unsloth_adaptive_kl did not patch?"
+        )
+    method = parse_method(config.kl_adaptation_method)
+    get_estimator(config.kl_estimator)
+    beta = _number(config, "beta")
+    for name in ("kl_clip_threshold", "kl_target", "kl_horizon"):
+        value = _number(config, name)
+        _require(value > 0, name, value, "a number > 0")
+    decay = _number(config, "dynamic_beta_decay")
+    _require(0 < decay <= 1, "dynamic_beta_decay", decay, "a number in (0, 1]")
+    _number(config, "reward_threshold")
+    window = _number(config, "reward_window", integer=True)
+    _require(window >= 1, "reward_window", window, "an integer >= 1")
+    steps = _number(config, "beta_schedule_steps", integer=True)
+    _require(steps >= 0, "beta_schedule_steps", steps, "an integer >= 0")
+    q = _number(config, "kl_bottom_q")
+    _require(0 < q <= 1, "kl_bottom_q", q, "a number in (0, 1]")
+    _require(beta >= 0, "beta", beta, "a number >= 0")
+    beta_min = _number(config, "beta_min")
+    _require(0 <= beta_min <= beta, "beta_min", beta_min, f"a number in [0, beta={beta}]")
+    if not method.is_none and beta == 0:
+        raise ValueError(
+            f"beta=0.0 is not valid with kl_adaptation_method={config.kl_adaptation_method!r}: that method acts on "
+            "the KL term, which beta=0 removes; allowed: beta > 0, or kl_adaptation_method='none'"
+        )
+    return method
+
+
+def controller_config(config) -> ControllerConfig:
+    return ControllerConfig(
+        beta=float(config.beta),
+        beta_min=float(config.beta_min),
+        dynamic_beta_decay=float(config.dynamic_beta_decay),
+        reward_threshold=float(config.reward_threshold),
+        reward_window=int(config.reward_window),
+        beta_schedule_steps=int(config.beta_schedule_steps),
+        kl_target=float(config.kl_target),
+        kl_horizon=float(config.kl_horizon),
+    )

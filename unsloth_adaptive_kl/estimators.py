@@ -1,0 +1,214 @@
+"""Per-token KL estimators and their registry.
+
+Every estimator takes the per-token log-probabilities of the sampled tokens under the policy
+(``logp``) and under the reference model (``ref_logp``), both shaped ``(B, T)``, and returns a
+per-token estimate of ``KL(policy || reference)`` of the same shape. Tokens are sampled from
+the policy, so with ``r = ref_logp - logp`` (log of ``pi_ref / pi``):
+
+==========  ======================================  =========================================
+name        value                                   notes
+==========  ======================================  =========================================
+``k1``      ``-r = logp - ref_logp``                unbiased, high variance, can be negative
+``k2``      ``r**2 / 2``                            biased, low variance, always >= 0
+``k3``      ``exp(r) - r - 1``                      unbiased, low variance, always >= 0
+``abs``     ``|r|``                                 biased, always >= 0
+``k1+``     value of k1, gradient of k2             straight-through (see :func:`k1_plus`)
+``k3+``     value of k3, gradient of k2             straight-through
+``bottom_q``  k3 on the lowest-q reference tokens    needs a batch statistic (see below)
+==========  ======================================  =========================================
+
+Source for k1/k2/k3: John Schulman, "Approximating KL Divergence" (2020),
+http://joschu.net/blog/kl-approx.html. ``k3`` is written exactly as TRL's GRPO trainer
+writes it, ``exp(ref - logp) - (ref - logp) - 1``, so that swapping it in is bit-identical.
+
+Register your own with :func:`register_estimator`::
+
+    @register_estimator("my_kl")
+    def my_kl(logp, ref_logp):
+        return (logp - ref_logp).abs() ** 1.5
+
+Estimators registered by users are checked on every call (shape, dtype, finiteness on valid
+tokens, gradient); built-in ones are trusted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+Estimator = Callable[..., torch.Tensor]
+
+
+@dataclass(frozen=True)
+class EstimatorSpec:
+    """A registered estimator.
+
+    ``batch_statistic`` (optional) computes, from the whole batch and *before* any chunking,
+    a detached tensor that the estimator receives as its ``statistic`` keyword. The result then
+    does not depend on how a backend splits the batch into chunks.
+    """
+
+    name: str
+    fn: Estimator
+    builtin: bool = False
+    batch_statistic: Callable[..., torch.Tensor] | None = None
+
+
+ESTIMATORS: dict[str, EstimatorSpec] = {}
+_ALIASES: dict[str, str] = {}
+
+
+def register_estimator(name: str, *aliases: str, batch_statistic=None, _builtin: bool = False):
+    """Decorator: register ``fn(logp, ref_logp) -> per-token KL`` under ``name`` (and aliases)."""
+
+    def decorator(fn: Estimator) -> Estimator:
+        for key in (name, *aliases):
+            if key in ESTIMATORS or key in _ALIASES:
+                raise ValueError(f"KL estimator {key!r} is already registered")
+            if "+" in key.rstrip("+") or not key:
+                raise ValueError(f"KL estimator name {key!r} is not allowed: use a non-empty name without inner '+'")
+        ESTIMATORS[name] = EstimatorSpec(name, fn, _builtin, batch_statistic)
+        for alias in aliases:
+            _ALIASES[alias] = name
+        return fn
+
+    return decorator
+
+
+def unregister_estimator(name: str) -> None:
+    """Remove a user-registered estimator and its aliases (built-ins cannot be removed)."""
+    spec = get_estimator(name)
+    if spec.builtin:
+        raise ValueError(f"KL estimator {name!r} is built in and cannot be unregistered")
+    del ESTIMATORS[spec.name]
+    for alias in [a for a, target in _ALIASES.items() if target == spec.name]:
+        del _ALIASES[alias]
+
+
+def estimator_names() -> list[str]:
+    return sorted([*ESTIMATORS, *_ALIASES])
+
+
+def get_estimator(name: str) -> EstimatorSpec:
+    key = _ALIASES.get(name, name)
+    if key not in ESTIMATORS:
+        raise ValueError(f"kl_estimator={name!r} is not a registered KL estimator; allowed: {estimator_names()}")
+    return ESTIMATORS[key]
+
+
+@register_estimator("k1", _builtin=True)
+def k1(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """k1 = log(pi / pi_ref): the naive unbiased estimator (Schulman 2020)."""
+    return logp - ref_logp
+
+
+@register_estimator("k2", "mse", "squared", _builtin=True)
+def k2(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """k2 = 0.5 * (log pi_ref - log pi)^2 (Schulman 2020).
+
+    Also the "squared" variant of the seed project: ``0.5 * (ref - logp)^2``.
+    """
+    return 0.5 * (ref_logp - logp) ** 2
+
+
+@register_estimator("k3", "low_var_kl", _builtin=True)
+def k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """k3 = exp(r) - r - 1 with r = log pi_ref - log pi (Schulman 2020).
+
+    Written in TRL's exact form so that it reproduces TRL's GRPO loss bit for bit.
+    """
+    return torch.exp(ref_logp - logp) - (ref_logp - logp) - 1
+
+
+@register_estimator("abs", _builtin=True)
+def abs_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """|log pi - log pi_ref|: the absolute log-ratio, a biased non-negative KL proxy."""
+    return (logp - ref_logp).abs()
+
+
+def _straight_through_k2(value: torch.Tensor, logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    surrogate = k2(logp, ref_logp)
+    return surrogate - surrogate.detach() + value.detach()
+
+
+@register_estimator("k1+", _builtin=True)
+def k1_plus(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """Forward value of k1, gradient of k2 (straight-through), as in verl's ``kl_penalty("k1+")``.
+
+    Why: used as a *loss* on samples from pi, the gradient of k2 is
+    ``E_pi[(log pi - log pi_ref) grad log pi] = grad KL(pi || pi_ref)``, the unbiased gradient of
+    the reverse KL, whereas k1's gradient ``E_pi[grad log pi]`` is 0 in expectation and k3's
+    gradient is that of a different divergence. The straight-through form keeps the reported
+    value of the chosen estimator and takes the gradient of k2.
+    """
+    return _straight_through_k2(k1(logp, ref_logp), logp, ref_logp)
+
+
+@register_estimator("k3+", _builtin=True)
+def k3_plus(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """Forward value of k3, gradient of k2 (straight-through); see :func:`k1_plus` for why."""
+    return _straight_through_k2(k3(logp, ref_logp), logp, ref_logp)
+
+
+def bottom_q_threshold(ref_logp: torch.Tensor, mask: torch.Tensor, *, q: float) -> torch.Tensor:
+    """The q-quantile of the reference log-probs over the valid tokens of the whole batch (detached)."""
+    valid = ref_logp.detach()[mask.bool()].float()
+    if valid.numel() == 0:
+        return torch.tensor(float("-inf"), device=ref_logp.device)
+    # torch.quantile refuses inputs above 2**24 elements; kthvalue has no such limit.
+    k = max(1, min(valid.numel(), int(torch.ceil(torch.tensor(q * valid.numel())).item())))
+    return valid.kthvalue(k).values
+
+
+def bottom_q(logp: torch.Tensor, ref_logp: torch.Tensor, *, statistic: torch.Tensor, q: float) -> torch.Tensor:
+    """k3 on the tokens whose reference log-prob lies in the lowest ``q`` fraction, scaled by 1/q.
+
+    The seed project's variant 1. ``statistic`` is :func:`bottom_q_threshold` of the whole batch
+    (valid tokens only, detached), so the result does not depend on chunking. Dividing by ``q``
+    keeps the estimate on the scale of the full-batch k3 mean.
+    """
+    selected = ref_logp <= statistic.to(ref_logp.dtype)
+    return torch.where(selected, k3(logp, ref_logp) / q, torch.zeros_like(logp))
+
+
+register_estimator("bottom_q", batch_statistic=bottom_q_threshold, _builtin=True)(bottom_q)
+
+
+def estimate_kl(
+    name: str,
+    logp: torch.Tensor,
+    ref_logp: torch.Tensor,
+    *,
+    mask: torch.Tensor | None = None,
+    statistic: torch.Tensor | None = None,
+    bottom_q: float = 0.2,
+) -> torch.Tensor:
+    """Run the estimator ``name``; user-registered estimators are checked and fail loudly."""
+    spec = get_estimator(name)
+    if spec.batch_statistic is not None:
+        if statistic is None:
+            if mask is None:
+                raise ValueError(f"KL estimator {spec.name!r} needs the completion mask for its batch statistic")
+            statistic = spec.batch_statistic(ref_logp, mask, q=bottom_q)
+        out = spec.fn(logp, ref_logp, statistic=statistic, q=bottom_q)
+    else:
+        out = spec.fn(logp, ref_logp)
+    if not spec.builtin:
+        _check_user_output(spec.name, out, logp, mask)
+    return out
+
+
+def _check_user_output(name: str, out, logp: torch.Tensor, mask: torch.Tensor | None) -> None:
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"KL estimator {name!r} returned {type(out).__name__}, expected a torch.Tensor")
+    if out.shape != logp.shape:
+        raise ValueError(f"KL estimator {name!r} returned shape {tuple(out.shape)}, expected {tuple(logp.shape)}")
+    if out.dtype != logp.dtype:
+        raise ValueError(f"KL estimator {name!r} returned dtype {out.dtype}, expected {logp.dtype}")
+    if torch.is_grad_enabled() and logp.requires_grad and not out.requires_grad:
+        raise ValueError(f"KL estimator {name!r} returned a tensor with no gradient (detached from logp)")
+    valid = out if mask is None else out[mask.bool()]
+    if not torch.isfinite(valid).all():
+        raise ValueError(f"KL estimator {name!r} returned NaN or inf on valid (unmasked) tokens")

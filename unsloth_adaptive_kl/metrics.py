@@ -1,0 +1,51 @@
+"""The ``adaptive_kl/*`` metrics: names, local sums, and the global means made from them.
+
+A backend computes :func:`local_kl_sums` on its shard of the batch, sums them across processes
+(one ``reduce`` of one small tensor), and turns the totals into metric values with
+:func:`metric_values`. Token-weighted means over all processes, like TRL's own ``kl``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .shaping import sequence_mean
+
+RAW_KL = "adaptive_kl/raw_kl"
+ADAPTED_KL = "adaptive_kl/adapted_kl"
+CURRENT_BETA = "adaptive_kl/current_beta"
+METRIC_NAMES = (RAW_KL, ADAPTED_KL, CURRENT_BETA)
+
+# Layout of the sums tensor.
+RAW_SUM, ADAPTED_SUM, TOKENS, ADAPTED_SEQ_MEAN_SUM, COMPLETIONS = range(5)
+
+
+def local_kl_sums(raw: torch.Tensor, adapted: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Sums over this shard's valid tokens, as one float64 tensor of 5 values (see the layout above).
+
+    ``where`` rather than a product keeps NaN or inf on masked positions out of the sums.
+    """
+    with torch.no_grad():
+        valid = mask.bool()
+        zero = torch.zeros((), dtype=raw.dtype, device=raw.device)
+        return torch.stack(
+            [
+                torch.where(valid, raw, zero).sum().double(),
+                torch.where(valid, adapted, zero).sum().double(),
+                valid.sum().double(),
+                sequence_mean(adapted.double(), mask).sum(),
+                torch.tensor(float(mask.shape[0]), dtype=torch.float64, device=raw.device),
+            ]
+        )
+
+
+def metric_values(totals: torch.Tensor, *, length_normalized: bool) -> dict[str, float]:
+    """Global metric values from summed :func:`local_kl_sums`.
+
+    ``adapted_kl`` is the value β multiplies: the token-weighted mean of the shaped KL, or, under
+    ``length_normalized``, the mean over completions of each completion's mean shaped KL.
+    """
+    t = totals.tolist()
+    tokens = max(t[TOKENS], 1.0)
+    adapted = t[ADAPTED_SEQ_MEAN_SUM] / max(t[COMPLETIONS], 1.0) if length_normalized else t[ADAPTED_SUM] / tokens
+    return {RAW_KL: t[RAW_SUM] / tokens, ADAPTED_KL: adapted}
