@@ -33,6 +33,7 @@ tokens, gradient); built-in ones are trusted.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -154,11 +155,11 @@ def k3_plus(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 
 def bottom_q_threshold(ref_logp: torch.Tensor, mask: torch.Tensor, *, q: float) -> torch.Tensor:
     """The q-quantile of the reference log-probs over the valid tokens of the whole batch (detached)."""
-    valid = ref_logp.detach()[mask.bool()].float()
+    valid = ref_logp.detach()[mask.bool()]
     if valid.numel() == 0:
-        return torch.tensor(float("-inf"), device=ref_logp.device)
-    # torch.quantile refuses inputs above 2**24 elements; kthvalue has no such limit.
-    k = max(1, min(valid.numel(), int(torch.ceil(torch.tensor(q * valid.numel())).item())))
+        return torch.tensor(float("-inf"), dtype=ref_logp.dtype, device=ref_logp.device)
+    # The ceil(q * N)-th smallest value; torch.quantile refuses inputs above 2**24 elements, kthvalue does not.
+    k = max(1, min(valid.numel(), math.ceil(q * valid.numel())))
     return valid.kthvalue(k).values
 
 

@@ -1,0 +1,156 @@
+"""Each estimator against float64 formulas written from Schulman's definitions, values and gradients."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from unsloth_adaptive_kl import estimators
+from unsloth_adaptive_kl.estimators import estimate_kl, get_estimator, register_estimator, unregister_estimator
+
+
+def _pair(seed=0, shape=(3, 7), scale=1.5):
+    g = torch.Generator().manual_seed(seed)
+    logp = -torch.rand(shape, generator=g, dtype=torch.float64) * 4
+    ref = logp + torch.randn(shape, generator=g, dtype=torch.float64) * scale
+    return logp, ref
+
+
+# Reference values and d/dlogp written from the definitions (x = log pi, y = log pi_ref, ratio = pi_ref/pi).
+REFERENCES = {
+    "k1": (lambda x, y: math.log(math.exp(x) / math.exp(y)), lambda x, y: 1.0),
+    "k2": (lambda x, y: 0.5 * math.log(math.exp(y) / math.exp(x)) ** 2, lambda x, y: x - y),
+    "k3": (lambda x, y: math.exp(y) / math.exp(x) - math.log(math.exp(y) / math.exp(x)) - 1, lambda x, y: 1 - math.exp(y - x)),
+    "abs": (lambda x, y: abs(x - y), lambda x, y: math.copysign(1.0, x - y)),
+    "k1+": (lambda x, y: x - y, lambda x, y: x - y),
+    "k3+": (lambda x, y: math.exp(y - x) - (y - x) - 1, lambda x, y: x - y),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REFERENCES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_estimator_matches_float64_definition_in_value_and_gradient(name, dtype):
+    value_ref, grad_ref = REFERENCES[name]
+    logp64, ref64 = _pair()
+    logp = logp64.to(dtype).requires_grad_(True)
+    out = estimate_kl(name, logp, ref64.to(dtype))
+    out.sum().backward()
+    flat = list(zip(logp.detach().double().flatten().tolist(), ref64.to(dtype).double().flatten().tolist()))
+    expected = torch.tensor([value_ref(x, y) for x, y in flat], dtype=torch.float64).view_as(logp64)
+    expected_grad = torch.tensor([grad_ref(x, y) for x, y in flat], dtype=torch.float64).view_as(logp64)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out.detach().double(), expected, **tol)
+    torch.testing.assert_close(logp.grad.double(), expected_grad, **tol)
+
+
+def test_aliases_resolve_to_the_same_estimator():
+    assert get_estimator("mse").name == "k2"
+    assert get_estimator("squared").name == "k2"
+    assert get_estimator("low_var_kl").name == "k3"
+
+
+def test_squared_is_the_seed_formula_half_squared_difference():
+    logp, ref = _pair(1)
+    torch.testing.assert_close(estimate_kl("squared", logp, ref), 0.5 * (ref - logp) ** 2, rtol=0, atol=0)
+
+
+def test_k3_is_bitwise_trl_form():
+    logp, ref = _pair(2)
+    logp, ref = logp.float(), ref.float()
+    trl_form = torch.exp(ref - logp) - (ref - logp) - 1
+    assert torch.equal(estimate_kl("k3", logp, ref), trl_form)
+
+
+def _bottom_q_reference(logp, ref, mask, q):
+    """Float64: k3/q on the valid tokens whose ref log-prob is among the lowest ceil(q*N) valid ones."""
+    valid = [(i, j) for i in range(mask.shape[0]) for j in range(mask.shape[1]) if mask[i, j]]
+    ordered = sorted(valid, key=lambda ij: float(ref[ij]))
+    k = max(1, math.ceil(q * len(valid)))
+    threshold = float(ref[ordered[k - 1]])
+    out = torch.zeros_like(logp, dtype=torch.float64)
+    for i, j in valid:
+        if float(ref[i, j]) <= threshold:
+            x, y = float(logp[i, j]), float(ref[i, j])
+            out[i, j] = (math.exp(y - x) - (y - x) - 1) / q
+    return out
+
+
+@pytest.mark.parametrize("q", [0.1, 0.2, 0.5, 1.0])
+def test_bottom_q_uses_valid_tokens_only_and_scales_by_one_over_q(q):
+    logp, ref = _pair(3, shape=(4, 9))
+    mask = torch.ones(4, 9, dtype=torch.bool)
+    mask[1, 5:] = False
+    mask[3, 2:] = False
+    ref_padded = ref.clone()
+    ref_padded[~mask] = -1e4  # padding would dominate the percentile if it were counted
+    out = estimate_kl("bottom_q", logp, ref_padded, mask=mask, bottom_q=q)
+    expected = _bottom_q_reference(logp, ref_padded, mask, q)
+    torch.testing.assert_close(torch.where(mask, out, torch.zeros_like(out)), expected)
+
+
+def test_bottom_q_threshold_is_detached_and_batch_statistic_makes_chunks_agree():
+    logp, ref = _pair(4, shape=(6, 5))
+    mask = torch.ones(6, 5, dtype=torch.bool)
+    ref = ref.requires_grad_(True)
+    stat = estimators.bottom_q_threshold(ref, mask, q=0.3)
+    assert not stat.requires_grad
+    whole = estimate_kl("bottom_q", logp, ref, mask=mask, statistic=stat, bottom_q=0.3)
+    chunks = torch.cat([estimate_kl("bottom_q", logp[i : i + 2], ref[i : i + 2], mask=mask[i : i + 2], statistic=stat, bottom_q=0.3) for i in range(0, 6, 2)])
+    assert torch.equal(whole, chunks)
+
+
+def test_user_estimator_registers_by_decorator_and_is_usable():
+    @register_estimator("test_cube", "test_cube_alias")
+    def cube(logp, ref_logp):
+        return (logp - ref_logp) ** 3
+
+    try:
+        logp, ref = _pair(5)
+        torch.testing.assert_close(estimate_kl("test_cube_alias", logp, ref), (logp - ref) ** 3)
+    finally:
+        unregister_estimator("test_cube")
+    with pytest.raises(ValueError, match="test_cube"):
+        get_estimator("test_cube_alias")
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (lambda logp, ref: (logp - ref).sum(-1), "shape"),
+        (lambda logp, ref: (logp - ref).double(), "dtype"),
+        (lambda logp, ref: (logp - ref) * float("nan"), "NaN"),
+        (lambda logp, ref: (logp - ref).detach(), "no gradient"),
+        (lambda logp, ref: [1.0], "expected a torch.Tensor"),
+    ],
+)
+def test_faulty_user_estimator_fails_loudly_naming_it(bad, message):
+    register_estimator("test_faulty")(bad)
+    try:
+        logp, ref = _pair(6)
+        logp = logp.float().requires_grad_(True)
+        with pytest.raises((ValueError, TypeError), match=f"test_faulty.*{message}|{message}.*test_faulty"):
+            estimate_kl("test_faulty", logp, ref.float())
+    finally:
+        unregister_estimator("test_faulty")
+
+
+def test_builtin_estimators_cannot_be_overwritten_or_removed():
+    with pytest.raises(ValueError, match="already registered"):
+        register_estimator("k3")(lambda a, b: a)
+    with pytest.raises(ValueError, match="built in"):
+        unregister_estimator("k1")
+
+
+finite = st.floats(min_value=-30, max_value=0, allow_nan=False, width=64)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(finite, st.floats(-8, 8)), min_size=1, max_size=40))
+def test_k3_and_k2_are_non_negative(pairs):
+    logp = torch.tensor([p for p, _ in pairs], dtype=torch.float64)
+    ref = logp + torch.tensor([d for _, d in pairs], dtype=torch.float64)
+    assert (estimate_kl("k3", logp, ref) >= 0).all()
+    assert (estimate_kl("k2", logp, ref) >= 0).all()
+    assert (estimate_kl("abs", logp, ref) >= 0).all()

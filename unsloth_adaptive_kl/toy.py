@@ -1,0 +1,117 @@
+"""A self-contained GRPO task for offline runs: synthetic arithmetic, a tokenizer trained on it,
+and a small Llama built from a config. No downloads.
+
+Used by the quickstart example, the Blackwell demo and the tests.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+
+ANSWER_RE = re.compile(r"^\s*(-?\d+)\s*$")
+SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>"]
+
+
+def arithmetic_problems(n: int, *, seed: int = 0, max_operand: int = 9) -> list[dict]:
+    """``n`` prompts like ``"3+4="`` with their integer answers."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
+        rows.append({"prompt": f"{a}+{b}=", "answer": str(a + b)})
+    return rows
+
+
+def build_tokenizer(*, seed: int = 0, vocab_size: int = 64):
+    """A BPE tokenizer trained with ``tokenizers`` on a synthetic arithmetic corpus."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    corpus = [f"{r['prompt']}{r['answer']}" for r in arithmetic_problems(2000, seed=seed, max_operand=99)]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    tok.decoder = decoders.BPEDecoder()
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS))
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        eos_token="<eos>",
+        bos_token="<bos>",
+        unk_token="<unk>",
+        padding_side="left",
+    )
+
+
+def build_model(tokenizer, *, hidden_size: int = 64, layers: int = 2, heads: int = 4, seed: int = 0):
+    """A small Llama causal LM sized to ``tokenizer``, randomly initialised from ``seed``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=128,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(config)
+
+
+def prompt_dataset(n: int, *, seed: int = 0):
+    from datasets import Dataset
+
+    return Dataset.from_list(arithmetic_problems(n, seed=seed))
+
+
+def format_reward(completions, **kwargs) -> list[float]:
+    """0.5 when the completion is just an integer (the model stopped right after its answer)."""
+    return [0.5 if ANSWER_RE.match(c) else 0.0 for c in completions]
+
+
+def correctness_reward(completions, answer, **kwargs) -> list[float]:
+    """0.5 when that integer equals the answer."""
+    rewards = []
+    for completion, expected in zip(completions, answer):
+        m = ANSWER_RE.match(completion)
+        rewards.append(0.5 if m and m.group(1) == expected else 0.0)
+    return rewards
+
+
+def warm_start(model, tokenizer, *, steps: int = 200, batch_size: int = 32, lr: float = 3e-3, seed: int = 0) -> float:
+    """A short supervised phase on the task so GRPO starts from a competent policy; returns the last loss."""
+    import torch
+
+    rows = arithmetic_problems(steps * batch_size, seed=seed + 1)
+    texts = [f"{r['prompt']}{r['answer']}{tokenizer.eos_token}" for r in rows]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    device = next(model.parameters()).device
+    loss = torch.tensor(0.0)
+    for i in range(steps):
+        batch = tokenizer(texts[i * batch_size : (i + 1) * batch_size], return_tensors="pt", padding=True)
+        batch = {k: v.to(device) for k, v in batch.items()}
+        labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+        loss = model(**batch, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return float(loss.detach())
+
+
+def build_checkpoint(path: str, *, seed: int = 0, hidden_size: int = 64, layers: int = 2, warm_start_steps: int = 0) -> str:
+    """Save a tokenizer and model built here to ``path`` (TRL loads the reference model from a path)."""
+    tokenizer = build_tokenizer(seed=seed)
+    model = build_model(tokenizer, hidden_size=hidden_size, layers=layers, seed=seed)
+    if warm_start_steps:
+        warm_start(model, tokenizer, steps=warm_start_steps, seed=seed)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
