@@ -1,0 +1,342 @@
+"""TRL backend: bit-identity with unpatched TRL, the KL part of the loss against float64
+references for every loss type and method, metrics, end-to-end runs, resume and β -> 0."""
+
+import math
+
+import pytest
+import torch
+
+import unsloth_adaptive_kl
+from unsloth_adaptive_kl import toy
+from unsloth_adaptive_kl.backends import trl as trl_backend
+from trl import GRPOConfig, GRPOTrainer
+
+LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
+METHODS = ["none", "clip", "sigmoid", "length_normalized", "dynamic", "target", "dynamic+length_normalized", "target+clip+sigmoid"]
+MAX_COMPLETION = 6
+
+
+def grpo_config(tmp_path, **overrides):
+    base = dict(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=MAX_COMPLETION,
+        max_steps=3,
+        logging_steps=1,
+        learning_rate=5e-3,
+        beta=0.04,
+        save_strategy="no",
+        seed=0,
+    )
+    base.update(overrides)
+    return GRPOConfig(**base)
+
+
+def make_trainer(checkpoint, tmp_path, **overrides):
+    return GRPOTrainer(
+        model=checkpoint,
+        reward_funcs=[toy.format_reward, toy.correctness_reward],
+        args=grpo_config(tmp_path, **overrides),
+        train_dataset=toy.prompt_dataset(64),
+    )
+
+
+@pytest.fixture(scope="module")
+def trainer(tiny_checkpoint, tmp_path_factory):
+    t = make_trainer(tiny_checkpoint, tmp_path_factory.mktemp("trl"))
+    t.model.train()
+    t.current_gradient_accumulation_steps = 1
+    return t
+
+
+def loss_inputs(trainer, seed=0, batch=4, prompt=3, completion=MAX_COMPLETION):
+    """A hand-made batch: variable completion lengths (one all-masked row), policy far from the
+    reference and from the old policy, so every KL term and ratio is non-trivial."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = trainer.model.config.vocab_size
+    completion_mask = torch.ones(batch, completion, dtype=torch.long)
+    for i, length in enumerate([completion, 3, 1, 0][:batch]):
+        completion_mask[i, length:] = 0
+    return {
+        "prompt_ids": torch.randint(5, vocab, (batch, prompt), generator=g),
+        "prompt_mask": torch.ones(batch, prompt, dtype=torch.long),
+        "completion_ids": torch.randint(5, vocab, (batch, completion), generator=g),
+        "completion_mask": completion_mask,
+        "advantages": torch.randn(batch, generator=g),
+        "old_per_token_logps": -torch.rand(batch, completion, generator=g) * 3 - 2,
+        "ref_per_token_logps": -torch.rand(batch, completion, generator=g) * 6,
+        "num_items_in_batch": completion_mask.sum().float(),
+    }
+
+
+def set_method(trainer, method, loss_type="dapo", importance_sampling_level="token", **fields):
+    """Point the trainer's adaptive-KL runtime at another method (fresh runtime, same trainer)."""
+    args = trainer.args
+    for name, value in dict(kl_adaptation_method=method, loss_type=loss_type, importance_sampling_level=importance_sampling_level, **fields).items():
+        setattr(args, name, value)
+    trainer.loss_type = loss_type
+    trainer.importance_sampling_level = importance_sampling_level
+    trainer._adaptive_kl = trl_backend.TRLAdaptiveKL(trainer)
+    trainer.beta = trainer._adaptive_kl.beta
+
+
+def loss_and_grads(trainer, inputs, compute=None):
+    compute = compute or GRPOTrainer._compute_loss
+    trainer.model.zero_grad(set_to_none=True)
+    loss = compute(trainer, trainer.model, inputs)
+    loss.backward()
+    grads = [p.grad.detach().clone() for p in trainer.model.parameters() if p.grad is not None]
+    return loss.detach(), grads
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("importance_sampling_level", ["token", "sequence"])
+@pytest.mark.parametrize("bias_correction", [True, False])
+def test_method_none_with_k3_is_bit_identical_to_unpatched_trl(trainer, loss_type, importance_sampling_level, bias_correction):
+    if importance_sampling_level == "sequence" and loss_type in ("cispo", "sapo", "vespo"):
+        pytest.skip("TRL does not combine this loss type with sequence-level importance sampling")
+    set_method(trainer, "none", loss_type, importance_sampling_level, kl_estimator="k3", use_bias_correction_kl=bias_correction)
+    inputs = loss_inputs(trainer)
+    original = trl_backend.original(GRPOTrainer, "_compute_loss")
+    assert original is not GRPOTrainer._compute_loss
+    torch.manual_seed(0)
+    loss_patched, grads_patched = loss_and_grads(trainer, inputs)
+    torch.manual_seed(0)
+    loss_original, grads_original = loss_and_grads(trainer, inputs, original)
+    assert torch.equal(loss_patched, loss_original)
+    assert len(grads_patched) == len(grads_original) > 0
+    assert all(torch.equal(a, b) for a, b in zip(grads_patched, grads_original))
+
+
+# -- float64 references -------------------------------------------------------------------------
+def _aggregate_reference(x, mask, loss_type, *, num_items, spg=1, ga=1):
+    """TRL 1.15's aggregation of a per-token term, written out per loss type (float64)."""
+    m = mask.double()
+    lengths = m.sum(-1).clamp(min=1)
+    if loss_type in ("grpo", "sapo"):
+        return ((x * m).sum(-1) / lengths).mean() / ga
+    if loss_type == "bnpo":
+        return (x * m).sum() / m.sum().clamp(min=1) / ga
+    if loss_type == "dr_grpo":
+        return (x * m).sum() / (x.shape[0] * MAX_COMPLETION) / ga
+    if loss_type in ("dapo", "cispo", "vespo"):
+        return (x * m).sum() / (num_items * ga / spg)
+    if loss_type == "luspo":
+        return (x * m).sum(-1).mean() / ga
+    raise AssertionError(loss_type)
+
+
+def _reference_kl_part(method, logp, inputs, loss_type, *, beta, estimator, clip_threshold, kl_target, bias_correction):
+    logp = logp.double()
+    ref = inputs["ref_per_token_logps"].double()
+    old = inputs["old_per_token_logps"].double()
+    mask = inputs["completion_mask"].bool()
+    r = ref - logp
+    raw = {"k3": torch.exp(r) - r - 1, "k1": -r, "k2": 0.5 * r**2, "abs": r.abs()}[estimator]
+    if bias_correction:
+        raw = raw * torch.exp(logp - old)
+    shaped = raw
+    parts = method.split("+")
+    if "clip" in parts:
+        shaped = torch.minimum(shaped, torch.tensor(clip_threshold, dtype=torch.float64))
+    if "sigmoid" in parts:
+        shaped = torch.sigmoid(shaped - kl_target) * shaped
+    shaped = torch.where(mask, shaped, torch.zeros_like(shaped))
+    if "length_normalized" in parts:
+        per_completion = shaped.sum(-1) / mask.sum(-1).clamp(min=1)
+        return beta * per_completion.mean(), raw, shaped
+    return beta * _aggregate_reference(shaped, mask, loss_type, num_items=float(inputs["num_items_in_batch"])), raw, shaped
+
+
+def _capture_logps(trainer, monkeypatch):
+    seen = {}
+    original = trainer._adaptive_kl.per_token
+
+    def spy(logp, ref, mask, coef=None, statistic=None):
+        seen["logp"] = logp.detach().clone()
+        return original(logp, ref, mask, coef, statistic)
+
+    monkeypatch.setattr(trainer._adaptive_kl, "per_token", spy)
+    return seen
+
+
+SHAPING_CASES = [
+    ("clip", "k3"),
+    ("sigmoid", "k3"),
+    ("length_normalized", "k3"),
+    ("clip+sigmoid+length_normalized", "k3"),
+    ("none", "k1"),
+    ("clip", "k2"),
+    ("sigmoid", "abs"),
+]
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("method, estimator", SHAPING_CASES)
+def test_kl_part_of_the_loss_matches_float64_reference(trainer, monkeypatch, loss_type, method, estimator):
+    beta, clip_threshold, kl_target = 0.3, 0.4, 0.2
+    set_method(trainer, method, loss_type, kl_estimator=estimator, beta=beta, kl_clip_threshold=clip_threshold, kl_target=kl_target, use_bias_correction_kl=True)
+    inputs = loss_inputs(trainer, seed=1)
+    seen = _capture_logps(trainer, monkeypatch)
+    with torch.no_grad():
+        loss_with_kl = GRPOTrainer._compute_loss(trainer, trainer.model, inputs)
+        trainer.beta = 0.0
+        loss_without_kl = GRPOTrainer._compute_loss(trainer, trainer.model, inputs)
+    expected, raw, shaped = _reference_kl_part(
+        method, seen["logp"], inputs, loss_type, beta=beta, estimator=estimator, clip_threshold=clip_threshold, kl_target=kl_target, bias_correction=True
+    )
+    got = (loss_with_kl.double() - loss_without_kl.double()).item()
+    assert got == pytest.approx(expected.item(), rel=2e-4, abs=1e-6)
+    sequence_mean_loss = loss_type in ("grpo", "sapo")  # length normalisation is what these already do
+    if method != "none" and not (method == "length_normalized" and sequence_mean_loss):
+        # the shaping reached the loss, not only a metric
+        unshaped, _, _ = _reference_kl_part("none", seen["logp"], inputs, loss_type, beta=beta, estimator=estimator, clip_threshold=clip_threshold, kl_target=kl_target, bias_correction=True)
+        assert abs(unshaped.item() - got) > 1e-4
+
+
+@pytest.mark.parametrize("method", ["none", "clip+sigmoid", "length_normalized"])
+def test_metrics_match_float64_reference_on_the_same_logps(trainer, monkeypatch, method):
+    set_method(trainer, method, "dapo", kl_estimator="k3", beta=0.25, kl_clip_threshold=0.5, kl_target=0.3, use_bias_correction_kl=True)
+    inputs = loss_inputs(trainer, seed=2)
+    seen = _capture_logps(trainer, monkeypatch)
+    metrics = trainer._metrics["train"]
+    metrics.clear()
+    with torch.no_grad():
+        GRPOTrainer._compute_loss(trainer, trainer.model, inputs)
+    _, raw, shaped = _reference_kl_part(method, seen["logp"], inputs, "dapo", beta=0.25, estimator="k3", clip_threshold=0.5, kl_target=0.3, bias_correction=True)
+    mask = inputs["completion_mask"].bool()
+    raw_mean = torch.where(mask, raw, torch.zeros_like(raw)).sum() / mask.sum()
+    if "length_normalized" in method:
+        adapted_mean = (shaped.sum(-1) / mask.sum(-1).clamp(min=1)).mean()
+    else:
+        adapted_mean = shaped.sum() / mask.sum()
+    assert metrics[unsloth_adaptive_kl.RAW_KL] == [pytest.approx(raw_mean.item(), rel=1e-5)]
+    assert metrics[unsloth_adaptive_kl.ADAPTED_KL] == [pytest.approx(adapted_mean.item(), rel=1e-5)]
+    assert metrics[unsloth_adaptive_kl.CURRENT_BETA] == [0.25]
+    assert metrics["kl"] == [pytest.approx(raw_mean.item(), rel=1e-5)]  # TRL's own kl stays unshaped
+
+
+def test_length_normalized_changes_nothing_under_grpo_but_reweights_under_dapo(trainer):
+    results = {}
+    for loss_type in ("grpo", "dapo"):
+        for method in ("none", "length_normalized"):
+            set_method(trainer, method, loss_type, kl_estimator="k3", beta=0.5)
+            with torch.no_grad():
+                results[loss_type, method] = GRPOTrainer._compute_loss(trainer, trainer.model, loss_inputs(trainer, seed=3)).item()
+    assert results["grpo", "length_normalized"] == pytest.approx(results["grpo", "none"], rel=1e-6)
+    assert abs(results["dapo", "length_normalized"] - results["dapo", "none"]) > 1e-4
+
+
+# -- end to end ------------------------------------------------------------------------------------
+def _run(checkpoint, tmp_path, **overrides):
+    trainer = make_trainer(checkpoint, tmp_path, **overrides)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "adaptive_kl/current_beta" in h]
+    return trainer, logs
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_grpo_trains_end_to_end_logging_metrics_and_beta_trajectory(tiny_checkpoint, tmp_path, method):
+    overrides = dict(kl_adaptation_method=method, reward_threshold=-1.0, kl_clip_threshold=0.05, kl_target=0.02, kl_horizon=40.0, learning_rate=2e-2)
+    trainer, logs = _run(tiny_checkpoint, tmp_path, **overrides)
+    assert len(logs) == 3
+    betas = [h["adaptive_kl/current_beta"] for h in logs]
+    for h in logs:
+        assert math.isfinite(h["adaptive_kl/raw_kl"]) and math.isfinite(h["adaptive_kl/adapted_kl"])
+        assert h["adaptive_kl/raw_kl"] == pytest.approx(h["kl"], rel=1e-6)  # k3 raw == TRL's kl
+    if method.startswith("dynamic"):  # reward always above -1: decays every optimizer step
+        assert betas == pytest.approx([0.04, 0.036, 0.0324])
+    elif method.startswith("target"):
+        expected = [0.04]
+        for h in logs[:-1]:
+            error = min(max(h["adaptive_kl/raw_kl"] / 0.02 - 1, -0.2), 0.2)
+            expected.append(expected[-1] * (1 + error * 4 / 40.0))
+        assert betas == pytest.approx(expected, rel=1e-9)
+    else:
+        assert betas == [0.04] * 3
+    if "clip" in method:
+        assert all(h["adaptive_kl/adapted_kl"] <= 0.05 + 1e-9 for h in logs)
+    # once the policy has left the reference, the shaping is visible in the adapted KL
+    moved = [h for h in logs if h["adaptive_kl/raw_kl"] > 0.06]
+    if method in ("clip", "sigmoid", "target+clip+sigmoid"):
+        assert moved, "the policy never left the reference: the test proves nothing"
+        assert all(h["adaptive_kl/adapted_kl"] < h["adaptive_kl/raw_kl"] for h in moved)
+    if method == "none":
+        assert all(h["adaptive_kl/adapted_kl"] == h["adaptive_kl/raw_kl"] for h in logs)
+
+
+def test_beta_reaching_zero_skips_kl_and_reference_forward_with_reused_generations(tiny_checkpoint, tmp_path):
+    overrides = dict(
+        kl_adaptation_method="dynamic", reward_threshold=100.0, beta_min=0.0, beta_schedule_steps=2, max_steps=6, steps_per_generation=2, num_iterations=2
+    )
+    trainer = make_trainer(tiny_checkpoint, tmp_path, **overrides)
+    ref_calls = []
+    trainer.ref_model.register_forward_hook(lambda *a: ref_calls.append(trainer.state.global_step))
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "adaptive_kl/current_beta" in h]
+    assert [h["adaptive_kl/current_beta"] for h in logs] == [0.04, 0.04, 0.0, 0.0, 0.0, 0.0]
+    assert ref_calls and max(ref_calls) < 2  # no reference forward once beta is 0
+    assert all(h["adaptive_kl/raw_kl"] is None and "kl" not in h for h in logs[2:])
+    assert all(h["adaptive_kl/raw_kl"] is not None for h in logs[:2])
+
+
+@pytest.mark.parametrize("method", ["dynamic", "target"])
+def test_resume_from_checkpoint_continues_the_beta_series(tiny_checkpoint, tmp_path, method):
+    overrides = dict(kl_adaptation_method=method, reward_threshold=0.1, reward_window=3, kl_target=0.01, kl_horizon=20.0, max_steps=5, learning_rate=2e-2)
+    _, full = _run(tiny_checkpoint, tmp_path / "full", **overrides)
+    first, _ = _run(tiny_checkpoint, tmp_path / "resumed", **overrides, save_strategy="steps", save_steps=2)
+    saved = first._adaptive_kl.state_dict()
+    resumed = make_trainer(tiny_checkpoint, tmp_path / "resumed", **overrides)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "resumed" / "checkpoint-2"))
+    after = [h["adaptive_kl/current_beta"] for h in resumed.state.log_history if "adaptive_kl/current_beta" in h and h["step"] > 2]
+    full_betas = [h["adaptive_kl/current_beta"] for h in full]
+    assert saved["controller"]["name"] == method
+    assert after == pytest.approx(full_betas[2:], rel=1e-12)
+    assert after[0] != 0.04  # the controller's state came back, not the configured beta
+
+
+def test_patch_is_idempotent_and_unpatch_restores_identity():
+    patched_loss = GRPOTrainer._compute_loss
+    unsloth_adaptive_kl.patch()
+    assert GRPOTrainer._compute_loss is patched_loss
+    original_loss = trl_backend.original(GRPOTrainer, "_compute_loss")
+    original_init = trl_backend.original(GRPOConfig, "__init__")
+    try:
+        unsloth_adaptive_kl.unpatch()
+        assert GRPOTrainer._compute_loss is original_loss
+        assert GRPOConfig.__init__ is original_init
+        assert "kl_adaptation_method" not in GRPOConfig.__dataclass_fields__
+        assert "_load_callback_state" not in GRPOTrainer.__dict__
+        with pytest.raises(TypeError):
+            GRPOConfig(output_dir="/tmp/x", use_cpu=True, bf16=False, kl_adaptation_method="clip")
+    finally:
+        unsloth_adaptive_kl.patch()
+    assert "kl_adaptation_method" in GRPOConfig.__dataclass_fields__
+
+
+def test_a_missing_anchor_raises_naming_trl_and_its_version(monkeypatch):
+    def _compute_loss(self, model, inputs):  # a "future TRL" whose loss no longer matches
+        return 0
+
+    with pytest.raises(unsloth_adaptive_kl.PatchError, match=r"trl 1\.15\.\d+.*anchor"):
+        trl_backend.rewrite_function(_compute_loss, trl_backend.COMPUTE_LOSS_REWRITES, library="trl")
+
+
+def test_untested_trl_version_is_refused_unless_overridden(monkeypatch):
+    monkeypatch.setattr(trl_backend, "_trl_supported", lambda v: False)
+    unsloth_adaptive_kl.unpatch()
+    try:
+        with pytest.raises(unsloth_adaptive_kl.PatchError, match="trl 1.15.x"):
+            unsloth_adaptive_kl.patch()
+        assert not trl_backend.is_patched()
+        monkeypatch.setenv("UNSLOTH_ADAPTIVE_KL_ALLOW_UNTESTED", "1")
+        unsloth_adaptive_kl.patch()
+        assert trl_backend.is_patched()
+    finally:
+        unsloth_adaptive_kl.unpatch()
+        monkeypatch.undo()
+        unsloth_adaptive_kl.patch()
