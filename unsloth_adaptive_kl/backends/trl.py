@@ -164,11 +164,24 @@ def patch_config_class(config_cls) -> None:
 
 
 def _wrap_init(original):
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, loss_class=None, **kwargs):
         original(self, *args, **kwargs)
-        attach(self)
+        attach(self, loss_class=loss_class)
 
     return __init__
+
+
+def _dispatch_compute_loss(rewritten):
+    def _compute_loss(self, model, inputs):
+        # With loss_class=, the loss comes from that module (backends/liger.py), not TRL's per-token path.
+        if getattr(self, "_adaptive_loss_module", None) is not None:
+            from . import liger
+
+            return liger.compute_loss(self, model, inputs)
+        return rewritten(self, model, inputs)
+
+    _compute_loss.__wrapped_original__ = rewritten.__wrapped_original__
+    return _compute_loss
 
 
 def _wrap_generate(original):
@@ -210,14 +223,19 @@ def _wrap_load_callback_state(original):
     return _load_callback_state
 
 
-def attach(trainer) -> TRLAdaptiveKL:
-    """Give ``trainer`` its adaptive-KL state; idempotent."""
+def attach(trainer, loss_class=None) -> TRLAdaptiveKL:
+    """Give ``trainer`` its adaptive-KL state (and, with ``loss_class``, its loss module); idempotent."""
     existing = getattr(trainer, "_adaptive_kl", None)
     if existing is not None:
         return existing
     runtime = TRLAdaptiveKL(trainer)
     trainer._adaptive_kl = runtime
     trainer.beta = runtime.beta
+    trainer._adaptive_loss_module = None
+    if loss_class is not None:
+        from . import liger
+
+        trainer._adaptive_loss_module = liger.make_loss_module(trainer, loss_class)
     trainer.add_callback(AdaptiveKLCallback(runtime))
     logger.info(
         "unsloth_adaptive_kl: kl_adaptation_method=%r, kl_estimator=%r, beta=%s (logged as %s)",
@@ -244,7 +262,7 @@ def patch() -> None:
     AdaptiveKLCallback = _callback_classes()
     try:
         patch_config_class(config_cls)
-        _set(trainer_cls, "_compute_loss", compute_loss)
+        _set(trainer_cls, "_compute_loss", _dispatch_compute_loss(compute_loss))
         _set(trainer_cls, "__init__", _wrap_init(trainer_cls.__init__))
         _set(trainer_cls, "_generate_and_score_completions", _wrap_generate(trainer_cls._generate_and_score_completions))
         _set(trainer_cls, "_load_callback_state", _wrap_load_callback_state(trainer_cls._load_callback_state))
@@ -265,7 +283,7 @@ def unpatch() -> None:
 
 def original(owner, name: str):
     """The attribute ``owner.name`` had before patching (for tests and comparisons)."""
-    for patched_owner, patched_name, value, had_own in _ORIGINALS:
+    for patched_owner, patched_name, value, had_own in _ORIGINALS:  # noqa: B007
         if patched_owner is owner and patched_name == name:
             return value if had_own else getattr(super(owner, owner), name, None)
     return getattr(owner, name)
