@@ -45,6 +45,7 @@ def rewrite_function(
     *,
     library: str,
     extra_globals: dict | None = None,
+    namespace: dict | None = None,
 ) -> Callable:
     """Return a copy of ``func`` compiled from its source with each ``(anchor, replacement)`` applied.
 
@@ -63,12 +64,15 @@ def rewrite_function(
             )
         source = source.replace(anchor, replacement)
     source = textwrap.dedent(source)
-    namespace = dict(func.__globals__)
+    if namespace is None:
+        namespace = dict(func.__globals__)
     namespace.update(extra_globals or {})
     filename = f"<unsloth_adaptive_kl patched {func.__module__}.{func.__qualname__}>"
     exec(compile(source, filename, "exec"), namespace)  # noqa: S102 - our own literal rewrite of installed code
     new = namespace[func.__name__]
-    new.__qualname__ = func.__qualname__
-    new.__module__ = func.__module__
-    new.__wrapped_original__ = func
+    target = getattr(new, "__func__", new)  # a @staticmethod in the source comes back wrapped
+    target.__qualname__ = func.__qualname__
+    target.__module__ = func.__module__
+    target.__wrapped_original__ = func
+    target.__wrapped__ = func  # inspect.getsource/signature see the installed original (Unsloth reads them)
     return new

@@ -90,11 +90,16 @@ class AdaptiveKL:
         With ``raw is None`` (β is 0, no KL computed) only ``current_beta`` is reported and the
         KL metrics are NaN, which the trainer's logger shows as missing.
         """
+        sums = None if raw is None else metrics.local_kl_sums(raw, adapted, mask)
+        return self.record_sums(sums, training=training, beta=beta)
+
+    def record_sums(self, local_sums: torch.Tensor | None, *, training: bool, beta: float) -> dict[str, float]:
+        """As :meth:`record`, from :func:`metrics.local_kl_sums` computed elsewhere (e.g. in a fused loss)."""
         values = {metrics.CURRENT_BETA: float(beta)}
-        if raw is None:
+        if local_sums is None:
             values.update({metrics.RAW_KL: math.nan, metrics.ADAPTED_KL: math.nan})
             return values
-        totals = self.reduce(metrics.local_kl_sums(raw, adapted, mask))
+        totals = self.reduce(local_sums)
         if training:
             self._step_sums = totals if self._step_sums is None else self._step_sums + totals
         values.update(metrics.metric_values(totals, length_normalized=self.length_normalized))

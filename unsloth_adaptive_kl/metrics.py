@@ -18,6 +18,7 @@ METRIC_NAMES = (RAW_KL, ADAPTED_KL, CURRENT_BETA)
 
 # Layout of the sums tensor.
 RAW_SUM, ADAPTED_SUM, TOKENS, ADAPTED_SEQ_MEAN_SUM, COMPLETIONS = range(5)
+NUM_SUMS = 5
 
 
 def local_kl_sums(raw: torch.Tensor, adapted: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -34,7 +35,7 @@ def local_kl_sums(raw: torch.Tensor, adapted: torch.Tensor, mask: torch.Tensor) 
                 torch.where(valid, adapted, zero).sum().double(),
                 valid.sum().double(),
                 sequence_mean(adapted.double(), mask).sum(),
-                torch.tensor(float(mask.shape[0]), dtype=torch.float64, device=raw.device),
+                torch.ones_like(mask[:, 0], dtype=torch.float64).sum(),  # rows; no Python float, so it compiles
             ]
         )
 

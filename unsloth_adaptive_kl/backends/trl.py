@@ -16,6 +16,7 @@ What is patched, each undone by :func:`unpatch`:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 
 import torch
@@ -153,9 +154,15 @@ def patch_config_class(config_cls) -> None:
     annotations.update({f.name: f.type for f in FIELDS})
     original_post_init = config_cls.__post_init__
 
+    @functools.wraps(original_post_init)
     def __post_init__(self):
         original_post_init(self)
         validate(self)
+        # Unsloth generates its trainer when it is imported; if that came after this package,
+        # creating a config (always done before the trainer) is the moment to patch it.
+        from . import unsloth as unsloth_backend
+
+        unsloth_backend.maybe_patch()
 
     _set(config_cls, "__init__", extended.__init__)
     _set(config_cls, "__dataclass_fields__", extended.__dataclass_fields__)
@@ -163,15 +170,19 @@ def patch_config_class(config_cls) -> None:
     _set(config_cls, "__post_init__", __post_init__)
 
 
-def _wrap_init(original):
+# Every wrapper keeps the original's signature and source (functools.wraps sets __wrapped__):
+# Unsloth generates its trainer from TRL's signatures and sources, and must see TRL's own.
+def _wrap_init(original, runtime_cls):
+    @functools.wraps(original)
     def __init__(self, *args, loss_class=None, **kwargs):
         original(self, *args, **kwargs)
-        attach(self, loss_class=loss_class)
+        attach(self, loss_class=loss_class, runtime_cls=runtime_cls)
 
     return __init__
 
 
 def _dispatch_compute_loss(rewritten):
+    @functools.wraps(rewritten)
     def _compute_loss(self, model, inputs):
         # With loss_class=, the loss comes from that module (backends/liger.py), not TRL's per-token path.
         if getattr(self, "_adaptive_loss_module", None) is not None:
@@ -180,11 +191,11 @@ def _dispatch_compute_loss(rewritten):
             return liger.compute_loss(self, model, inputs)
         return rewritten(self, model, inputs)
 
-    _compute_loss.__wrapped_original__ = rewritten.__wrapped_original__
     return _compute_loss
 
 
 def _wrap_generate(original):
+    @functools.wraps(original)
     def _generate_and_score_completions(self, *args, **kwargs):
         mode = "train" if self.model.training else "eval"
         rewards = self._metrics[mode]["reward"]
@@ -204,6 +215,7 @@ def _wrap_generate(original):
 
 
 def _wrap_load_callback_state(original):
+    @functools.wraps(original)
     def _load_callback_state(self):
         original(self)
         runtime = self._adaptive_kl
@@ -223,12 +235,12 @@ def _wrap_load_callback_state(original):
     return _load_callback_state
 
 
-def attach(trainer, loss_class=None) -> TRLAdaptiveKL:
+def attach(trainer, loss_class=None, runtime_cls=None) -> TRLAdaptiveKL:
     """Give ``trainer`` its adaptive-KL state (and, with ``loss_class``, its loss module); idempotent."""
     existing = getattr(trainer, "_adaptive_kl", None)
     if existing is not None:
         return existing
-    runtime = TRLAdaptiveKL(trainer)
+    runtime = (runtime_cls or TRLAdaptiveKL)(trainer)
     trainer._adaptive_kl = runtime
     trainer.beta = runtime.beta
     trainer._adaptive_loss_module = None
@@ -247,25 +259,48 @@ def attach(trainer, loss_class=None) -> TRLAdaptiveKL:
     return runtime
 
 
+def patch_trainer_class(trainer_cls, runtime_cls) -> None:
+    """The wrappers every GRPO trainer class gets, whichever backend computes its loss."""
+    _set(trainer_cls, "__init__", _wrap_init(trainer_cls.__init__, runtime_cls))
+    _set(trainer_cls, "_generate_and_score_completions", _wrap_generate(trainer_cls._generate_and_score_completions))
+    _set(trainer_cls, "_load_callback_state", _wrap_load_callback_state(trainer_cls._load_callback_state))
+
+
+def _is_unsloth_generated(cls) -> bool:
+    return cls.__module__ == "UnslothGRPOTrainer" or getattr(cls, "_unsloth_patched_rl_config", False)
+
+
 def patch() -> None:
-    """Patch TRL's GRPOConfig and GRPOTrainer. Idempotent."""
+    """Patch TRL's GRPOConfig and GRPOTrainer, and Unsloth's generated trainer if present. Idempotent.
+
+    If Unsloth was imported first, ``trl.GRPOTrainer`` is already Unsloth's generated trainer
+    (not a subclass of TRL's): it is patched by ``backends/unsloth.py``, and TRL's eager loss,
+    which that trainer does not use, is left alone.
+    """
     global AdaptiveKLCallback
+    from . import unsloth as unsloth_backend
+
     if is_patched():
+        unsloth_backend.maybe_patch()
         return
     check_version("trl", _trl_supported, SUPPORTED_TRL)
     from trl.trainer import grpo_config, grpo_trainer
 
     config_cls = grpo_config.GRPOConfig
+    if _is_unsloth_generated(config_cls):  # Unsloth's subclass; the fields go on TRL's own class
+        config_cls = config_cls.__mro__[1]
     trainer_cls = grpo_trainer.GRPOTrainer
+    eager_trl = not _is_unsloth_generated(trainer_cls)
     # Build everything before touching anything, so a missing anchor leaves TRL untouched.
-    compute_loss = rewrite_function(trainer_cls._compute_loss, COMPUTE_LOSS_REWRITES, library="trl")
+    if eager_trl:
+        compute_loss = rewrite_function(trainer_cls._compute_loss, COMPUTE_LOSS_REWRITES, library="trl")
     AdaptiveKLCallback = _callback_classes()
     try:
         patch_config_class(config_cls)
-        _set(trainer_cls, "_compute_loss", _dispatch_compute_loss(compute_loss))
-        _set(trainer_cls, "__init__", _wrap_init(trainer_cls.__init__))
-        _set(trainer_cls, "_generate_and_score_completions", _wrap_generate(trainer_cls._generate_and_score_completions))
-        _set(trainer_cls, "_load_callback_state", _wrap_load_callback_state(trainer_cls._load_callback_state))
+        if eager_trl:
+            _set(trainer_cls, "_compute_loss", _dispatch_compute_loss(compute_loss))
+            patch_trainer_class(trainer_cls, TRLAdaptiveKL)
+        unsloth_backend.maybe_patch()
     except Exception:
         unpatch()
         raise
@@ -273,6 +308,9 @@ def patch() -> None:
 
 def unpatch() -> None:
     """Restore every patched attribute exactly (identity), in reverse order."""
+    from . import unsloth as unsloth_backend
+
+    unsloth_backend.forget()
     while _ORIGINALS:
         owner, name, original, had_own = _ORIGINALS.pop()
         if had_own:
