@@ -469,8 +469,8 @@ def _check_trainer_supported(trainer) -> None:
 
 def module_arguments(trainer, loss_class) -> dict:
     """The constructor arguments for ``loss_class``, from ``trainer.args`` (TRL's meaning of each field)."""
-    args = trainer.args
-    loss_type, max_completion_length = args.loss_type, args.max_completion_length
+    args = trainer.args  # each field read where TRL's _compute_loss reads it (trainer attribute or args)
+    loss_type, max_completion_length = trainer.loss_type, trainer.max_completion_length
     if loss_type == "luspo":  # TRL's luspo == Liger's dr_grpo with normaliser B * 1 (module docstring)
         loss_type, max_completion_length = "dr_grpo", 1
     kwargs = dict(
@@ -478,14 +478,14 @@ def module_arguments(trainer, loss_class) -> dict:
         compiled=trainer.accelerator.device.type == "cuda",
         use_ref_model=trainer.beta != 0.0,
         chunk_size=1,
-        epsilon_low=args.epsilon,
-        epsilon_high=args.epsilon_high if args.epsilon_high is not None else args.epsilon,
+        epsilon_low=trainer.epsilon_low,
+        epsilon_high=trainer.epsilon_high,
         loss_type=loss_type,
         max_completion_length=max_completion_length,
-        importance_sampling_level=args.importance_sampling_level,
+        importance_sampling_level=trainer.importance_sampling_level,
         sapo_temperature_pos=args.sapo_temperature_pos,
         sapo_temperature_neg=args.sapo_temperature_neg,
-        temperature=args.temperature,
+        temperature=trainer.temperature,
         delta=args.delta,
         use_bias_correction_kl=args.use_bias_correction_kl,
         vespo_k_pos=args.vespo_k_pos,
@@ -604,7 +604,7 @@ def _log_foreign(trainer, mode, liger_metrics, mask, beta) -> None:
 
 def _log_clip_ratio(trainer, mode, clip_ratio, mask) -> None:
     """Liger reports one clip ratio: TRL's ``clip_ratio/region_mean`` (or ``cispo_clip_ratio``); none for sapo/vespo."""
-    loss_type = trainer.args.loss_type
+    loss_type = trainer.loss_type
     if loss_type in ("sapo", "vespo"):
         return
     name = "cispo_clip_ratio" if loss_type == "cispo" else "clip_ratio/region_mean"
