@@ -1,0 +1,188 @@
+"""Forward + backward time and peak memory of GRPO losses computed from final hidden states.
+
+Paths, all in one process on the same inputs:
+
+* stock ``LigerFusedLinearGRPOLoss`` (Liger-Kernel 0.8.5, its defaults: compiled, chunk_size=1);
+* TRL 1.15's fused LM head: ``trl.kernels.ChunkedLogProbFunction`` on the valid tokens, then the
+  elementwise GRPO loss (what ``GRPOTrainer._compute_loss`` does);
+* materialised logits: ``log_softmax(hidden @ W.T)``, then the same elementwise loss;
+* ``AdaptiveFusedLinearGRPOLoss`` (this package) for each ``kl_adaptation_method``.
+
+Time is the median of ``--iters`` forward+backward calls after ``--warmup`` calls; peak memory is
+``torch.cuda.max_memory_allocated`` during those calls (inputs and weights included). Prints a
+Markdown table with ratios to the TRL fused-head path; the targets for our module are
+≤ 1.15× its time and ≤ 1.05× its peak memory.
+
+    python bench/bench_liger.py                      # GPU, B·T=8192, H=4096, V=128256, bf16, dapo, k3
+    python bench/bench_liger.py --smoke              # CPU, tiny sizes, < 1 min (TRITON_INTERPRET=1)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+
+if "--smoke" in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # TRL's Triton kernel, interpreted on CPU
+
+import torch
+
+METHODS = ["none", "clip", "sigmoid", "length_normalized", "dynamic", "target", "dynamic+length_normalized"]
+TARGET_TIME, TARGET_MEMORY = 1.15, 1.05
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=8192, help="B·T")
+    parser.add_argument("--seq-len", type=int, default=1024, help="T (B = tokens / T)")
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--vocab", type=int, default=128256)
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    parser.add_argument("--loss-type", default="dapo")
+    parser.add_argument("--estimator", default="k3")
+    parser.add_argument("--beta", type=float, default=0.04)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes on CPU, eager (compiled=False)")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.tokens, args.seq_len, args.hidden, args.vocab, args.dtype, args.iters, args.warmup = 64, 16, 32, 300, "fp32", 2, 1
+    return args
+
+
+# -- inputs ------------------------------------------------------------------------------------------------
+def make_inputs(args, device):
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    batch, length = args.tokens // args.seq_len, args.seq_len
+    g = torch.Generator(device="cpu").manual_seed(0)
+    logps_like = lambda: (-torch.rand(batch, length, generator=g) * 2).to(device)  # noqa: E731
+    return dict(
+        hidden=(torch.randn(batch, length, args.hidden, generator=g) * 0.5).to(device, dtype).requires_grad_(True),
+        weight=(torch.randn(args.vocab, args.hidden, generator=g) / args.hidden**0.5).to(device, dtype).requires_grad_(True),
+        ids=torch.randint(0, args.vocab, (batch, length), generator=g).to(device),
+        mask=torch.ones(batch, length, dtype=torch.long, device=device),
+        advantages=torch.randn(batch, generator=g).to(device),
+        ref=logps_like(),
+        old=logps_like(),
+    )
+
+
+# -- the reference paths -------------------------------------------------------------------------------------
+def trl_elementwise_loss(logps, x, beta, loss_type):
+    """TRL 1.15 ``_compute_loss`` for token-level clipped PPO + k3 KL (bias-corrected), dapo/bnpo normaliser."""
+    mask = x["mask"]
+    coef_1 = torch.exp(logps - x["old"])
+    coef_2 = torch.clamp(coef_1, 0.8, 1.2)
+    advantages = x["advantages"].unsqueeze(1)
+    per_token_loss = -torch.min(coef_1 * advantages, coef_2 * advantages)
+    r = x["ref"] - logps
+    per_token_loss = per_token_loss + beta * (torch.exp(r) - r - 1) * coef_1
+    if loss_type in ("grpo", "sapo"):
+        return ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    return (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def trl_fused_head(x, args):
+    from trl.kernels import ChunkedLogProbFunction
+
+    batch, length, width = x["hidden"].shape
+    keep = x["mask"].reshape(-1).bool()
+    logps = ChunkedLogProbFunction.apply(
+        x["hidden"].reshape(-1, width)[keep], x["weight"], None, x["ids"].reshape(-1)[keep], 1.0, 32768, None, 1.0, ()
+    )[0]
+    logps = logps.new_zeros(batch * length).masked_scatter(keep, logps).view(batch, length)
+    return trl_elementwise_loss(logps, x, args.beta, args.loss_type)
+
+
+def materialised_logits(x, args):
+    logits = (x["hidden"] @ x["weight"].t()).float()
+    logps = torch.log_softmax(logits, dim=-1).gather(-1, x["ids"].unsqueeze(-1)).squeeze(-1)
+    return trl_elementwise_loss(logps, x, args.beta, args.loss_type)
+
+
+def module_path(module):
+    def run(x, args):
+        return module(x["hidden"], x["weight"], x["ids"], x["mask"], x["advantages"], ref_per_token_logps=x["ref"], old_per_token_logps=x["old"])[0]
+
+    return run
+
+
+def paths(args):
+    from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+    from unsloth_adaptive_kl.backends.liger import AdaptiveFusedLinearGRPOLoss
+
+    compiled = not args.smoke
+    common = dict(beta=args.beta, loss_type=args.loss_type, use_bias_correction_kl=True, max_completion_length=args.seq_len)
+    yield "stock `LigerFusedLinearGRPOLoss` (defaults)", module_path(LigerFusedLinearGRPOLoss(compiled=compiled, **common))
+    yield "TRL fused LM head + elementwise loss", trl_fused_head
+    yield "materialised logits", materialised_logits
+    for method in args.methods.split(","):
+        module = AdaptiveFusedLinearGRPOLoss(compiled=compiled, kl_adaptation_method=method, kl_estimator=args.estimator, **common)
+        yield f"AdaptiveFusedLinearGRPOLoss ({method})", module_path(module)
+
+
+# -- measuring ------------------------------------------------------------------------------------------------
+def measure(fn, x, args, device):
+    cuda = device.type == "cuda"
+
+    def step():
+        x["hidden"].grad = x["weight"].grad = None
+        fn(x, args).backward()
+
+    for _ in range(args.warmup):
+        step()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(args.iters):
+        start = time.perf_counter()
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+    x["hidden"].grad = x["weight"].grad = None
+    return statistics.median(times) * 1e3, peak
+
+
+def table(rows, baseline_name) -> str:
+    base_time, base_peak = next((t, p) for name, t, p in rows if name == baseline_name)
+    lines = ["| path | time (ms) | peak memory (GiB) | time / TRL fused head | memory / TRL fused head |", "|---|---|---|---|---|"]
+    for name, ms, peak in rows:
+        peak_text = "n/a" if peak is None else f"{peak:.2f}"
+        memory_ratio = "n/a" if peak is None else f"{peak / base_peak:.3f}"
+        lines.append(f"| {name} | {ms:.1f} | {peak_text} | {ms / base_time:.2f} | {memory_ratio} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    x = make_inputs(args, device)
+    rows = []
+    for name, fn in paths(args):
+        ms, peak = measure(fn, x, args, device)
+        rows.append((name, ms, peak))
+        print(f"measured {name}: {ms:.1f} ms", file=sys.stderr)
+    machine = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or platform.machine()
+    print(f"machine: {machine}; torch {torch.__version__}; B·T={args.tokens} (T={args.seq_len}), H={args.hidden}, V={args.vocab}, {args.dtype}, {args.loss_type}, {args.estimator}")
+    print(f"command: python bench/bench_liger.py {' '.join(argv if argv is not None else sys.argv[1:])}\n")
+    baseline = "TRL fused LM head + elementwise loss"
+    print(table(rows, baseline))
+    if device.type == "cuda":
+        base_time, base_peak = next((t, p) for name, t, p in rows if name == baseline)
+        ours = [(name, t / base_time, p / base_peak) for name, t, p in rows if name.startswith("AdaptiveFused")]
+        failed = [name for name, tr, mr in ours if tr > TARGET_TIME or mr > TARGET_MEMORY]
+        print(f"\ntargets (≤ {TARGET_TIME}× time, ≤ {TARGET_MEMORY}× memory of the TRL fused head): " + ("all met" if not failed else f"missed by {failed}"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
