@@ -115,3 +115,113 @@ def build_checkpoint(path: str, *, seed: int = 0, hidden_size: int = 64, layers:
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+# -- a task with free-length working: room for completion lengths to drift ------------------------
+# The arithmetic task above leaves no room: any token after the answer breaks the format. Here a
+# completion is a scratchpad of any length, then ">" and the answer, like the <reasoning> block of
+# Unsloth's GRPO notebook. The reward only reads what follows the last ">": the scratchpad's length
+# is free, so whether it grows is up to the training dynamics, not the reward.
+
+SCRATCHPAD_RE = re.compile(r"^[^>]*>(-?\d+)$")
+SCRATCHPAD_ALPHABET = "0123456789+=,>"
+
+
+def sum_problems(n: int, *, seed: int = 0, min_terms: int = 2, max_terms: int = 3, max_operand: int = 9) -> list[dict]:
+    """``n`` prompts like ``"3+4+8="`` with their answers and operands."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        terms = [rng.randint(0, max_operand) for _ in range(rng.randint(min_terms, max_terms))]
+        rows.append({"prompt": "+".join(map(str, terms)) + "=", "answer": str(sum(terms)), "terms": terms})
+    return rows
+
+
+def worked_solution(terms: list[int], style: int) -> str:
+    """A correct completion for ``terms`` in one of three styles, shortest to longest:
+    0 ``">15"``, 1 ``"7,15>15"`` (running sums), 2 ``"3+4=7,7+8=15>15"`` (every addition written out)."""
+    total, steps = terms[0], []
+    for term in terms[1:]:
+        steps.append(f"{total}+{term}={total + term}" if style == 2 else str(total + term))
+        total += term
+    return (",".join(steps) if style else "") + f">{total}"
+
+
+def build_scratchpad_tokenizer():
+    """A character-level tokenizer for the scratchpad task: one token per character, so a
+    completion's length in tokens is its length in characters (plus the end-of-sequence token)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + list(SCRATCHPAD_ALPHABET))}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>", unk_token="<unk>", padding_side="left"
+    )
+
+
+def scratchpad_dataset(n: int, *, seed: int = 0):
+    from datasets import Dataset
+
+    return Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in sum_problems(n, seed=seed)])
+
+
+def scratchpad_format_reward(completions, **kwargs) -> list[float]:
+    """0.5 when the completion is a scratchpad (any length, no ">") then ">" and an integer."""
+    return [0.5 if SCRATCHPAD_RE.match(c.strip()) else 0.0 for c in completions]
+
+
+def scratchpad_correctness_reward(completions, answer, **kwargs) -> list[float]:
+    """0.5 when the integer after ">" equals the answer."""
+    rewards = []
+    for completion, expected in zip(completions, answer):
+        m = SCRATCHPAD_RE.match(completion.strip())
+        rewards.append(0.5 if m and m.group(1) == expected else 0.0)
+    return rewards
+
+
+def supervised_warm_start(model, tokenizer, texts: list[str], *, batch_size: int = 32, lr: float = 3e-3) -> float:
+    """One pass of next-token training over ``texts`` in batches; returns the last loss.
+
+    Position ids follow the attention mask, as in generation with left padding."""
+    import torch
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    device = next(model.parameters()).device
+    loss = torch.tensor(0.0)
+    for start in range(0, len(texts) - batch_size + 1, batch_size):
+        batch = tokenizer(texts[start : start + batch_size], return_tensors="pt", padding=True).to(device)
+        labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+        position_ids = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+        loss = model(**batch, position_ids=position_ids, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return float(loss.detach())
+
+
+def build_scratchpad_checkpoint(
+    path: str, *, seed: int = 0, hidden_size: int = 128, layers: int = 4, warm_start_steps: int = 400, device: str = "cpu"
+) -> dict:
+    """Build, warm-start and save the starting model of the scratchpad task; return what was done.
+
+    The warm-start data mixes the three solution styles evenly, so the starting policy writes
+    completions of many lengths and GRPO can move the length either way."""
+    import torch
+
+    tokenizer = build_scratchpad_tokenizer()
+    model = build_model(tokenizer, hidden_size=hidden_size, layers=layers, seed=seed).to(device)
+    rng = random.Random(seed + 1)
+    batch_size = 64
+    rows = sum_problems(warm_start_steps * batch_size, seed=seed + 1)
+    texts = [r["prompt"] + worked_solution(r["terms"], rng.randrange(3)) + tokenizer.eos_token for r in rows]
+    loss = supervised_warm_start(model, tokenizer, texts, batch_size=batch_size) if warm_start_steps else float("nan")
+    model.to("cpu").save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    del model
+    if device != "cpu":
+        torch.cuda.empty_cache()
+    return {"path": path, "warm_start_steps": warm_start_steps, "warm_start_loss": loss}

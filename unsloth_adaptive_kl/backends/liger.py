@@ -61,6 +61,8 @@ from .. import metrics
 from ..adaptation import AdaptiveKL
 from ..config import FIELDS
 from ..estimators import estimate_kl
+from .._source_patch import check_version
+from ..versions import SUPPORTED
 from ..shaping import shape_per_token
 
 logger = logging.getLogger("unsloth_adaptive_kl")
@@ -198,6 +200,7 @@ class AdaptiveFusedLinearGRPOLoss(nn.Module):
         kl_bottom_q: float = 0.2,
     ):
         super().__init__()
+        check_liger_version()
         if sapo_temperature_pos <= 0 or sapo_temperature_neg <= 0:
             raise ValueError(f"sapo temperatures must be > 0, got pos={sapo_temperature_pos}, neg={sapo_temperature_neg}")
         if delta is not None and delta <= 0:
@@ -418,6 +421,13 @@ class AdaptiveFusedLinearGRPOLoss(nn.Module):
             raise ValueError("loss_type='dr_grpo' needs max_completion_length (its normaliser is B * max_completion_length)")
 
 
+def check_liger_version() -> None:
+    """Refuse an untested liger-kernel (its ``ppo_loss_fn`` and normalisers are called directly),
+    unless ``UNSLOTH_ADAPTIVE_KL_ALLOW_UNTESTED=1``."""
+    liger = SUPPORTED["liger-kernel"]
+    check_version(liger.distribution, liger.contains, liger.label)
+
+
 def _is_nonzero(beta) -> bool:
     return float(beta) != 0.0
 
@@ -501,6 +511,7 @@ def module_arguments(trainer, loss_class) -> dict:
 def make_loss_module(trainer, loss_class):
     """Build the ``loss_class`` module for ``trainer``; TypeError for a class that is not Liger-shaped."""
     check_loss_class(loss_class)
+    check_liger_version()
     adaptive = issubclass(loss_class, AdaptiveFusedLinearGRPOLoss)
     if not adaptive and (not trainer._adaptive_kl.method.is_none or trainer._adaptive_kl.estimator != "k3"):
         raise ValueError(
