@@ -1,0 +1,153 @@
+"""The Blackwell demo (blackwell/test_adaptive_kl_grpo.py): its --smoke run end to end on the CPU,
+and the pure parts (GPU check, backend choice, summary) on made-up values."""
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "blackwell", "test_adaptive_kl_grpo.py")
+spec = importlib.util.spec_from_file_location("adaptive_kl_demo", SCRIPT)
+demo = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = demo  # dataclasses look their module up by name
+spec.loader.exec_module(demo)
+
+CUDA_124_ARCHS = ["sm_50", "sm_60", "sm_70", "sm_75", "sm_80", "sm_86", "sm_90"]
+CUDA_128_ARCHS = CUDA_124_ARCHS + ["sm_100", "sm_120"]
+
+
+# -- the GPU check -------------------------------------------------------------------------------
+def test_blackwell_with_a_cuda_128_build_passes():
+    check = demo.check_gpu("NVIDIA B200", (10, 0), CUDA_128_ARCHS, None)
+    assert check.ok and check.blackwell
+    assert "sm_100" in check.report and "Blackwell check passed" in check.report
+
+
+def test_blackwell_with_a_build_that_lacks_its_arch_stops_with_the_fix():
+    check = demo.check_gpu("NVIDIA GeForce RTX 5090", (12, 0), CUDA_124_ARCHS, None)
+    assert not check.ok and check.blackwell
+    assert "no kernels for sm_120" in check.report
+    assert "CUDA >= 12.8" in check.fix and "uv pip install unsloth --torch-backend=auto" in check.fix
+
+
+def test_a_later_minor_version_runs_on_the_same_major_arch():
+    check = demo.check_gpu("NVIDIA GB10", (12, 1), CUDA_128_ARCHS, None)
+    assert check.ok and check.blackwell and "sm_121" in check.report
+
+
+def test_a_newer_major_is_not_covered_by_an_older_one():
+    assert not demo.check_gpu("NVIDIA B200", (10, 0), ["sm_90", "compute_90"], None).ok
+
+
+def test_a_failing_bf16_matmul_stops_the_run():
+    check = demo.check_gpu("NVIDIA RTX PRO 6000", (12, 0), CUDA_128_ARCHS, "RuntimeError: no kernel image is available")
+    assert not check.ok and "bf16" in check.report and "CUDA >= 12.8" in check.fix
+
+
+def test_hopper_runs_and_says_it_is_not_blackwell():
+    check = demo.check_gpu("NVIDIA H100 80GB HBM3", (9, 0), CUDA_124_ARCHS, None)
+    assert check.ok and not check.blackwell
+    assert "not a Blackwell GPU" in check.report
+
+
+def test_no_gpu_runs_on_the_cpu():
+    check = demo.check_gpu(None, None, [], None)
+    assert check.ok and not check.blackwell and "CPU" in check.report
+
+
+# -- backend choice -------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "requested, installed, cuda, expected",
+    [("auto", True, True, "unsloth"), ("auto", True, False, "trl"), ("auto", False, True, "trl"),
+     ("trl", True, True, "trl"), ("unsloth", True, False, "unsloth")],
+)
+def test_backend_choice(requested, installed, cuda, expected):
+    assert demo.choose_backend(requested, unsloth_installed=installed, cuda=cuda) == expected
+
+
+def test_asking_for_unsloth_without_it_says_how_to_install():
+    with pytest.raises(SystemExit, match="unsloth is not installed"):
+        demo.choose_backend("unsloth", unsloth_installed=False, cuda=True)
+
+
+# -- the summary ----------------------------------------------------------------------------------
+def _rows(rewards, lengths, betas, raw_kl=0.01):
+    return [
+        {"step": i + 1, "reward": r, "completions/mean_length": n, "adaptive_kl/current_beta": b,
+         "adaptive_kl/raw_kl": raw_kl if b > 0 else None, "adaptive_kl/adapted_kl": raw_kl if b > 0 else None,
+         "step_time": 0.5 + i}
+        for i, (r, n, b) in enumerate(zip(rewards, lengths, betas))
+    ]
+
+
+def test_summary_uses_the_first_and_last_tenth_of_the_steps():
+    rows = _rows([0.1 * i for i in range(20)], [10] * 2 + [15] * 16 + [30] * 2, [0.1] * 20)
+    s = demo.summarize_run(rows, window=0.1)
+    assert s["length_start"] == 10 and s["length_end"] == 30
+    assert s["final_reward"] == pytest.approx((1.8 + 1.9) / 2) and s["peak_reward"] == pytest.approx(1.9)
+    assert s["median_step_s"] == pytest.approx(10.0)
+
+
+def test_kl_is_missing_once_beta_reached_zero():
+    s = demo.summarize_run(_rows([1.0] * 10, [5] * 10, [0.1] * 5 + [0.0] * 5), window=0.1)
+    assert math.isnan(s["raw_kl_end"]) and s["final_beta"] == 0.0
+    assert demo.cell([s["raw_kl_end"]], ".4f") == "—"
+
+
+def test_cells_show_mean_and_sample_std_across_seeds():
+    assert demo.cell([1.0, 2.0, 3.0], ".2f") == "2.00 ± 1.00"
+    assert demo.cell([0.5], ".3f") == "0.500"
+
+
+# -- the smoke run ----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo")
+    env = dict(os.environ, TRITON_INTERPRET="1", TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run([sys.executable, SCRIPT, "--smoke", "--output-dir", str(out)], capture_output=True,
+                          text=True, env=env, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out, proc.stdout
+
+
+def test_smoke_reports_the_backend_and_the_gpu_check(smoke):
+    _, stdout = smoke
+    assert "backend: trl (TRL GRPOTrainer)" in stdout
+    assert "GPU: no CUDA GPU: running on the CPU, not on Blackwell" in stdout
+
+
+def test_smoke_writes_every_step_of_every_method(smoke):
+    out, _ = smoke
+    with open(out / "metrics.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    steps = demo.SMOKE["steps"]
+    for method in demo.ALL_METHODS:
+        mine = [r for r in rows if r["method"] == method]
+        assert [r["step"] for r in mine] == list(range(1, steps + 1)), method
+        for r in mine:
+            assert 0.0 <= r["reward"] <= 1.0 and r["completions/mean_length"] > 0 and r["step_time"] > 0
+            assert r["adaptive_kl/current_beta"] > 0 and r["adaptive_kl/raw_kl"] >= 0
+    betas = {r["method"]: r["adaptive_kl/current_beta"] for r in rows if r["step"] == steps}
+    assert betas["none"] == 0.1 and betas["target"] != 0.1  # the target controller moved β
+
+
+def test_smoke_writes_the_table_with_every_method(smoke):
+    out, stdout = smoke
+    table = (out / "summary.md").read_text()
+    assert "backend: trl" in table and "command: python" in table
+    for method in demo.ALL_METHODS:
+        assert f"| `{method}` |" in table and f"| `{method}` |" in stdout
+
+
+def test_smoke_writes_the_plot_or_says_why_not(smoke):
+    out, stdout = smoke
+    if importlib.util.find_spec("matplotlib") is None:
+        assert "PNG skipped: matplotlib is not installed" in stdout
+    else:
+        png = (out / "curves.png").read_bytes()
+        assert png.startswith(b"\x89PNG") and len(png) > 10_000
