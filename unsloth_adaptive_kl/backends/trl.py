@@ -25,14 +25,15 @@ from .. import metrics
 from .._source_patch import PatchError, check_version, rewrite_function, version_of
 from ..adaptation import AdaptiveKL
 from ..config import FIELDS, validate
+from ..versions import SUPPORTED
 
 logger = logging.getLogger("unsloth_adaptive_kl")
 
-SUPPORTED_TRL = "1.15.x"
+SUPPORTED_TRL = SUPPORTED["trl"].label  # the range lives in versions.py
 
 
 def _trl_supported(version: str) -> bool:
-    return version.startswith("1.15.")
+    return SUPPORTED["trl"].contains(version)
 
 
 # -- the rewrite of _compute_loss ------------------------------------------------------------------

@@ -33,15 +33,16 @@ from .. import metrics
 from .._source_patch import PatchError, check_version, rewrite_function, version_of
 from ..estimators import estimate_kl, get_estimator
 from ..shaping import Method, length_normalized_sum, shape_per_token
+from ..versions import SUPPORTED
 from . import trl as trl_backend
 
 GENERATED_MODULE = "UnslothGRPOTrainer"
-SUPPORTED_UNSLOTH = "2026.10.x"
+SUPPORTED_UNSLOTH = SUPPORTED["unsloth"].label  # the range lives in versions.py (unsloth_zoo's is the same)
 STATS_SIZE = 1 + metrics.NUM_SUMS  # Unsloth's mean_kl, then metrics.local_kl_sums
 
 
 def _unsloth_supported(version: str) -> bool:
-    return version.startswith("2026.10.")
+    return SUPPORTED["unsloth"].contains(version)
 
 
 # -- rewrites ------------------------------------------------------------------------------------

@@ -1,0 +1,173 @@
+"""``python -m unsloth_adaptive_kl doctor``: what it reports and when it exits non-zero.
+
+Missing anchors, out-of-range versions, missing libraries and GPUs are simulated with
+monkeypatch; one subprocess runs the real command, and one runs it in an environment with
+Unsloth (skipped where Unsloth is not installed)."""
+
+import importlib.util
+import io
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+
+from unsloth_adaptive_kl import doctor, versions
+from unsloth_adaptive_kl.__main__ import main as cli_main
+from unsloth_adaptive_kl.backends import trl as trl_backend
+
+ROOT = Path(__file__).resolve().parents[1]
+ALLOW = "UNSLOTH_ADAPTIVE_KL_ALLOW_UNTESTED"
+
+
+def report(*backends):
+    out = io.StringIO()
+    status = doctor.run(list(backends) or None, out=out)
+    return status, out.getvalue()
+
+
+def fake_versions(monkeypatch, **fake):
+    """Make doctor see other installed versions (``liger_kernel`` for liger-kernel)."""
+    fake = {name.replace("liger_kernel", "liger-kernel"): v for name, v in fake.items()}
+    real = doctor.version_of
+    monkeypatch.setattr(doctor, "version_of", lambda dist: fake.get(dist, real(dist)))
+
+
+@pytest.fixture(autouse=True)
+def no_override(monkeypatch):
+    monkeypatch.delenv(ALLOW, raising=False)
+
+
+def test_reports_versions_and_finds_every_trl_anchor():
+    status, text = report("trl", "liger")
+    assert status == 0, text
+    assert f"torch: {torch.__version__}" in text
+    assert f"trl: {doctor.version_of('trl')} (supported 1.15.x)" in text
+    assert "[  ok] trl GRPOTrainer._compute_loss: 3 anchor(s) found" in text
+    assert "_generate_and_score_completions" in text and "_load_callback_state" in text
+    assert "[  ok] liger-kernel" in text
+    assert text.rstrip().endswith("every checked backend can work")
+
+
+def test_a_missing_trl_anchor_fails_naming_the_anchor(monkeypatch):
+    broken = [*trl_backend.COMPUTE_LOSS_REWRITES[:2], ("        if self._a_future_trl_line:\n", "")]
+    monkeypatch.setattr(trl_backend, "COMPUTE_LOSS_REWRITES", broken)
+    status, text = report("trl")
+    assert status == 1
+    line = next(line for line in text.splitlines() if "_compute_loss" in line and "FAIL" in line)
+    assert "if self._a_future_trl_line:" in line and f"trl {doctor.version_of('trl')}" in line
+
+
+def test_a_missing_anchor_fails_even_with_the_override(monkeypatch):
+    monkeypatch.setenv(ALLOW, "1")
+    monkeypatch.setattr(trl_backend, "COMPUTE_LOSS_REWRITES", [("        nothing like this\n", "")])
+    assert report("trl")[0] == 1
+
+
+def test_an_out_of_range_trl_fails_naming_the_range_unless_overridden(monkeypatch):
+    fake_versions(monkeypatch, trl="1.16.0")
+    status, text = report("trl")
+    assert status == 1
+    assert "[FAIL] trl: 1.16.0 is outside the tested range 1.15.x" in text and ALLOW in text
+    monkeypatch.setenv(ALLOW, "1")
+    status, text = report("trl")
+    assert status == 0, text
+    assert "[warn] trl: 1.16.0 is outside the tested range 1.15.x; allowed by" in text
+
+
+def test_an_out_of_range_transformers_only_warns(monkeypatch):
+    fake_versions(monkeypatch, transformers="5.18.0")  # no guard refuses it: doctor must not claim it cannot work
+    status, text = report("trl")
+    assert status == 0
+    assert "[warn] transformers: 5.18.0 is outside the tested range" in text
+
+
+def test_an_out_of_range_liger_fails(monkeypatch):
+    fake_versions(monkeypatch, liger_kernel="0.9.1")
+    status, text = report("liger")
+    assert status == 1 and "liger-kernel: 0.9.1 is outside the tested range 0.8.x" in text
+
+
+def test_asking_for_a_missing_backend_fails_but_an_unrequested_one_does_not(monkeypatch):
+    fake_versions(monkeypatch, unsloth="not installed", unsloth_zoo="not installed")
+    status, text = report("unsloth")
+    assert status == 1 and "unsloth or unsloth_zoo is not installed" in text
+    status, text = report()
+    assert status == 0, text
+    assert "[  --] unsloth: not checked: unsloth is not installed" in text
+
+
+def test_an_out_of_range_unsloth_fails_naming_its_range(monkeypatch):
+    fake_versions(monkeypatch, unsloth="2026.11.1", unsloth_zoo="2026.10.9")
+    monkeypatch.setattr(doctor, "_generated_unsloth_module", lambda: None)  # do not import unsloth here
+    status, text = report("unsloth")
+    assert status == 1
+    assert "[FAIL] unsloth: 2026.11.1 is outside the tested range 2026.10.x" in text
+    assert "[  ok] unsloth_zoo: 2026.10.9" in text
+
+
+@pytest.mark.parametrize(
+    "capability, arch_list, status, words",
+    [
+        ((12, 0), ["sm_80", "sm_90", "sm_100", "sm_120", "compute_120"], doctor.OK, ["compute capability 12.0 (Blackwell)", "has sm_120 kernels"]),
+        ((10, 0), ["sm_80", "sm_90", "sm_100a"], doctor.OK, ["(Blackwell)", "has sm_100 kernels"]),
+        ((12, 0), ["sm_80", "sm_90"], doctor.FAIL, ["(Blackwell)", "no sm_120 kernels", "CUDA 12.8"]),
+        ((9, 0), ["sm_80", "sm_90"], doctor.OK, ["compute capability 9.0 (not Blackwell)"]),
+        ((8, 6), ["sm_80", "sm_860"], doctor.FAIL, ["no sm_86 kernels"]),  # sm_860 is not sm_86
+    ],
+)
+def test_gpu_capability_blackwell_and_torch_support(monkeypatch, capability, arch_list, status, words):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: "Test GPU")
+    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: arch_list)
+    (finding,) = doctor.gpus()
+    assert finding.status == status and finding.topic == "GPU 0"
+    assert all(w in finding.detail for w in words), finding.detail
+
+
+def test_an_unsupported_gpu_makes_the_doctor_fail(monkeypatch):
+    monkeypatch.setattr(doctor, "gpus", lambda: [doctor.Finding("GPU 0", doctor.FAIL, "no sm_120 kernels")])
+    assert report("trl")[0] == 1
+
+
+def test_supported_ranges_agree_with_pyproject():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = {r.name: r for r in map(Requirement, project["dependencies"] + project["optional-dependencies"]["unsloth"])}
+    for name in ("torch", "trl", "transformers", "liger-kernel"):
+        assert declared[name].specifier == SpecifierSet(versions.SUPPORTED[name].specifier), name
+    for name in ("unsloth", "unsloth_zoo"):  # the extra pins one release of the supported range
+        (pin,) = declared[name].specifier
+        assert versions.SUPPORTED[name].contains(pin.version), name
+    assert project["requires-python"] == versions.PYTHON
+
+
+def test_cli_without_a_command_prints_usage_and_exits_2(capsys):
+    assert cli_main([]) == 2
+    assert "doctor" in capsys.readouterr().err
+
+
+def test_python_dash_m_doctor_runs_and_exits_zero():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "unsloth_adaptive_kl", "doctor", "--backend", "trl"], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Backend trl" in proc.stdout and "Result: every checked backend can work" in proc.stdout
+
+
+@pytest.mark.skipif(importlib.util.find_spec("unsloth") is None, reason="unsloth is not installed")
+def test_doctor_checks_every_unsloth_anchor_where_unsloth_is_installed():
+    env = {**os.environ, "TRITON_INTERPRET": "1", "UNSLOTH_COMPILE_DISABLE": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "unsloth_adaptive_kl", "doctor", "--backend", "unsloth"], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for target in ("grpo_compute_loss: 4", "UnslothEfficientGRPO.forward: 1", "grpo_accumulated_loss: 1", "UnslothGRPOTrainer.compute_loss: 1"):
+        assert f"{target} anchor(s) found" in proc.stdout, proc.stdout

@@ -1,0 +1,140 @@
+"""Version guards: an untested TRL, Unsloth/unsloth_zoo or Liger is refused with an error naming
+the library, its version and the supported range; ``UNSLOTH_ADAPTIVE_KL_ALLOW_UNTESTED=1``
+lets it through; a missing source anchor raises even then."""
+
+import types
+
+import pytest
+
+import unsloth_adaptive_kl
+from unsloth_adaptive_kl import _source_patch, versions
+from unsloth_adaptive_kl.backends import trl as trl_backend
+from unsloth_adaptive_kl.backends import unsloth as unsloth_backend
+
+ALLOW = _source_patch.ALLOW_UNTESTED_ENV
+
+
+@pytest.fixture
+def installed(monkeypatch):
+    """``installed(trl="1.16.0", ...)`` makes the guards see those versions."""
+    monkeypatch.delenv(ALLOW, raising=False)
+
+    def fake(**fake_versions):
+        fake_versions = {k.replace("liger_kernel", "liger-kernel"): v for k, v in fake_versions.items()}
+        real = _source_patch.version_of
+        monkeypatch.setattr(_source_patch, "version_of", lambda dist: fake_versions.get(dist, real(dist)))
+
+    return fake
+
+
+@pytest.fixture
+def unpatched(monkeypatch):
+    """Run with TRL unpatched; patch it back afterwards (with the real versions) whatever happened."""
+    unsloth_adaptive_kl.unpatch()
+    try:
+        yield
+    finally:
+        unsloth_adaptive_kl.unpatch()
+        monkeypatch.undo()
+        unsloth_adaptive_kl.patch()
+
+
+@pytest.mark.parametrize(
+    "distribution, inside, outside",
+    [
+        ("trl", ["1.15.0", "1.15.3", "1.15.0rc1"], ["1.14.9", "1.16.0", "2.0.0", "not installed"]),
+        ("liger-kernel", ["0.8.0", "0.8.5", "0.8.10.dev0"], ["0.7.9", "0.9.0"]),
+        ("unsloth", ["2026.10.0", "2026.10.9"], ["2026.9.1", "2026.11.0"]),
+        ("transformers", ["5.0.0", "5.17.0"], ["4.57.0", "5.17.1"]),
+        ("torch", ["2.6.0", "2.13.0+cpu"], ["2.5.1"]),
+    ],
+)
+def test_supported_ranges(distribution, inside, outside):
+    supported = versions.SUPPORTED[distribution]
+    assert all(supported.contains(v) for v in inside), inside
+    assert not any(supported.contains(v) for v in outside), outside
+
+
+def test_untested_trl_is_refused_naming_version_and_range_then_overridable(installed, monkeypatch, unpatched):
+    installed(trl="1.16.0")
+    with pytest.raises(unsloth_adaptive_kl.PatchError) as error:
+        unsloth_adaptive_kl.patch()
+    assert "trl 1.16.0 is installed" in str(error.value) and "supports trl 1.15.x" in str(error.value) and ALLOW in str(error.value)
+    assert not trl_backend.is_patched()
+    monkeypatch.setenv(ALLOW, "1")
+    unsloth_adaptive_kl.patch()
+    assert trl_backend.is_patched()
+
+
+def test_a_missing_trl_anchor_raises_even_with_the_override(installed, monkeypatch, unpatched):
+    installed(trl="1.16.0")
+    monkeypatch.setenv(ALLOW, "1")
+    monkeypatch.setattr(trl_backend, "COMPUTE_LOSS_REWRITES", [*trl_backend.COMPUTE_LOSS_REWRITES, ("        not in trl\n", "")])
+    from trl.trainer.grpo_trainer import GRPOTrainer
+
+    pristine = GRPOTrainer._compute_loss
+    with pytest.raises(unsloth_adaptive_kl.PatchError, match=r"anchor 'not in trl'.*found it 0 times"):
+        unsloth_adaptive_kl.patch()
+    assert not trl_backend.is_patched() and GRPOTrainer._compute_loss is pristine  # nothing half-patched
+
+
+def _fake_generated_module():
+    """A stand-in for Unsloth's generated module whose loss no longer has the anchors."""
+
+    def grpo_compute_loss(ref, new, old, mask, beta, advantages, **kwargs):
+        return new.sum()
+
+    class UnslothEfficientGRPO:
+        @staticmethod
+        def forward(ctx, *args):
+            return None
+
+    class PristineConfig:
+        pass
+
+    class UnslothGRPOConfig(PristineConfig):
+        pass
+
+    class UnslothGRPOTrainer:
+        def compute_loss(self, model, inputs):
+            return 0
+
+    def grpo_accumulated_loss(trainer, **kwargs):
+        return 0
+
+    return types.SimpleNamespace(
+        __name__="UnslothGRPOTrainer", grpo_compute_loss=grpo_compute_loss, grpo_accumulated_loss=grpo_accumulated_loss,
+        UnslothEfficientGRPO=UnslothEfficientGRPO, UnslothGRPOConfig=UnslothGRPOConfig, UnslothGRPOTrainer=UnslothGRPOTrainer,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("bad", ["unsloth", "unsloth_zoo"])
+def test_untested_unsloth_is_refused_before_anything_is_touched(installed, bad):
+    installed(**{"unsloth": "2026.10.9", "unsloth_zoo": "2026.10.9", bad: "2026.11.2"})
+    module = _fake_generated_module()
+    before = dict(vars(module))
+    with pytest.raises(unsloth_adaptive_kl.PatchError) as error:
+        unsloth_backend.patch_generated_module(module)
+    assert f"{bad} 2026.11.2 is installed" in str(error.value) and "2026.10.x" in str(error.value)
+    assert vars(module) == before
+
+
+def test_untested_unsloth_with_the_override_still_raises_on_a_missing_anchor(installed, monkeypatch):
+    installed(unsloth="2026.11.2", unsloth_zoo="2026.11.2")
+    monkeypatch.setenv(ALLOW, "1")
+    module = _fake_generated_module()
+    before = dict(vars(module))
+    with pytest.raises(unsloth_adaptive_kl.PatchError, match=r"unsloth_zoo .*anchor 'kl_i = torch.expm1\(kl_log_ratio\) - kl_log_ratio'.*grpo_compute_loss"):
+        unsloth_backend.patch_generated_module(module)
+    assert vars(module) == before and unsloth_backend._patched_module is not module
+
+
+def test_untested_liger_is_refused_when_a_loss_module_is_created_then_overridable(installed, monkeypatch):
+    from unsloth_adaptive_kl.backends.liger import AdaptiveFusedLinearGRPOLoss
+
+    installed(liger_kernel="0.9.0")
+    with pytest.raises(unsloth_adaptive_kl.PatchError) as error:
+        AdaptiveFusedLinearGRPOLoss(compiled=False)
+    assert "liger-kernel 0.9.0 is installed" in str(error.value) and "0.8.x" in str(error.value) and ALLOW in str(error.value)
+    monkeypatch.setenv(ALLOW, "1")
+    assert AdaptiveFusedLinearGRPOLoss(compiled=False).beta == 0.04

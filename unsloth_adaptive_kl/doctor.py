@@ -1,0 +1,261 @@
+"""``python -m unsloth_adaptive_kl doctor``: what is installed, and whether each backend can work.
+
+It prints Python, torch and CUDA; each GPU with its compute capability, whether it is a
+Blackwell part (compute capability 10.x or 12.x) and whether this torch build has kernels for
+it; the versions of TRL, transformers, Unsloth, unsloth_zoo and Liger against the ranges of
+:mod:`unsloth_adaptive_kl.versions`; and, per backend, whether every patch target exists and
+every source anchor matches. The rewrites are dry-run: compiled into a throwaway function, never
+installed.
+
+Exit status: 0 when every checked backend can work, 1 otherwise. ``--backend NAME`` (repeatable)
+checks only those backends and fails if one of them is unavailable; without it, TRL is checked
+and so is every optional backend whose library is installed (a missing optional library is
+reported, not an error).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+from dataclasses import dataclass
+
+from ._source_patch import ALLOW_UNTESTED_ENV, PatchError, rewrite_function, version_of
+from .versions import PYTHON, SUPPORTED
+
+BACKENDS = ("trl", "unsloth", "liger")
+OK, WARN, FAIL, INFO = "ok", "warn", "FAIL", "--"
+
+
+@dataclass
+class Finding:
+    topic: str
+    status: str  # OK, WARN, FAIL or INFO
+    detail: str
+
+
+# -- environment ------------------------------------------------------------------------------------
+def environment() -> list[Finding]:
+    import torch
+    from packaging.specifiers import SpecifierSet
+
+    python = platform.python_version()
+    findings = [
+        Finding("Python", OK if SpecifierSet(PYTHON).contains(python) else FAIL, f"{python} (supported {PYTHON})"),
+        version_finding("torch", torch.__version__),
+    ]
+    if torch.version.cuda is None:
+        findings.append(Finding("CUDA", INFO, "this torch build has no CUDA (CPU only)"))
+    else:
+        available = "available" if torch.cuda.is_available() else "not available (no GPU or driver seen)"
+        findings.append(Finding("CUDA", INFO, f"torch built with CUDA {torch.version.cuda}; {available}"))
+    return findings
+
+
+def gpus() -> list[Finding]:
+    """One finding per GPU: name, compute capability, Blackwell or not, and whether torch has kernels for it."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return [Finding("GPU", INFO, "none")]
+    arch_list = torch.cuda.get_arch_list()
+    findings = []
+    for index in range(torch.cuda.device_count()):
+        major, minor = torch.cuda.get_device_capability(index)
+        blackwell = "Blackwell" if major in (10, 12) else "not Blackwell"
+        sm = f"sm_{major}{minor}"
+        detail = f"{torch.cuda.get_device_name(index)}, compute capability {major}.{minor} ({blackwell})"
+        if any(arch == sm or arch.startswith(sm) and not arch[len(sm)].isdigit() for arch in arch_list):
+            findings.append(Finding(f"GPU {index}", OK, f"{detail}; this torch build has {sm} kernels"))
+        else:
+            findings.append(
+                Finding(
+                    f"GPU {index}",
+                    FAIL,
+                    f"{detail}; this torch build has no {sm} kernels (it has {', '.join(arch_list) or 'none'}). "
+                    f"Install a torch build whose torch.cuda.get_arch_list() includes {sm}"
+                    + (" (CUDA 12.8 or newer for Blackwell)." if major in (10, 12) else "."),
+                )
+            )
+    return findings
+
+
+def version_finding(distribution: str, version: str | None = None) -> Finding:
+    """``distribution``'s installed version against its range; out of range is FAIL for guarded
+    libraries (the backend refuses it) unless the override is set, WARN otherwise."""
+    supported = SUPPORTED[distribution]
+    version = version_of(distribution) if version is None else version
+    if version == "not installed":
+        return Finding(distribution, INFO, f"not installed (supported {supported.label})")
+    if supported.contains(version):
+        return Finding(distribution, OK, f"{version} (supported {supported.label})")
+    untested = f"{version} is outside the tested range {supported.label}"
+    if not supported.guarded:
+        return Finding(distribution, WARN, f"{untested}; not refused, but untested")
+    if os.environ.get(ALLOW_UNTESTED_ENV) == "1":
+        return Finding(distribution, WARN, f"{untested}; allowed by {ALLOW_UNTESTED_ENV}=1 (anchors are still checked)")
+    return Finding(
+        distribution,
+        FAIL,
+        f"{untested}; install {distribution}{supported.specifier}, or set {ALLOW_UNTESTED_ENV}=1 to try anyway",
+    )
+
+
+# -- backends ---------------------------------------------------------------------------------------
+def dry_run(topic: str, func, rewrites, *, library: str, namespace: dict | None = None) -> Finding:
+    """Compile ``func`` with ``rewrites`` applied (not installed anywhere); FAIL names the missing anchor."""
+    try:
+        rewrite_function(func, rewrites, library=library, namespace=namespace)
+    except PatchError as error:
+        return Finding(topic, FAIL, str(error))
+    return Finding(topic, OK, f"{len(rewrites)} anchor(s) found")
+
+
+def targets_exist(owner, names: tuple[str, ...], topic: str) -> Finding:
+    missing = [name for name in names if not hasattr(owner, name)]
+    if missing:
+        return Finding(topic, FAIL, f"{owner.__qualname__} has no {missing}: this version is not supported")
+    return Finding(topic, OK, ", ".join(names))
+
+
+def _pristine(owner, name: str):
+    """The attribute as the library defines it, even if this package already patched it."""
+    from .backends import trl as trl_backend
+
+    return trl_backend.original(owner, name)
+
+
+def trl_backend_findings() -> list[Finding]:
+    findings = [version_finding("trl"), version_finding("transformers")]
+    if findings[0].status == INFO:
+        return [Finding("trl", FAIL, "not installed; pip install 'trl>=1.15.0,<1.16'")]
+    from trl.trainer import grpo_config, grpo_trainer
+
+    from .backends import trl as trl_backend
+
+    config_cls, trainer_cls = grpo_config.GRPOConfig, grpo_trainer.GRPOTrainer
+    if trl_backend._is_unsloth_generated(trainer_cls):  # Unsloth rebound the names: TRL's own classes are its bases
+        config_cls, trainer_cls = config_cls.__mro__[1], trainer_cls.__mro__[1]
+    findings.append(targets_exist(config_cls, ("__init__", "__post_init__", "__dataclass_fields__"), "trl GRPOConfig"))
+    findings.append(
+        targets_exist(
+            trainer_cls, ("__init__", "_compute_loss", "_generate_and_score_completions", "_load_callback_state"), "trl GRPOTrainer"
+        )
+    )
+    if findings[-1].status == OK:
+        compute_loss = _pristine(trainer_cls, "_compute_loss")
+        findings.append(dry_run("trl GRPOTrainer._compute_loss", compute_loss, trl_backend.COMPUTE_LOSS_REWRITES, library="trl"))
+    return findings
+
+
+def _generated_unsloth_module():
+    """Unsloth's generated GRPO module; on a machine where ``import unsloth`` does not generate it
+    (no GPU), generate it through Unsloth's own (private) entry point."""
+    import unsloth  # noqa: F401  (generates the RL trainers on a GPU machine)
+
+    from .backends import unsloth as unsloth_backend
+
+    module = sys.modules.get(unsloth_backend.GENERATED_MODULE)
+    if module is None:
+        from unsloth.models.rl import _patch_trl_rl_trainers
+
+        _patch_trl_rl_trainers("grpo_trainer")
+        module = sys.modules.get(unsloth_backend.GENERATED_MODULE)
+    return module
+
+
+def unsloth_backend_findings() -> list[Finding]:
+    findings = [version_finding("unsloth"), version_finding("unsloth_zoo")]
+    if any(f.status == INFO for f in findings):
+        return [Finding("unsloth", FAIL, "unsloth or unsloth_zoo is not installed; pip install 'unsloth-adaptive-kl[unsloth]'")]
+    try:
+        module = _generated_unsloth_module()
+    except Exception as error:  # noqa: BLE001 - report whatever stopped Unsloth, then fail
+        return findings + [Finding("unsloth import", FAIL, f"{type(error).__name__}: {error}")]
+    if module is None:
+        return findings + [Finding("unsloth GRPO trainer", FAIL, "Unsloth did not generate its GRPO trainer module")]
+    from .backends import unsloth as unsloth_backend
+
+    trainer_cls = getattr(module, "UnslothGRPOTrainer", None)
+    efficient = getattr(module, "UnslothEfficientGRPO", None)
+    if trainer_cls is None or efficient is None or not hasattr(module, "grpo_compute_loss"):
+        return findings + [Finding("unsloth GRPO trainer", FAIL, "the generated module lacks UnslothGRPOTrainer, UnslothEfficientGRPO or grpo_compute_loss")]
+    namespace = dict(module.__dict__)
+    for topic, owner, name, rewrites, library in (
+        ("unsloth_zoo grpo_compute_loss", module, "grpo_compute_loss", unsloth_backend.GRPO_COMPUTE_LOSS_REWRITES, "unsloth_zoo"),
+        ("unsloth_zoo UnslothEfficientGRPO.forward", efficient, "forward", unsloth_backend.EFFICIENT_FORWARD_REWRITES, "unsloth_zoo"),
+        ("unsloth grpo_accumulated_loss", module, "grpo_accumulated_loss", unsloth_backend.ACCUMULATED_LOSS_REWRITES, "unsloth"),
+        ("unsloth UnslothGRPOTrainer.compute_loss", trainer_cls, "compute_loss", unsloth_backend.TRAINER_COMPUTE_LOSS_REWRITES, "unsloth"),
+    ):
+        findings.append(dry_run(topic, _pristine(owner, name), rewrites, library=library, namespace=namespace))
+    return findings
+
+
+def liger_backend_findings() -> list[Finding]:
+    findings = [version_finding("liger-kernel")]
+    if findings[0].status == INFO:
+        return [Finding("liger-kernel", FAIL, "not installed; pip install 'liger-kernel>=0.8.0,<0.9'")]
+    from liger_kernel.chunked_loss import fused_linear_ppo, grpo_loss
+
+    findings.append(targets_exist(grpo_loss.LigerFusedLinearGRPOFunction, ("ppo_loss_fn",), "liger LigerFusedLinearGRPOFunction"))
+    findings.append(targets_exist(fused_linear_ppo.LigerFusedLinearPPOBase, ("_compute_dapo_normalizer",), "liger LigerFusedLinearPPOBase"))
+    try:
+        from trl.kernels import ChunkedLogProbFunction  # noqa: F401  (the log-prob kernel the Liger module uses)
+    except ImportError as error:
+        findings.append(Finding("trl.kernels.ChunkedLogProbFunction", FAIL, f"{error}: the Liger module needs TRL 1.15's kernel"))
+    import torch
+
+    if not torch.cuda.is_available():
+        interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+        findings.append(
+            Finding(
+                "liger on CPU",
+                OK if interpreted else WARN,
+                "TRITON_INTERPRET=1 is set" if interpreted else "no GPU: set TRITON_INTERPRET=1 before importing trl to run it (slowly)",
+            )
+        )
+    return findings
+
+
+BACKEND_CHECKS = {"trl": trl_backend_findings, "unsloth": unsloth_backend_findings, "liger": liger_backend_findings}
+OPTIONAL_DISTRIBUTION = {"unsloth": "unsloth", "liger": "liger-kernel"}
+
+
+# -- the command ------------------------------------------------------------------------------------
+def run(requested: list[str] | None = None, out=None) -> int:
+    """Print the report; return the exit status (0: everything checked can work)."""
+    out = out or sys.stdout
+    sections = [("Environment", environment() + gpus())]
+    failed = any(f.status == FAIL for f in sections[0][1])
+    backends = requested or [b for b in BACKENDS if b == "trl" or version_of(OPTIONAL_DISTRIBUTION[b]) != "not installed"]
+    for backend in BACKENDS:
+        if backend not in backends:
+            why = "not requested" if requested else f"{OPTIONAL_DISTRIBUTION[backend]} is not installed"
+            sections.append((f"Backend {backend}", [Finding(backend, INFO, f"not checked: {why}")]))
+            continue
+        try:
+            findings = BACKEND_CHECKS[backend]()
+        except Exception as error:  # noqa: BLE001 - a doctor reports, it does not crash
+            findings = [Finding(backend, FAIL, f"checking it raised {type(error).__name__}: {error}")]
+        sections.append((f"Backend {backend}", findings))
+        failed = failed or any(f.status == FAIL for f in findings)
+    from . import __version__
+
+    print(f"unsloth-adaptive-kl {__version__} doctor", file=out)
+    for title, findings in sections:
+        print(f"\n{title}", file=out)
+        for f in findings:
+            print(f"  [{f.status:>4}] {f.topic}: {f.detail}", file=out)
+    verdict = "some checked backend cannot work (see FAIL above)" if failed else "every checked backend can work"
+    print(f"\nResult: {verdict}", file=out)
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="unsloth-adaptive-kl doctor", description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--backend", action="append", choices=BACKENDS, help="check only this backend, and fail if it cannot work (repeatable)"
+    )
+    args = parser.parse_args(argv)
+    return run(args.backend)
