@@ -14,3 +14,9 @@ def tiny_checkpoint(tmp_path_factory):
     from unsloth_adaptive_kl import toy
 
     return toy.build_checkpoint(str(tmp_path_factory.mktemp("tiny")), hidden_size=32, layers=2)
+
+
+# tests/reference.py is imported by name from every test folder (and by subprocess workers).
+import sys  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))

@@ -64,14 +64,20 @@ class AdaptiveKL:
         mask: torch.Tensor,
         coef: torch.Tensor | None = None,
         statistic: torch.Tensor | None = None,
+        estimator: Callable[..., torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Return ``(raw, adapted)`` per-token KL.
 
         ``raw`` is the estimator times ``coef`` (the importance ratio when the backend applies
         ``use_bias_correction_kl``); ``adapted`` is ``raw`` after clip and sigmoid. Length
-        normalisation acts at aggregation: see :meth:`length_normalized_term`.
+        normalisation acts at aggregation: see :meth:`length_normalized_term`. ``estimator``
+        (``fn(logp, ref_logp, *, mask, statistic)``) replaces the configured one, e.g. a loss
+        module's overridden KL function.
         """
-        raw = estimate_kl(self.estimator, logp, ref_logp, mask=mask, statistic=statistic, bottom_q=self.bottom_q)
+        if estimator is None:
+            raw = estimate_kl(self.estimator, logp, ref_logp, mask=mask, statistic=statistic, bottom_q=self.bottom_q)
+        else:
+            raw = estimator(logp, ref_logp, mask=mask, statistic=statistic)
         if coef is not None:
             raw = raw * coef
         adapted = shape_per_token(raw, self.method, clip_threshold=self.clip_threshold, target=self.kl_target)

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+import reference
 import unsloth_adaptive_kl
 from unsloth_adaptive_kl import toy
 from unsloth_adaptive_kl.backends import trl as trl_backend
@@ -13,7 +14,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
 METHODS = ["none", "clip", "sigmoid", "length_normalized", "dynamic", "target", "dynamic+length_normalized", "target+clip+sigmoid"]
-MAX_COMPLETION = 6
+MAX_COMPLETION = reference.MAX_COMPLETION
 
 
 def grpo_config(tmp_path, **overrides):
@@ -53,24 +54,8 @@ def trainer(tiny_checkpoint, tmp_path_factory):
     return t
 
 
-def loss_inputs(trainer, seed=0, batch=4, prompt=3, completion=MAX_COMPLETION):
-    """A hand-made batch: variable completion lengths (one all-masked row), policy far from the
-    reference and from the old policy, so every KL term and ratio is non-trivial."""
-    g = torch.Generator().manual_seed(seed)
-    vocab = trainer.model.config.vocab_size
-    completion_mask = torch.ones(batch, completion, dtype=torch.long)
-    for i, length in enumerate([completion, 3, 1, 0][:batch]):
-        completion_mask[i, length:] = 0
-    return {
-        "prompt_ids": torch.randint(5, vocab, (batch, prompt), generator=g),
-        "prompt_mask": torch.ones(batch, prompt, dtype=torch.long),
-        "completion_ids": torch.randint(5, vocab, (batch, completion), generator=g),
-        "completion_mask": completion_mask,
-        "advantages": torch.randn(batch, generator=g),
-        "old_per_token_logps": -torch.rand(batch, completion, generator=g) * 3 - 2,
-        "ref_per_token_logps": -torch.rand(batch, completion, generator=g) * 6,
-        "num_items_in_batch": completion_mask.sum().float(),
-    }
+def loss_inputs(trainer, seed=0):
+    return reference.loss_inputs(trainer.model.config.vocab_size, seed=seed, pad_token_id=trainer.processing_class.pad_token_id)
 
 
 def set_method(trainer, method, loss_type="dapo", importance_sampling_level="token", **fields):
@@ -112,46 +97,6 @@ def test_method_none_with_k3_is_bit_identical_to_unpatched_trl(trainer, loss_typ
     assert all(torch.equal(a, b) for a, b in zip(grads_patched, grads_original))
 
 
-# -- float64 references -------------------------------------------------------------------------
-def _aggregate_reference(x, mask, loss_type, *, num_items, spg=1, ga=1):
-    """TRL 1.15's aggregation of a per-token term, written out per loss type (float64)."""
-    m = mask.double()
-    lengths = m.sum(-1).clamp(min=1)
-    if loss_type in ("grpo", "sapo"):
-        return ((x * m).sum(-1) / lengths).mean() / ga
-    if loss_type == "bnpo":
-        return (x * m).sum() / m.sum().clamp(min=1) / ga
-    if loss_type == "dr_grpo":
-        return (x * m).sum() / (x.shape[0] * MAX_COMPLETION) / ga
-    if loss_type in ("dapo", "cispo", "vespo"):
-        return (x * m).sum() / (num_items * ga / spg)
-    if loss_type == "luspo":
-        return (x * m).sum(-1).mean() / ga
-    raise AssertionError(loss_type)
-
-
-def _reference_kl_part(method, logp, inputs, loss_type, *, beta, estimator, clip_threshold, kl_target, bias_correction):
-    logp = logp.double()
-    ref = inputs["ref_per_token_logps"].double()
-    old = inputs["old_per_token_logps"].double()
-    mask = inputs["completion_mask"].bool()
-    r = ref - logp
-    raw = {"k3": torch.exp(r) - r - 1, "k1": -r, "k2": 0.5 * r**2, "abs": r.abs()}[estimator]
-    if bias_correction:
-        raw = raw * torch.exp(logp - old)
-    shaped = raw
-    parts = method.split("+")
-    if "clip" in parts:
-        shaped = torch.minimum(shaped, torch.tensor(clip_threshold, dtype=torch.float64))
-    if "sigmoid" in parts:
-        shaped = torch.sigmoid(shaped - kl_target) * shaped
-    shaped = torch.where(mask, shaped, torch.zeros_like(shaped))
-    if "length_normalized" in parts:
-        per_completion = shaped.sum(-1) / mask.sum(-1).clamp(min=1)
-        return beta * per_completion.mean(), raw, shaped
-    return beta * _aggregate_reference(shaped, mask, loss_type, num_items=float(inputs["num_items_in_batch"])), raw, shaped
-
-
 def _capture_logps(trainer, monkeypatch):
     seen = {}
     original = trainer._adaptive_kl.per_token
@@ -186,15 +131,15 @@ def test_kl_part_of_the_loss_matches_float64_reference(trainer, monkeypatch, los
         loss_with_kl = GRPOTrainer._compute_loss(trainer, trainer.model, inputs)
         trainer.beta = 0.0
         loss_without_kl = GRPOTrainer._compute_loss(trainer, trainer.model, inputs)
-    expected, raw, shaped = _reference_kl_part(
-        method, seen["logp"], inputs, loss_type, beta=beta, estimator=estimator, clip_threshold=clip_threshold, kl_target=kl_target, bias_correction=True
+    expected, _, _ = reference.kl_part(
+        method, seen["logp"], inputs, loss_type, beta=beta, estimator=estimator, clip_threshold=clip_threshold, kl_target=kl_target
     )
     got = (loss_with_kl.double() - loss_without_kl.double()).item()
     assert got == pytest.approx(expected.item(), rel=2e-4, abs=1e-6)
     sequence_mean_loss = loss_type in ("grpo", "sapo")  # length normalisation is what these already do
     if method != "none" and not (method == "length_normalized" and sequence_mean_loss):
         # the shaping reached the loss, not only a metric
-        unshaped, _, _ = _reference_kl_part("none", seen["logp"], inputs, loss_type, beta=beta, estimator=estimator, clip_threshold=clip_threshold, kl_target=kl_target, bias_correction=True)
+        unshaped, _, _ = reference.kl_part("none", seen["logp"], inputs, loss_type, beta=beta, estimator=estimator, clip_threshold=clip_threshold, kl_target=kl_target)
         assert abs(unshaped.item() - got) > 1e-4
 
 
@@ -207,17 +152,12 @@ def test_metrics_match_float64_reference_on_the_same_logps(trainer, monkeypatch,
     metrics.clear()
     with torch.no_grad():
         GRPOTrainer._compute_loss(trainer, trainer.model, inputs)
-    _, raw, shaped = _reference_kl_part(method, seen["logp"], inputs, "dapo", beta=0.25, estimator="k3", clip_threshold=0.5, kl_target=0.3, bias_correction=True)
-    mask = inputs["completion_mask"].bool()
-    raw_mean = torch.where(mask, raw, torch.zeros_like(raw)).sum() / mask.sum()
-    if "length_normalized" in method:
-        adapted_mean = (shaped.sum(-1) / mask.sum(-1).clamp(min=1)).mean()
-    else:
-        adapted_mean = shaped.sum() / mask.sum()
-    assert metrics[unsloth_adaptive_kl.RAW_KL] == [pytest.approx(raw_mean.item(), rel=1e-5)]
-    assert metrics[unsloth_adaptive_kl.ADAPTED_KL] == [pytest.approx(adapted_mean.item(), rel=1e-5)]
+    _, raw, shaped = reference.kl_part(method, seen["logp"], inputs, "dapo", beta=0.25, estimator="k3", clip_threshold=0.5, kl_target=0.3)
+    raw_mean, adapted_mean = reference.metric_reference(method, raw, shaped, inputs["completion_mask"])
+    assert metrics[unsloth_adaptive_kl.RAW_KL] == [pytest.approx(raw_mean, rel=1e-5)]
+    assert metrics[unsloth_adaptive_kl.ADAPTED_KL] == [pytest.approx(adapted_mean, rel=1e-5)]
     assert metrics[unsloth_adaptive_kl.CURRENT_BETA] == [0.25]
-    assert metrics["kl"] == [pytest.approx(raw_mean.item(), rel=1e-5)]  # TRL's own kl stays unshaped
+    assert metrics["kl"] == [pytest.approx(raw_mean, rel=1e-5)]  # TRL's own kl stays unshaped
 
 
 def test_length_normalized_changes_nothing_under_grpo_but_reweights_under_dapo(trainer):

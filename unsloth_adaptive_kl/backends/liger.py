@@ -63,7 +63,6 @@ from ..config import FIELDS
 from ..estimators import estimate_kl
 from .._source_patch import check_version
 from ..versions import SUPPORTED
-from ..shaping import shape_per_token
 
 logger = logging.getLogger("unsloth_adaptive_kl")
 
@@ -251,14 +250,9 @@ class AdaptiveFusedLinearGRPOLoss(nn.Module):
         return estimate_kl(spec.estimator, logp, ref_logp, mask=mask, statistic=statistic, bottom_q=spec.bottom_q)
 
     def kl_terms(self, logp, ref_logp, mask, coef, statistic) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(raw, adapted)`` per-token KL, in the order of :meth:`AdaptiveKL.per_token`: estimator,
-        × importance ratio, then clip and sigmoid (core :func:`shape_per_token`)."""
-        raw = self.per_token_kl(logp, ref_logp, mask=mask, statistic=statistic)
-        if coef is not None:
-            raw = raw * coef
-        spec = self.adaptive_kl
-        adapted = shape_per_token(raw, spec.method, clip_threshold=spec.clip_threshold, target=spec.kl_target)
-        return raw, adapted
+        """``(raw, adapted)`` per-token KL: the core's order (estimator, × importance ratio, clip,
+        sigmoid) with this module's :meth:`per_token_kl` as the estimator."""
+        return self.adaptive_kl.per_token(logp, ref_logp, mask, coef, statistic, estimator=self.per_token_kl)
 
     # -- Liger's forward ---------------------------------------------------------------------------------
     def forward(

@@ -1,0 +1,113 @@
+"""Unsloth backend on CPU, through Unsloth's private entry point for generating its GRPO trainer.
+
+Each scenario runs in a fresh process (unsloth_worker.py): ``import unsloth`` rebinds TRL's
+classes process-wide. The worker measures; the assertions are here. The compiled path is
+checked with TorchInductor on CPU; the GPU runs are recorded in docs/gpu-verification.md.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("unsloth") is None, reason="unsloth is not installed")
+WORKER = os.path.join(os.path.dirname(__file__), "unsloth_worker.py")
+LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
+_cache = {}
+
+
+def run_worker(order, scenario, tmp_path_factory):
+    key = (order, scenario)
+    if key not in _cache:
+        out = tmp_path_factory.mktemp("unsloth") / f"{order}-{scenario}.json"
+        proc = subprocess.run([sys.executable, WORKER, order, scenario, str(out)], capture_output=True, text=True, timeout=1200)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+        with open(out) as f:
+            _cache[key] = json.load(f)
+    return _cache[key]
+
+
+@pytest.mark.parametrize("order", ["unsloth-first", "ours-first"])
+def test_either_import_order_patches_the_generated_trainer_and_config(order, tmp_path_factory):
+    r = run_worker(order, "config", tmp_path_factory)
+    assert r["trainer_class"] == "UnslothGRPOTrainer.UnslothGRPOTrainer"
+    assert r["config_values"] == ["dynamic+clip", 0.5, 0.3, 123.0]
+    assert r["to_dict"] == {"kl_adaptation_method": "dynamic+clip", "kl_clip_threshold": 0.5, "kl_horizon": 123.0}
+    assert r["cli_method"] == "target"
+    assert "IGNORED" not in r["printed"]
+    assert "kl_adaptation_method" in r["bad_method_error"] and "bogus" in r["bad_method_error"]
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_method_none_with_k3_is_identical_to_stock_unsloth(loss_type, tmp_path_factory):
+    r = run_worker("unsloth-first", "identity", tmp_path_factory)
+    case = r["identity"][loss_type]
+    assert case["loss_equal"] and case["grads_equal"], case
+    assert r["patched_again"]
+
+
+def _kl_cases(tmp_path_factory):
+    return run_worker("unsloth-first", "kl_part", tmp_path_factory)["kl_part"]
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_kl_part_of_the_fused_loss_matches_float64_reference_for_every_method(loss_type, tmp_path_factory):
+    cases = [c for c in _kl_cases(tmp_path_factory) if c["loss_type"] == loss_type]
+    assert len(cases) == 7
+    for c in cases:
+        assert c["got"] == pytest.approx(c["expected"], rel=2e-4, abs=1e-6), c
+        length_only_on_sequence_mean = c["method"] == "length_normalized" and loss_type in ("grpo", "sapo")
+        if c["method"] != "none" and not length_only_on_sequence_mean:  # the shaping reached the loss
+            assert abs(c["got"] - c["unshaped"]) > 1e-4, c
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_metrics_are_exact_against_float64_on_the_same_logps(loss_type, tmp_path_factory):
+    for c in [c for c in _kl_cases(tmp_path_factory) if c["loss_type"] == loss_type]:
+        assert c["logged_raw"] == [pytest.approx(c["raw_ref"], rel=1e-5)], c
+        assert c["logged_adapted"] == [pytest.approx(c["adapted_ref"], rel=1e-5)], c
+        assert c["logged_beta"] == [0.3]
+
+
+@pytest.mark.parametrize("method", ["none", "clip", "sigmoid", "length_normalized", "dynamic", "target", "dynamic+length_normalized"])
+def test_unsloth_grpo_trains_with_each_method(method, tmp_path_factory):
+    run = run_worker("ours-first", "train", tmp_path_factory)["train"][method]
+    logs = run["logs"]
+    assert run["runtime"] == "UnslothAdaptiveKL" and not run["ignored_printed"]
+    assert run["batch"][:2] == [4, 1]  # 4 completions per optimizer step, one micro-batch
+    assert len(logs) == 3
+    betas = [h["adaptive_kl/current_beta"] for h in logs]
+    if method.startswith("dynamic"):
+        assert betas == pytest.approx([0.04, 0.036, 0.0324])
+    elif method == "target":
+        expected = [0.04]
+        for h in logs[:-1]:
+            error = min(max(h["adaptive_kl/raw_kl"] / 0.02 - 1, -0.2), 0.2)
+            expected.append(expected[-1] * (1 + error * 4 / 40.0))
+        assert betas == pytest.approx(expected, rel=1e-9)
+    else:
+        assert betas == [0.04] * 3
+    for h in logs:
+        assert h["adaptive_kl/raw_kl"] is not None and h["adaptive_kl/adapted_kl"] is not None
+    moved = [h for h in logs if h["adaptive_kl/raw_kl"] > 0.06]
+    if method in ("clip", "sigmoid"):
+        assert all(h["adaptive_kl/adapted_kl"] < h["adaptive_kl/raw_kl"] for h in moved)
+        assert any(h["adaptive_kl/adapted_kl"] < h["adaptive_kl/raw_kl"] for h in logs[1:])
+
+
+def test_changing_beta_never_recompiles_the_fused_loss(tmp_path_factory):
+    r = run_worker("unsloth-first", "compiled", tmp_path_factory)
+    fixed, dynamic, to_zero = r["compiled_fixed"], r["compiled_dynamic"], r["compiled_dynamic_to_zero"]
+    assert fixed["betas"] == [0.04] * 5
+    assert dynamic["betas"] == pytest.approx([0.04 * 0.9**k for k in range(5)])
+    assert to_zero["betas"] == pytest.approx([0.04, 0.036, 0.0324, 0.0, 0.0])
+    # A beta that changes every step compiles exactly the graphs a fixed beta does, step by step.
+    assert dynamic["graphs"] == fixed["graphs"]
+    # The switch to 0 is one new constant (the gate): at most one graph more than the fixed run
+    # at each step; and once beta is 0 no KL is computed.
+    extra = [z - f for z, f in zip(to_zero["graphs"], fixed["graphs"])]
+    assert extra[:3] == [0, 0, 0] and max(extra) <= 1, (to_zero["graphs"], fixed["graphs"])
+    assert to_zero["raw_kl"][3:] == [None, None]

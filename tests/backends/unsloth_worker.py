@@ -1,0 +1,272 @@
+"""Unsloth scenarios, each run in a fresh process by test_unsloth.py: ``import unsloth`` rebinds
+TRL's classes process-wide, so it must not happen inside the main test process.
+
+    python unsloth_worker.py ORDER SCENARIO OUT_JSON
+
+ORDER is ``unsloth-first`` or ``ours-first``. The script writes a JSON object of measured facts;
+the assertions live in test_unsloth.py.
+"""
+
+import contextlib
+import io
+import json
+import math
+import os
+import sys
+import tempfile
+
+ORDER, SCENARIO, OUT = sys.argv[1:4]
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("UNSLOTH_COMPILE_LOCATION", tempfile.mkdtemp(prefix="unsloth-cache-"))
+if SCENARIO != "compiled":
+    os.environ["UNSLOTH_COMPILE_DISABLE"] = "1"  # eager: exact comparisons and fast tests
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for reference.py
+
+import_log = io.StringIO()
+with contextlib.redirect_stdout(import_log):
+    if ORDER == "unsloth-first":
+        import unsloth  # noqa: F401
+        from unsloth.models.rl import _patch_trl_rl_trainers
+
+        _patch_trl_rl_trainers("grpo_trainer")
+        import unsloth_adaptive_kl
+    else:
+        import unsloth_adaptive_kl
+        import unsloth  # noqa: F401
+        from unsloth.models.rl import _patch_trl_rl_trainers
+
+        _patch_trl_rl_trainers("grpo_trainer")
+
+import torch  # noqa: E402
+import trl  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+import reference  # noqa: E402
+from unsloth_adaptive_kl import toy  # noqa: E402
+
+generated = sys.modules["UnslothGRPOTrainer"]
+CHECKPOINT = toy.build_checkpoint(tempfile.mkdtemp(prefix="tiny-"), hidden_size=32)
+TOKENIZER = toy.build_tokenizer()
+results = {"trainer_class": trl.GRPOTrainer.__module__ + "." + trl.GRPOTrainer.__name__}
+
+
+def model():
+    m = AutoModelForCausalLM.from_pretrained(CHECKPOINT)
+    m.for_training = lambda *a, **k: None  # what FastLanguageModel adds; a plain model lacks them
+    m.for_inference = lambda *a, **k: None
+    return m
+
+
+def config(**overrides):
+    base = dict(
+        output_dir=tempfile.mkdtemp(prefix="out-"), use_cpu=True, bf16=False, report_to="none",
+        per_device_train_batch_size=4, num_generations=4, max_completion_length=reference.MAX_COMPLETION,
+        max_steps=3, logging_steps=1, learning_rate=2e-2, beta=0.04, warmup_steps=0, save_strategy="no", seed=0,
+        gradient_accumulation_steps=1,  # Unsloth's config defaults to 2; one micro-batch per step keeps logs = step means
+    )
+    base.update(overrides)
+    return trl.GRPOConfig(**base)
+
+
+def trainer(**overrides):
+    return trl.GRPOTrainer(
+        model=model(), reward_funcs=[toy.format_reward, toy.correctness_reward], args=config(**overrides),
+        train_dataset=toy.prompt_dataset(64), processing_class=TOKENIZER,
+    )
+
+
+def loss_and_grads(t, inputs):
+    t.model.zero_grad(set_to_none=True)
+    loss = t.compute_loss(t.model, inputs)
+    loss.backward()
+    return loss.detach(), [p.grad.detach().clone() for p in t.model.parameters() if p.grad is not None]
+
+
+def set_method(t, method, loss_type, **fields):
+    from unsloth_adaptive_kl.backends.unsloth import UnslothAdaptiveKL
+
+    for name, value in dict(kl_adaptation_method=method, loss_type=loss_type, **fields).items():
+        setattr(t.args, name, value)
+    t.loss_type = loss_type
+    t._adaptive_kl = UnslothAdaptiveKL(t)
+    t.beta = t._adaptive_kl.beta
+
+
+def hand_made_inputs(t, seed):
+    # Narrow log-ratios keep Unsloth's [-20, 20] and [-10, 10] clamps inactive, so the plain float64 formulas apply.
+    return reference.loss_inputs(
+        t.model.config.vocab_size, seed=seed, ref_spread=2.0, ref_offset=3.0, pad_token_id=TOKENIZER.pad_token_id
+    )
+
+
+def spy_on_fused_loss():
+    """Capture what the fused loss sees: the arguments of UnslothEfficientGRPO (outside its torch.func
+    transform, where tensors are plain)."""
+    cls = generated.UnslothEfficientGRPO
+    inner = cls.forward
+    seen = {}
+
+    def spy(ctx, new, old, ref, sampling, lm_head, input_ids, mask, advantages, beta, scaler=None, n_chunks=1, extra_kwargs=None, upstream_scale=None):
+        seen.update(new=new.detach().clone(), ref=ref.clone(), old=old.clone(), mask=mask.clone())
+        seen.update({k: extra_kwargs.get(k) for k in ("num_items_in_batch", "current_gradient_accumulation_steps", "steps_per_generation", "max_completion_length", "num_processes")})
+        return inner(ctx, new, old, ref, sampling, lm_head, input_ids, mask, advantages, beta, scaler, n_chunks, extra_kwargs, upstream_scale)
+
+    cls.forward = staticmethod(spy)
+    return seen
+
+
+def scenario_config():
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        c = config(kl_adaptation_method="dynamic+clip", kl_clip_threshold=0.5, reward_threshold=0.3, kl_horizon=123.0)
+    results["config_values"] = [c.kl_adaptation_method, c.kl_clip_threshold, c.reward_threshold, c.kl_horizon]
+    results["to_dict"] = {k: c.to_dict().get(k) for k in ("kl_adaptation_method", "kl_clip_threshold", "kl_horizon")}
+    results["printed"] = out.getvalue() + import_log.getvalue()
+    try:
+        config(kl_adaptation_method="bogus")
+        results["bad_method_error"] = None
+    except ValueError as e:
+        results["bad_method_error"] = str(e)
+    from transformers import HfArgumentParser
+
+    (parsed,) = HfArgumentParser(trl.GRPOConfig).parse_args_into_dataclasses(
+        ["--output_dir", tempfile.mkdtemp(), "--use_cpu", "--bf16", "False", "--beta", "0.1", "--kl_adaptation_method", "target"]
+    )
+    results["cli_method"] = parsed.kl_adaptation_method
+
+
+LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
+
+
+def scenario_identity():
+    """Method none + k3: patched vs stock Unsloth (unpatched in place) on the same batch, per loss type."""
+    t = trainer()
+    t.model.train()
+    identical = {}
+    for loss_type in LOSS_TYPES:
+        set_method(t, "none", loss_type, kl_estimator="k3")
+        inputs = hand_made_inputs(t, seed=1)
+        torch.manual_seed(0)
+        patched = loss_and_grads(t, inputs)
+        unsloth_adaptive_kl.unpatch()
+        try:
+            torch.manual_seed(0)
+            stock = loss_and_grads(t, inputs)
+        finally:
+            unsloth_adaptive_kl.patch()
+        identical[loss_type] = {
+            "stock_grads_have_nan": any(bool(g.isnan().any()) for g in stock[1]),
+            "loss_equal": bool(torch.equal(patched[0], stock[0])),
+            "grads_equal": len(patched[1]) == len(stock[1]) > 0
+            and all(torch.allclose(a, b, rtol=0, atol=0, equal_nan=True) for a, b in zip(patched[1], stock[1])),
+            "loss": patched[0].item(),
+        }
+    results["identity"] = identical
+    results["patched_again"] = generated.grpo_compute_loss is not unsloth_adaptive_kl.backends.trl.original(generated, "grpo_compute_loss")
+
+
+CASES = [("clip", "k3"), ("sigmoid", "k3"), ("length_normalized", "k3"), ("clip+sigmoid+length_normalized", "k3"), ("none", "k1"), ("clip", "k2"), ("none", "abs")]
+
+
+def scenario_kl_part():
+    """The KL part of the loss (loss at beta minus loss at beta=0) and the metrics, against float64."""
+    t = trainer()
+    t.model.train()
+    seen = spy_on_fused_loss()
+    out = []
+    beta, clip_threshold, kl_target = 0.3, 0.4, 0.2
+    for loss_type in LOSS_TYPES:
+        for method, estimator in CASES:
+            set_method(t, method, loss_type, kl_estimator=estimator, beta=beta, kl_clip_threshold=clip_threshold, kl_target=kl_target)
+            inputs = hand_made_inputs(t, seed=2)
+            t._metrics["train"].clear()
+            with torch.no_grad():
+                with_kl = t.compute_loss(t.model, inputs).double().item()
+                logged = {k: list(v) for k, v in t._metrics["train"].items() if k.startswith("adaptive_kl/")}
+                t.beta = 0.0
+                without_kl = t.compute_loss(t.model, inputs).double().item()
+            # The reference sees exactly what the fused loss saw (Unsloth trims padding columns first).
+            seen_inputs = {
+                "ref_per_token_logps": seen["ref"], "old_per_token_logps": seen["old"], "completion_mask": seen["mask"],
+                "num_items_in_batch": seen["num_items_in_batch"],
+            }
+            normaliser = dict(
+                unsloth_clamps=True, max_completion=seen["max_completion_length"], ga=seen["current_gradient_accumulation_steps"],
+                spg=seen["steps_per_generation"] or 1, nproc=seen["num_processes"],
+            )
+            expected, raw, shaped = reference.kl_part(
+                method, seen["new"], seen_inputs, loss_type, beta=beta, estimator=estimator, clip_threshold=clip_threshold,
+                kl_target=kl_target, **normaliser,
+            )
+            unshaped, _, _ = reference.kl_part(
+                "none", seen["new"], seen_inputs, loss_type, beta=beta, estimator=estimator, clip_threshold=clip_threshold,
+                kl_target=kl_target, **normaliser,
+            )
+            raw_mean, adapted_mean = reference.metric_reference(method, raw, shaped, seen["mask"])
+            out.append(
+                dict(
+                    loss_type=loss_type, method=method, estimator=estimator, got=with_kl - without_kl, expected=expected.item(),
+                    unshaped=unshaped.item(), logged_raw=logged["adaptive_kl/raw_kl"], logged_adapted=logged["adaptive_kl/adapted_kl"],
+                    logged_beta=logged["adaptive_kl/current_beta"], raw_ref=raw_mean, adapted_ref=adapted_mean,
+                )
+            )
+    results["kl_part"] = out
+
+
+METHODS = ["none", "clip", "sigmoid", "length_normalized", "dynamic", "target", "dynamic+length_normalized"]
+
+
+def scenario_train():
+    runs = {}
+    for method in METHODS:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            t = trainer(kl_adaptation_method=method, reward_threshold=-1.0, kl_clip_threshold=0.05, kl_target=0.02, kl_horizon=40.0)
+            t.train()
+        logs = [h for h in t.state.log_history if "adaptive_kl/current_beta" in h]
+        runs[method] = {
+            "logs": [{k: v for k, v in h.items() if k.startswith("adaptive_kl/") or k == "kl"} for h in logs],
+            "ignored_printed": "IGNORED" in out.getvalue(),
+            "runtime": type(t._adaptive_kl).__name__,
+            "batch": [t.args.per_device_train_batch_size, t.args.gradient_accumulation_steps, t.args.steps_per_generation],
+        }
+    results["train"] = runs
+
+
+def scenario_compiled():
+    """Compiled fused loss: graphs compiled per step with a fixed beta, a beta that changes every
+    step, and a beta that reaches 0 (dynamo state reset between runs)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    from transformers import TrainerCallback
+
+    class GraphCounter(TrainerCallback):
+        def __init__(self):
+            self.per_step = []
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.per_step.append(counters["stats"]["unique_graphs"])
+
+    runs = {
+        "fixed": dict(kl_adaptation_method="none"),
+        "dynamic": dict(kl_adaptation_method="dynamic", reward_threshold=-1.0),
+        "dynamic_to_zero": dict(kl_adaptation_method="dynamic", reward_threshold=-1.0, beta_min=0.0, beta_schedule_steps=3),
+    }
+    for name, overrides in runs.items():
+        torch._dynamo.reset()
+        counters.clear()
+        t = trainer(max_steps=5, **overrides)
+        counter = GraphCounter()
+        t.add_callback(counter)
+        t.train()
+        logs = [h for h in t.state.log_history if "adaptive_kl/current_beta" in h]
+        results[f"compiled_{name}"] = {
+            "graphs": counter.per_step,
+            "betas": [h["adaptive_kl/current_beta"] for h in logs],
+            "raw_kl": [h["adaptive_kl/raw_kl"] for h in logs],
+        }
+
+
+{"config": scenario_config, "identity": scenario_identity, "kl_part": scenario_kl_part, "train": scenario_train, "compiled": scenario_compiled}[SCENARIO]()
+with open(OUT, "w") as f:
+    json.dump(results, f, default=lambda o: None if isinstance(o, float) and math.isnan(o) else str(o))

@@ -1,0 +1,114 @@
+"""Unsloth backend on a GPU: real GRPO runs, 16-bit LoRA and 4-bit QLoRA, for every method,
+and a dynamic β over 30+ steps with the compiled fused loss. Skipped without CUDA.
+
+Run on the GPU machine (see docs/gpu-verification.md for the recorded command and output):
+
+    UAKL_GPU_REPORT=$OUT/gpu-report.json python -m pytest -q -s tests/gpu
+"""
+
+import json
+import math
+import os
+import tempfile
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+pytest.importorskip("unsloth")
+
+import unsloth  # noqa: E402,F401  (first, as Unsloth asks; generates its GRPO trainer)
+from unsloth import FastLanguageModel  # noqa: E402
+
+import unsloth_adaptive_kl  # noqa: E402
+from unsloth_adaptive_kl import toy  # noqa: E402
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+
+METHODS = ["none", "clip", "sigmoid", "length_normalized", "dynamic", "target", "dynamic+length_normalized"]
+REPORT = {}
+
+
+@pytest.fixture(scope="module")
+def checkpoint():
+    path = toy.build_checkpoint(tempfile.mkdtemp(prefix="gpu-tiny-"), hidden_size=256, layers=4, warm_start_steps=150)
+    yield path
+    report = os.environ.get("UAKL_GPU_REPORT")
+    if report:
+        with open(report, "w") as f:
+            json.dump(REPORT, f, indent=1)
+
+
+def lora_model(path, load_in_4bit):
+    model, tokenizer = FastLanguageModel.from_pretrained(
+        model_name=path, max_seq_length=128, load_in_4bit=load_in_4bit, dtype=torch.bfloat16 if not load_in_4bit else None
+    )
+    model = FastLanguageModel.get_peft_model(
+        model, r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        use_gradient_checkpointing="unsloth", random_state=0,
+    )
+    return model, tokenizer
+
+
+def train(path, *, load_in_4bit, steps, **fields):
+    from torch._dynamo.utils import counters
+
+    model, tokenizer = lora_model(path, load_in_4bit)
+    args = GRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="gpu-out-"), report_to="none", per_device_train_batch_size=8, num_generations=8,
+        max_completion_length=16, max_steps=steps, logging_steps=1, learning_rate=5e-4, warmup_steps=0, save_strategy="no",
+        beta=0.04, bf16=True, seed=0, **fields,
+    )
+    trainer = GRPOTrainer(
+        model=model, processing_class=tokenizer, reward_funcs=[toy.format_reward, toy.correctness_reward], args=args,
+        train_dataset=toy.prompt_dataset(512),
+    )
+    graphs = []
+
+    from transformers import TrainerCallback
+
+    class GraphCounter(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            graphs.append(counters["stats"]["unique_graphs"])
+
+    trainer.add_callback(GraphCounter())
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "adaptive_kl/current_beta" in h]
+    return trainer, logs, graphs
+
+
+@pytest.mark.parametrize("load_in_4bit", [False, True], ids=["lora16", "qlora4"])
+@pytest.mark.parametrize("method", METHODS)
+def test_unsloth_grpo_run_on_gpu(checkpoint, method, load_in_4bit):
+    trainer, logs, _ = train(
+        checkpoint, load_in_4bit=load_in_4bit, steps=6, kl_adaptation_method=method, reward_threshold=0.3, reward_window=2,
+        kl_clip_threshold=0.02, kl_target=0.01, kl_horizon=200.0,
+    )
+    assert type(trainer).__name__ == "UnslothGRPOTrainer" and type(trainer._adaptive_kl).__name__ == "UnslothAdaptiveKL"
+    assert len(logs) == 6
+    for h in logs:
+        assert math.isfinite(h["adaptive_kl/raw_kl"]) and math.isfinite(h["adaptive_kl/adapted_kl"]) and math.isfinite(h["loss"])
+    betas = [h["adaptive_kl/current_beta"] for h in logs]
+    if method in ("none", "clip", "sigmoid", "length_normalized"):
+        assert betas == [0.04] * 6
+    else:
+        assert betas[0] == 0.04 and len(set(betas)) > 1  # the controller acted
+    if "clip" in method:
+        assert all(h["adaptive_kl/adapted_kl"] <= 0.02 + 1e-6 for h in logs)
+    REPORT[f"{method}/{'qlora4' if load_in_4bit else 'lora16'}"] = [
+        {k: h.get(k) for k in ("step", "loss", "reward", "kl", "adaptive_kl/raw_kl", "adaptive_kl/adapted_kl", "adaptive_kl/current_beta", "completions/mean_length", "step_time")}
+        for h in logs
+    ]
+
+
+def test_dynamic_beta_over_30_steps_never_recompiles(checkpoint):
+    # Completions of a fixed length keep every tensor shape constant, so any new graph would be beta's doing.
+    _, logs, graphs = train(
+        checkpoint, load_in_4bit=False, steps=32, kl_adaptation_method="dynamic", reward_threshold=-1.0, dynamic_beta_decay=0.95,
+        generation_kwargs={"min_new_tokens": 16},
+    )
+    betas = [h["adaptive_kl/current_beta"] for h in logs]
+    assert betas == pytest.approx([0.04 * 0.95**k for k in range(32)], rel=1e-9)
+    # After the first steps (compilation), a new beta every step adds no graph.
+    assert graphs[-1] == graphs[1], graphs
+    REPORT["dynamic_32_steps"] = {"betas": betas, "graphs_per_step": graphs, "step_time": [h.get("step_time") for h in logs]}

@@ -1,0 +1,93 @@
+"""Shared test material: a hand-made GRPO batch and float64 references written from the
+definitions (Schulman's estimators, the shaping formulas, TRL 1.15's per-loss-type aggregation)."""
+
+import torch
+
+MAX_COMPLETION = 6
+
+
+def loss_inputs(vocab_size, seed=0, batch=4, prompt=3, completion=MAX_COMPLETION, ref_spread=6.0, ref_offset=0.0, pad_token_id=0):
+    """A hand-made batch: variable completion lengths (one all-masked row) padded with
+    ``pad_token_id`` (Unsloth rebuilds the mask from it), policy away from the reference and from
+    the old policy, so every KL term and ratio is non-trivial."""
+    g = torch.Generator().manual_seed(seed)
+    completion_mask = torch.ones(batch, completion, dtype=torch.long)
+    for i, length in enumerate([completion, 3, 1, 0][:batch]):
+        completion_mask[i, length:] = 0
+    completion_ids = torch.randint(5, vocab_size, (batch, completion), generator=g)
+    return {
+        "prompt_ids": torch.randint(5, vocab_size, (batch, prompt), generator=g),
+        "prompt_mask": torch.ones(batch, prompt, dtype=torch.long),
+        "completion_ids": completion_ids.masked_fill(completion_mask == 0, pad_token_id),
+        "completion_mask": completion_mask,
+        "advantages": torch.randn(batch, generator=g),
+        "old_per_token_logps": -torch.rand(batch, completion, generator=g) * 3 - 2,
+        "ref_per_token_logps": -torch.rand(batch, completion, generator=g) * ref_spread - ref_offset,
+        "num_items_in_batch": completion_mask.sum().float(),
+    }
+
+
+def aggregate(x, mask, loss_type, *, num_items, max_completion=MAX_COMPLETION, spg=1, ga=1, nproc=1):
+    """TRL 1.15's aggregation of a per-token term, written out per loss type (float64)."""
+    m = mask.double()
+    lengths = m.sum(-1).clamp(min=1)
+    if loss_type in ("grpo", "sapo"):
+        return ((x * m).sum(-1) / lengths).mean() / ga
+    if loss_type == "bnpo":
+        return (x * m).sum() / m.sum().clamp(min=1) / ga
+    if loss_type == "dr_grpo":
+        return (x * m).sum() / (x.shape[0] * max_completion) / ga
+    if loss_type in ("dapo", "cispo", "vespo"):
+        return (x * m).sum() / (num_items / nproc * ga / spg)
+    if loss_type == "luspo":
+        return (x * m).sum(-1).mean() / ga
+    raise AssertionError(loss_type)
+
+
+def raw_and_shaped_kl(method, logp, ref, old, mask, *, estimator, clip_threshold, kl_target, bias_correction=True, unsloth_clamps=False):
+    """Float64 per-token raw KL (estimator x importance ratio) and its shaped value (masked to 0).
+
+    ``unsloth_clamps``: Unsloth's fused loss clamps the log-ratio to [-20, 20] and the corrected
+    KL to [-10, 10]; its backend keeps those clamps for every estimator."""
+    logp, ref, old = logp.double(), ref.double(), old.double()
+    r = ref - logp
+    if unsloth_clamps:
+        r = r.clamp(-20, 20)
+    raw = {"k3": torch.exp(r) - r - 1, "k1": -r, "k2": 0.5 * r**2, "abs": r.abs()}[estimator]
+    if bias_correction:
+        raw = raw * torch.exp(logp - old)
+    if unsloth_clamps:
+        raw = raw.clamp(-10, 10)
+    shaped = raw
+    parts = method.split("+")
+    if "clip" in parts:
+        shaped = torch.minimum(shaped, torch.tensor(clip_threshold, dtype=torch.float64))
+    if "sigmoid" in parts:
+        shaped = torch.sigmoid(shaped - kl_target) * shaped
+    mask = mask.bool()
+    return torch.where(mask, raw, torch.zeros_like(raw)), torch.where(mask, shaped, torch.zeros_like(shaped))
+
+
+def kl_part(method, logp, inputs, loss_type, *, beta, estimator, clip_threshold, kl_target, bias_correction=True, unsloth_clamps=False, ga=1, **normaliser):
+    """Float64 KL part of the loss, ``beta * agg(shaped)``, or ``beta * mean_i(mean_t shaped)`` when length-normalised."""
+    mask = inputs["completion_mask"].bool()
+    raw, shaped = raw_and_shaped_kl(
+        method, logp, inputs["ref_per_token_logps"], inputs["old_per_token_logps"], mask,
+        estimator=estimator, clip_threshold=clip_threshold, kl_target=kl_target, bias_correction=bias_correction,
+        unsloth_clamps=unsloth_clamps,
+    )
+    if "length_normalized" in method.split("+"):
+        return beta * (shaped.sum(-1) / mask.sum(-1).clamp(min=1)).mean() / ga, raw, shaped
+    num_items = float(inputs["num_items_in_batch"])
+    return beta * aggregate(shaped, mask, loss_type, num_items=num_items, ga=ga, **normaliser), raw, shaped
+
+
+def metric_reference(method, raw, shaped, mask):
+    """Float64 adaptive_kl/raw_kl and adaptive_kl/adapted_kl for one micro-batch."""
+    mask = mask.bool()
+    raw_mean = raw.sum() / mask.sum()
+    if "length_normalized" in method.split("+"):
+        adapted = (shaped.sum(-1) / mask.sum(-1).clamp(min=1)).mean()
+    else:
+        adapted = shaped.sum() / mask.sum()
+    return raw_mean.item(), adapted.item()
