@@ -154,13 +154,13 @@ def main():
     if not torch.cuda.is_available():
         sys.exit("bench_unsloth.py needs a CUDA GPU (Unsloth's fused GRPO loss)")
     import unsloth  # noqa: F401  (first, as Unsloth asks)
-    import torch._dynamo
+    from torch import _dynamo
 
     import unsloth_adaptive_kl  # noqa: F401
 
     # Many trainers in one process: let every configuration keep its own compiled graphs.
-    torch._dynamo.config.recompile_limit = 256
-    torch._dynamo.config.accumulated_recompile_limit = 4096
+    _dynamo.config.recompile_limit = 256
+    _dynamo.config.accumulated_recompile_limit = 4096
     path = build_checkpoint(args)
     wanted = None if args.rows == "all" else set(args.rows.split(","))
     rows = []

@@ -31,7 +31,8 @@ REPORT = {}
 
 @pytest.fixture(scope="module")
 def checkpoint():
-    path = toy.build_checkpoint(tempfile.mkdtemp(prefix="gpu-tiny-"), hidden_size=256, layers=4, warm_start_steps=150)
+    size = dict(hidden_size=int(os.environ.get("UAKL_GPU_HIDDEN", "256")), layers=4)
+    path = toy.build_checkpoint(tempfile.mkdtemp(prefix="gpu-tiny-"), warm_start_steps=150, **size)
     yield path
     report = os.environ.get("UAKL_GPU_REPORT")
     if report:
@@ -39,15 +40,30 @@ def checkpoint():
             json.dump(REPORT, f, indent=1)
 
 
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# "fast": Unsloth's FastLanguageModel (what most Unsloth users write); "peft": transformers +
+# bitsandbytes + peft, trained by the same generated Unsloth GRPO trainer.
+LOADER = os.environ.get("UAKL_GPU_LOADER", "fast")
+
+
 def lora_model(path, load_in_4bit):
-    model, tokenizer = FastLanguageModel.from_pretrained(
-        model_name=path, max_seq_length=128, load_in_4bit=load_in_4bit, dtype=torch.bfloat16 if not load_in_4bit else None
-    )
-    model = FastLanguageModel.get_peft_model(
-        model, r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-        use_gradient_checkpointing="unsloth", random_state=0,
-    )
-    return model, tokenizer
+    if LOADER == "fast":
+        model, tokenizer = FastLanguageModel.from_pretrained(
+            model_name=path, max_seq_length=128, load_in_4bit=load_in_4bit, dtype=None if load_in_4bit else torch.bfloat16
+        )
+        model = FastLanguageModel.get_peft_model(
+            model, r=16, lora_alpha=32, target_modules=LORA_TARGETS, use_gradient_checkpointing="unsloth", random_state=0
+        )
+        return model, tokenizer
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+
+    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_type="nf4") if load_in_4bit else None
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, quantization_config=quantization, device_map={"": 0})
+    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=LORA_TARGETS, task_type="CAUSAL_LM"))
+    model.for_training = lambda *a, **k: None  # the generated trainer calls these (FastLanguageModel adds them)
+    model.for_inference = lambda *a, **k: None
+    return model, AutoTokenizer.from_pretrained(path)
 
 
 def train(path, *, load_in_4bit, steps, **fields):
@@ -57,7 +73,7 @@ def train(path, *, load_in_4bit, steps, **fields):
     args = GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="gpu-out-"), report_to="none", per_device_train_batch_size=8, num_generations=8,
         max_completion_length=16, max_steps=steps, logging_steps=1, learning_rate=5e-4, warmup_steps=0, save_strategy="no",
-        beta=0.04, bf16=True, seed=0, **fields,
+        beta=0.04, bf16=True, seed=0, gradient_accumulation_steps=1, **fields,
     )
     trainer = GRPOTrainer(
         model=model, processing_class=tokenizer, reward_funcs=[toy.format_reward, toy.correctness_reward], args=args,
