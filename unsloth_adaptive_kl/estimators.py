@@ -114,13 +114,21 @@ def k2(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return 0.5 * (ref_logp - logp) ** 2
 
 
+K3_LOG_RATIO_BOUND = 20.0
+
+
 @register_estimator("k3", "low_var_kl", _builtin=True)
 def k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    """k3 = exp(r) - r - 1 with r = log pi_ref - log pi (Schulman 2020).
+    """k3 = exp(r) - r - 1 with r = log pi_ref - log pi (Schulman 2020), r clamped to [-20, 20].
 
-    Written in TRL's exact form so that it reproduces TRL's GRPO loss bit for bit.
+    Written in TRL's form, ``exp(ref - logp) - (ref - logp) - 1``, so that it reproduces TRL's GRPO
+    loss bit for bit wherever ``|r| <= 20``. The clamp (verl's and Unsloth's bound on the log-ratio)
+    keeps ``exp`` finite: unclamped, ``r > 88.7`` overflows float32 to inf. Beyond the bound the value
+    is that of ``r = ±20`` and the gradient is 0. verl and Unsloth also clamp the value to [-10, 10];
+    that is not done here (it would change TRL's loss for every token with ``r > 2.6``).
     """
-    return torch.exp(ref_logp - logp) - (ref_logp - logp) - 1
+    bound = K3_LOG_RATIO_BOUND
+    return torch.exp((ref_logp - logp).clamp(-bound, bound)) - (ref_logp - logp).clamp(-bound, bound) - 1
 
 
 @register_estimator("abs", _builtin=True)
@@ -193,6 +201,16 @@ def estimate_kl(
     ``torch.compile(fullgraph=True)`` region); the fused backends check once, eagerly, at setup.
     """
     spec = get_estimator(name)
+    if mask is not None:
+        # Padding may hold anything, NaN and inf included: the estimator sees 0 there and its output
+        # is zeroed there (below), so neither the value nor the gradient can carry it.
+        valid = mask.bool()
+        ref_logp = torch.where(valid, ref_logp, 0.0)
+        if spec.name != "k3":
+            # Not for k3: a node between logp and TRL's two subtractions would change the order in
+            # which autograd sums logp's gradient, and TRL's loss would no longer be reproduced bit for
+            # bit. k3's log-ratio clamp does the same job: its backward is 0 wherever r is NaN or ±inf.
+            logp = torch.where(valid, logp, 0.0)
     if spec.batch_statistic is not None:
         if statistic is None:
             if mask is None:
@@ -203,7 +221,7 @@ def estimate_kl(
         out = spec.fn(logp, ref_logp)
     if check and not spec.builtin:
         _check_user_output(spec.name, out, logp, mask)
-    return out
+    return out if mask is None else torch.where(valid, out, 0.0)
 
 
 def _check_user_output(name: str, out, logp: torch.Tensor, mask: torch.Tensor | None) -> None:

@@ -35,7 +35,7 @@ def local_kl_sums(raw: torch.Tensor, adapted: torch.Tensor, mask: torch.Tensor) 
                 torch.where(valid, adapted, zero).sum().double(),
                 valid.sum().double(),
                 sequence_mean(adapted.double(), mask).sum(),
-                torch.ones_like(mask[:, 0], dtype=torch.float64).sum(),  # rows; no Python float, so it compiles
+                torch.ones_like(valid.sum(-1), dtype=torch.float64).sum(),  # rows (also when T = 0); no Python float, so it compiles
             ]
         )
 

@@ -395,7 +395,10 @@ class AdaptiveFusedLinearGRPOLoss(nn.Module):
         if self.use_bias_correction_kl:  # the un-clamped ratio, (B, T) or (B, 1), as Liger and TRL
             old_or_self = logps.detach() if old is None else old
             coef = torch.exp(log_importance_weights(logps, old_or_self, mask, self.importance_sampling_level))
-        raw, adapted = self.kl_terms(logps, ref, mask, coef, statistic)
+        # Liger's luspo weighs padded positions too (module docstring), so its KL is taken there as well;
+        # every other loss type's KL is 0 on padding (estimate_kl zeroes masked positions).
+        kl_mask = torch.ones_like(mask) if self.loss_type == "luspo" else mask
+        raw, adapted = self.kl_terms(logps, ref, kl_mask, coef, statistic)
         if self.adaptive_kl.length_normalized:
             kl_part = self.adaptive_kl.length_normalized_term(adapted, mask, mask.shape[0])
         else:
