@@ -1,0 +1,131 @@
+"""Hypothesis fuzzing: random configurations × random inputs for every estimator, every shaping
+combination and every β controller, against float64 references written in this file."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from test_adversarial import BUILTINS, adaptive, float64_kl
+from unsloth_adaptive_kl.controllers import ControllerConfig, make_controller
+
+FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@st.composite
+def batches(draw):
+    """(logp, ref, mask): float32 log-probs in [-30, 0], log-ratios up to ±40 (beyond k3's bound), ragged mask."""
+    rows, width = draw(st.integers(1, 4)), draw(st.integers(0, 6))
+    floats = lambda lo, hi: st.lists(st.floats(lo, hi, width=32), min_size=rows * width, max_size=rows * width)  # noqa: E731
+    logp = torch.tensor(draw(floats(-30, 0)), dtype=torch.float32).view(rows, width)
+    ref = logp + torch.tensor(draw(floats(-40, 40)), dtype=torch.float32).view(rows, width)
+    lengths = draw(st.lists(st.integers(0, width), min_size=rows, max_size=rows))
+    mask = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).long()
+    return logp, ref, mask
+
+
+@st.composite
+def configs(draw):
+    shaping = draw(st.lists(st.sampled_from(["clip", "sigmoid", "length_normalized"]), unique=True))
+    controller = draw(st.sampled_from([[], ["dynamic"], ["target"]]))
+    parts = draw(st.permutations(shaping + controller))  # any written order means the same method
+    return dict(
+        method="+".join(parts) or "none",
+        estimator=draw(st.sampled_from(BUILTINS)),
+        clip=draw(st.floats(0.01, 5.0)),
+        target=draw(st.floats(0.01, 5.0)),
+        q=draw(st.floats(0.05, 1.0)),
+    )
+
+
+def shaped64(kl, parts, clip, target):
+    if "clip" in parts:
+        kl = torch.minimum(kl, torch.tensor(clip, dtype=torch.float64))
+    if "sigmoid" in parts:
+        kl = kl / (1 + torch.exp(-(kl - target)))
+    return kl
+
+
+@FUZZ
+@given(configs(), batches(), st.booleans())
+def test_per_token_and_length_normalised_term_match_float64(config, batch, with_coef):
+    logp, ref, mask = batch
+    state = adaptive(config["method"], config["estimator"], kl_clip_threshold=config["clip"], kl_target=config["target"], kl_bottom_q=config["q"])
+    coef = torch.exp(torch.linspace(-1, 1, logp.numel()).view_as(logp)) if with_coef else None
+    raw, adapted = state.per_token(logp, ref, mask, coef, statistic=state.batch_statistic(ref, mask))
+    valid = mask.bool()
+    raw64 = float64_kl(config["estimator"], logp, ref, q=config["q"], mask=mask)
+    if coef is not None:
+        raw64 = raw64 * coef.double()
+    raw64 = torch.where(valid, raw64, 0.0)
+    adapted64 = torch.where(valid, shaped64(raw64, config["method"].split("+"), config["clip"], config["target"]), 0.0)
+    torch.testing.assert_close(raw.double(), raw64, rtol=2e-5, atol=1e-4)
+    torch.testing.assert_close(adapted.double(), adapted64, rtol=2e-5, atol=1e-4)
+    term = state.length_normalized_term(adapted, mask, mask.shape[0])
+    expected = (adapted64.sum(-1) / valid.sum(-1).clamp(min=1)).sum() / mask.shape[0]
+    assert term.item() == pytest.approx(expected.item(), rel=2e-5, abs=1e-4)
+
+
+# -- β controllers ----------------------------------------------------------------------------------
+def dynamic64(cfg: ControllerConfig, steps):
+    """The dynamic controller, written out: trailing mean of the last `reward_window` non-NaN rewards."""
+    beta, window, out = cfg.beta if cfg.beta_schedule_steps > 0 else cfg.beta_min, [], []
+    for step, (reward, _kl, _n) in enumerate(steps):
+        if not math.isnan(reward):
+            window = (window + [reward])[-cfg.reward_window :]
+        if beta != 0.0:
+            if step + 1 >= cfg.beta_schedule_steps:
+                beta = cfg.beta_min
+            elif window and sum(window) / len(window) > cfg.reward_threshold:
+                beta = max(cfg.beta_min, beta * cfg.dynamic_beta_decay)
+        out.append(beta)
+    return out
+
+
+def target64(cfg: ControllerConfig, steps):
+    beta, out = cfg.beta, []
+    for _reward, kl, n in steps:
+        if beta != 0.0 and kl is not None:
+            error = min(max(kl / cfg.kl_target - 1, -0.2), 0.2)
+            beta = max(cfg.beta_min, beta * (1 + error * n / cfg.kl_horizon))
+        out.append(beta)
+    return out
+
+
+@st.composite
+def controller_runs(draw):
+    beta = draw(st.floats(1e-4, 1.0))
+    cfg = ControllerConfig(
+        beta=beta,
+        beta_min=draw(st.sampled_from([0.0, beta * draw(st.floats(0, 1))])),
+        dynamic_beta_decay=draw(st.floats(0.01, 1.0)),
+        reward_threshold=draw(st.floats(-1, 1)),
+        reward_window=draw(st.integers(1, 5)),
+        beta_schedule_steps=draw(st.integers(0, 12)),
+        kl_target=draw(st.floats(1e-3, 1.0)),
+        kl_horizon=draw(st.floats(50.0, 1e4)),
+    )
+    step = st.tuples(
+        st.one_of(st.floats(-1, 1), st.just(float("nan"))), st.one_of(st.none(), st.floats(0, 3)), st.integers(1, 8)
+    )
+    return cfg, draw(st.lists(step, min_size=1, max_size=15))
+
+
+@FUZZ
+@given(controller_runs(), st.sampled_from(["fixed", "dynamic", "target"]), st.data())
+def test_controllers_follow_their_reference_and_resume_exactly(run, name, data):
+    cfg, steps = run
+    expected = {"fixed": lambda c, s: [c.beta] * len(s), "dynamic": dynamic64, "target": target64}[name](cfg, steps)
+    split = data.draw(st.integers(0, len(steps)))
+    controller = make_controller(name, cfg)
+    betas = []
+    for index, (reward, kl, n) in enumerate(steps):
+        if index == split:  # a checkpoint: a fresh controller continues from the saved state
+            state = controller.state_dict()
+            controller = make_controller(name, cfg)
+            controller.load_state_dict(state)
+        controller.observe_reward(reward)
+        betas.append(controller.update(global_step=index + 1, kl=kl, num_completions=n))
+    assert betas == expected  # exact: the same float operations in the same order
