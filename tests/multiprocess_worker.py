@@ -1,0 +1,95 @@
+"""One rank of tests/test_multiprocess.py, run with ``accelerate launch --multi_gpu --num_processes 2`` (CPU, gloo).
+
+    multiprocess_worker.py CHECKPOINT OUT_DIR
+
+For each β controller it trains a few GRPO steps with the TRL backend and writes, per rank, what
+it measured to OUT_DIR/rank{R}.json: β at every step, and for every micro-batch the local KL sums
+(before the cross-process reduce) and the global values logged. Rank 1 masks out its first
+completion entirely and truncates the others, so the ranks see different completion lengths and
+an all-masked row. The assertions live in test_multiprocess.py.
+"""
+
+import json
+import os
+import sys
+import tempfile
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+
+import unsloth_adaptive_kl  # noqa: E402,F401
+from unsloth_adaptive_kl import metrics, toy  # noqa: E402
+
+CHECKPOINT, OUT = sys.argv[1:3]
+METHODS = {
+    "none": dict(kl_adaptation_method="none"),
+    "dynamic": dict(kl_adaptation_method="dynamic", reward_threshold=-1.0),  # decays every step
+    "target": dict(kl_adaptation_method="target", kl_target=0.01, kl_horizon=20.0),
+}
+
+
+class RecordBeta(TrainerCallback):
+    def __init__(self, trainer, betas):
+        self.trainer, self.betas = trainer, betas
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.betas.append(self.trainer.beta)
+
+
+def uneven_batches(trainer, rank):
+    """On rank 1: the first completion fully masked, the others cut to 2 tokens."""
+    original = trainer._generate_and_score_completions
+
+    def generate(*args, **kwargs):
+        out = original(*args, **kwargs)
+        if rank == 1:
+            mask = out["completion_mask"].clone()
+            mask[0] = 0
+            mask[1:, 2:] = 0
+            out["completion_mask"] = mask
+        return out
+
+    trainer._generate_and_score_completions = generate
+
+
+def record_sums(runtime, rows):
+    original = runtime.record_sums
+
+    def record_sums(local_sums, *, training, beta):
+        values = original(local_sums, training=training, beta=beta)
+        if local_sums is not None:
+            rows.append({"local": local_sums.tolist(), "logged_raw": values[metrics.RAW_KL], "logged_adapted": values[metrics.ADAPTED_KL]})
+        return values
+
+    runtime.record_sums = record_sums
+
+
+def main():
+    rank = int(os.environ.get("RANK", "0"))
+    results = {"world_size": int(os.environ.get("WORLD_SIZE", "1"))}
+    for name, fields in METHODS.items():
+        args = GRPOConfig(
+            output_dir=tempfile.mkdtemp(prefix=f"mp-{name}-"), use_cpu=True, bf16=False, report_to="none",
+            per_device_train_batch_size=2, num_generations=4, max_completion_length=6, max_steps=3, logging_steps=1,
+            learning_rate=2e-2, beta=0.04, save_strategy="no", seed=0, **fields,
+        )  # fmt: skip
+        trainer = GRPOTrainer(
+            model=CHECKPOINT, reward_funcs=[toy.format_reward, toy.correctness_reward], args=args, train_dataset=toy.prompt_dataset(32)
+        )
+        betas, rows = [trainer.beta], []
+        trainer.add_callback(RecordBeta(trainer, betas))
+        uneven_batches(trainer, rank)
+        record_sums(trainer._adaptive_kl, rows)
+        trainer.train()
+        logged = [h for h in trainer.state.log_history if metrics.CURRENT_BETA in h]
+        results[name] = {"betas": betas, "rows": rows, "logged_betas": [h[metrics.CURRENT_BETA] for h in logged]}
+        torch.distributed.barrier()
+    with open(os.path.join(OUT, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+
+
+if __name__ == "__main__":
+    main()

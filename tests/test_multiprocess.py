@@ -1,0 +1,77 @@
+"""Two processes (``accelerate launch --multi_gpu --num_processes 2`` on CPU: torchrun, gloo) training GRPO with each β
+controller on the TRL backend: β is the same on every rank at every step, the logged adaptive_kl
+metrics are the global token-weighted means of both ranks' local sums, and ranks that see
+different completion lengths and an all-masked row neither deadlock nor disagree. A deadlock
+fails through the subprocess timeout."""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+
+WORKER = os.path.join(os.path.dirname(__file__), "multiprocess_worker.py")
+ACCELERATE = shutil.which("accelerate", path=os.path.dirname(sys.executable)) or shutil.which("accelerate")
+TIMEOUT_S = 240
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ranks(tiny_checkpoint, tmp_path_factory):
+    out = tmp_path_factory.mktemp("multiprocess")
+    # --multi_gpu selects accelerate's torchrun launcher; with no GPU and use_cpu=True the ranks use gloo.
+    # (--cpu with 2 processes would need MPI and silently runs one process.)
+    command = [
+        ACCELERATE, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+        "--dynamo_backend", "no", "--main_process_port", str(free_port()), WORKER, tiny_checkpoint, str(out),
+    ]  # fmt: skip
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    try:
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
+    except subprocess.TimeoutExpired as error:
+        pytest.fail(f"2-process training did not finish in {TIMEOUT_S} s (deadlock?): {str(error.stderr)[-3000:]}")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    results = []
+    for rank in (0, 1):
+        with open(out / f"rank{rank}.json") as f:
+            results.append(json.load(f))
+    assert [r["world_size"] for r in results] == [2, 2]
+    return results
+
+
+@pytest.mark.parametrize("method", ["none", "dynamic", "target"])
+def test_beta_is_identical_on_every_rank_at_every_step(ranks, method):
+    zero, one = ranks[0][method], ranks[1][method]
+    assert len(zero["betas"]) == 4  # initial + 3 optimizer steps
+    assert zero["betas"] == one["betas"] and zero["logged_betas"] == one["logged_betas"]
+    if method == "none":
+        assert zero["betas"] == [0.04] * 4
+    elif method == "dynamic":
+        assert zero["betas"] == pytest.approx([0.04, 0.036, 0.0324, 0.02916])
+    else:
+        assert len(set(zero["betas"])) > 1  # the target controller moved, from global statistics
+
+
+@pytest.mark.parametrize("method", ["none", "dynamic", "target"])
+def test_logged_metrics_are_global_means_of_both_ranks_local_sums(ranks, method):
+    from unsloth_adaptive_kl import metrics
+
+    zero, one = ranks[0][method]["rows"], ranks[1][method]["rows"]
+    assert len(zero) == len(one) == 3  # one reduce per micro-batch on each rank, in step
+    for a, b in zip(zero, one):
+        assert a["local"][metrics.TOKENS] != b["local"][metrics.TOKENS]  # the ranks saw different lengths
+        total = [x + y for x, y in zip(a["local"], b["local"])]
+        expected_raw = total[metrics.RAW_SUM] / total[metrics.TOKENS]  # what one process would log on both shards
+        expected_adapted = total[metrics.ADAPTED_SUM] / total[metrics.TOKENS]
+        for row in (a, b):
+            assert row["logged_raw"] == pytest.approx(expected_raw, rel=1e-12)
+            assert row["logged_adapted"] == pytest.approx(expected_adapted, rel=1e-12)
+        assert a["local"][metrics.COMPLETIONS] == b["local"][metrics.COMPLETIONS] == 2
