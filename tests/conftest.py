@@ -1,8 +1,12 @@
 import os
 
+import torch  # noqa: E402  (torch does not import triton)
+
 # TRL's fused log-prob kernel is Triton; on a machine with no GPU it only runs interpreted.
-# This must be set before triton is first imported.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+# This must be set before triton is first imported, and never on a GPU machine, where every
+# Triton kernel (Unsloth's, Liger's, TRL's) would then run through the CPU interpreter.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
