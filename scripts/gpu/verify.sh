@@ -1,18 +1,27 @@
 #!/usr/bin/env bash
 # GPU verification, run on the GPU machine from the repo root (see docs/gpu-verification.md):
-#   export PYTHONPATH=$PWD/.gpu-site:$PWD; bash scripts/gpu/verify.sh "$OUT"
-# 1. the GPU tests (Unsloth backend: every method as 16-bit LoRA and 4-bit QLoRA; dynamic beta
-#    over 32 steps), 2. the Liger benchmark, 3. a smoke pass of the Unsloth benchmark.
+#   export PYTHONPATH=$PWD/.gpu-site:$PWD; bash scripts/gpu/verify.sh "$OUT" STAGE...
+# Stages: machine, tests (Unsloth backend, every method as 16-bit LoRA and 4-bit QLoRA; dynamic
+# beta over 32 steps), liger (bench), unsloth-bench, demo-check (a short demo run), demo-3seeds.
 set -uo pipefail
-OUT=${1:-/tmp/gpu-out}
+OUT=$1; shift
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false UNSLOTH_COMPILE_LOCATION=/tmp/unsloth_cache
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/machine.txt"
-python -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(), torch.cuda.get_device_capability())" | tee -a "$OUT/machine.txt"
-python -m unsloth_adaptive_kl doctor 2>&1 | tee "$OUT/doctor.txt"
-echo "== tests/gpu"
-UAKL_GPU_REPORT="$OUT/gpu-report.json" timeout 420 python -m pytest -q -s -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu-tests.log" | grep -E "passed|failed|error|Error|PASS|FAIL" | tail -40
-echo "== bench_liger"
-timeout 150 python bench/bench_liger.py 2>&1 | tee "$OUT/bench-liger.log" | tail -25
-echo "== bench_unsloth --smoke"
-timeout 120 python bench/bench_unsloth.py --smoke 2>&1 | tee "$OUT/bench-unsloth-smoke.log" | tail -20
+for stage in "$@"; do
+  echo "== $stage"
+  case $stage in
+    machine)
+      nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/machine.txt"
+      python -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(), torch.cuda.get_device_capability())" | tee -a "$OUT/machine.txt" ;;
+    tests)
+      UAKL_GPU_REPORT="$OUT/gpu-report.json" timeout 400 python -m pytest -q -s -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu-tests.log" | grep -E "passed|failed|Error|FAIL" | tail -30 ;;
+    liger)
+      timeout 150 python bench/bench_liger.py 2>&1 | tee "$OUT/bench-liger.log" | tail -25 ;;
+    unsloth-bench)
+      timeout 560 python bench/bench_unsloth.py 2>&1 | tee "$OUT/bench-unsloth.log" | grep -vE "Writing|Loading|Unsloth|\\\\|O\^O|-____-|max_new_tokens|^\{" | tail -40 ;;
+    demo-check)
+      timeout 170 python blackwell/test_adaptive_kl_grpo.py --steps 4 --methods none,dynamic --output-dir "$OUT/demo-check" 2>&1 | tee "$OUT/demo-check.log" | tail -30 ;;
+    demo-3seeds)
+      timeout 570 python blackwell/test_adaptive_kl_grpo.py --seeds 3 --jobs 21 --output-dir "$OUT/demo-3seeds" 2>&1 | tee "$OUT/demo-3seeds.log" | tail -40 ;;
+  esac
+done
