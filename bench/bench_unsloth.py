@@ -42,8 +42,8 @@ def parse_args():
     p.add_argument("--vocab", type=int, default=32768)
     p.add_argument("--completion", type=int, default=256)
     p.add_argument("--batch", type=int, default=8, help="completions per step (one prompt group)")
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=7)
+    p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--beta", type=float, default=0.04)
     p.add_argument("--rows", default="all", help="comma-separated subset: stock,METHOD...,naive,zero")
     p.add_argument("--smoke", action="store_true")
@@ -146,6 +146,7 @@ def run_row(name, args, path, *, patched: bool, fields: dict, naive: bool = Fals
     }
     del trainer, model
     torch.cuda.empty_cache()
+    print(f"ROW {row}", flush=True)  # progress, and a record if the run is cut short
     return row
 
 

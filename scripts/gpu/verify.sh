@@ -18,7 +18,7 @@ for stage in "$@"; do
     liger)
       timeout 150 python bench/bench_liger.py 2>&1 | tee "$OUT/bench-liger.log" | tail -25 ;;
     unsloth-bench)
-      timeout 560 python bench/bench_unsloth.py 2>&1 | tee "$OUT/bench-unsloth.log" | grep -vE "Writing|Loading|Unsloth|\\\\|O\^O|-____-|max_new_tokens|^\{" | tail -40 ;;
+      timeout 560 python bench/bench_unsloth.py 2>&1 | tee "$OUT/bench-unsloth.log" | grep -E "^ROW|^\||^Machine|^Model|^Command|beta per step|^  " | tail -40 ;;
     demo-check)
       timeout 170 python blackwell/test_adaptive_kl_grpo.py --steps 4 --methods none,dynamic --output-dir "$OUT/demo-check" 2>&1 | tee "$OUT/demo-check.log" | tail -30 ;;
     demo-3seeds)
