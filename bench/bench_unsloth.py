@@ -13,7 +13,9 @@ medians over the steps after --warmup:
   is measured once beta is 0, so the reference forward and the KL are skipped.
 
 Columns: median step time (whole GRPO step: generation + reference forward + loss), median
-train time (step time minus generation and scoring), peak GPU memory, graphs compiled in total
+train time (step time minus generation and scoring), peak GPU memory of the training run above
+what was allocated when it started (the loaded model is excluded: earlier rows leave memory
+behind in this one process), graphs compiled in total
 and after the warmup (torch._dynamo counters). Ratios are against the mean of the two stock rows.
 
     python bench/bench_unsloth.py              # defaults as in docs/benchmarks.md
@@ -128,9 +130,16 @@ def run_row(name, args, path, *, patched: bool, fields: dict, naive: bool = Fals
 
     trainer.add_callback(Probe())
     graphs_before = counters["stats"]["unique_graphs"]
+    # Earlier rows leave memory behind in this process (compiled graphs, caches): count this row's
+    # peak above what was allocated when it started.
+    import gc
+
+    gc.collect()
+    torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
+    allocated_at_start = torch.cuda.memory_allocated()
     trainer.train()
-    peak = torch.cuda.max_memory_allocated()
+    peak = torch.cuda.max_memory_allocated() - allocated_at_start
     step_times = [h["step_time"] for h in trainer.state.log_history if "step_time" in h]
     measured = slice(args.warmup, None)
     train_times = [s - g for s, g in zip(step_times, generation_times)]

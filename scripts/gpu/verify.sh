@@ -18,9 +18,11 @@ for stage in "$@"; do
     liger)
       timeout 150 python bench/bench_liger.py 2>&1 | tee "$OUT/bench-liger.log" | tail -25 ;;
     unsloth-bench)
-      timeout 560 python bench/bench_unsloth.py 2>&1 | tee "$OUT/bench-unsloth.log" | grep -E "^ROW|^\||^Machine|^Model|^Command|beta per step|^  " | tail -40 ;;
+      timeout 260 python bench/bench_unsloth.py 2>&1 | tee "$OUT/bench-unsloth.log" | grep -E "^ROW|^\||^Machine|^Model|^Command|beta per step|^  " | tail -40 ;;
     demo-check)
       timeout 170 python blackwell/test_adaptive_kl_grpo.py --steps 4 --methods none,dynamic --output-dir "$OUT/demo-check" 2>&1 | tee "$OUT/demo-check.log" | tail -30 ;;
+    demo-beta03)
+      timeout 420 python blackwell/test_adaptive_kl_grpo.py --seeds 3 --beta 0.3 --steps 150 --methods none,length_normalized,dynamic,clip --jobs 12 --output-dir "$OUT/demo-beta03" 2>&1 | tee "$OUT/demo-beta03.log" | grep -v "^\[" | tail -25 ;;
     demo-3seeds)
       timeout 570 python blackwell/test_adaptive_kl_grpo.py --seeds 3 --jobs 21 --output-dir "$OUT/demo-3seeds" 2>&1 | tee "$OUT/demo-3seeds.log" | tail -40 ;;
   esac
