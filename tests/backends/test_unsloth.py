@@ -111,3 +111,12 @@ def test_changing_beta_never_recompiles_the_fused_loss(tmp_path_factory):
     extra = [z - f for z, f in zip(to_zero["graphs"], fixed["graphs"])]
     assert extra[:3] == [0, 0, 0] and max(extra) <= 1, (to_zero["graphs"], fixed["graphs"])
     assert to_zero["raw_kl"][3:] == [None, None]
+
+
+@pytest.mark.parametrize("method", ["dynamic", "target"])
+def test_resume_from_checkpoint_continues_beta_and_controller_state(method, tmp_path_factory):
+    r = run_worker("ours-first", "resume", tmp_path_factory)["resume"][method]
+    assert len(r["full"]) == 5 and len(r["resumed_after_2"]) == 3
+    assert r["resumed_after_2"] == pytest.approx(r["full"][2:], rel=1e-12)
+    assert r["resumed_after_2"][0] != 0.04  # the controller's state came back, not the configured beta
+    assert r["resumed_state"] == r["full_state"]

@@ -233,6 +233,29 @@ def scenario_train():
     results["train"] = runs
 
 
+def scenario_resume():
+    """Checkpoint at step 2, resume: the beta series and controller state continue the uninterrupted run's."""
+    out = {}
+    for method in ("dynamic", "target"):
+        fields = dict(kl_adaptation_method=method, reward_threshold=0.1, reward_window=3, kl_target=0.01, kl_horizon=20.0, max_steps=5)
+        full = trainer(**fields)
+        full.train()
+        first_dir = tempfile.mkdtemp(prefix="resume-")
+        first = trainer(output_dir=first_dir, save_strategy="steps", save_steps=2, **fields)
+        first.train()
+        resumed = trainer(output_dir=first_dir, **fields)
+        resumed.train(resume_from_checkpoint=os.path.join(first_dir, "checkpoint-2"))
+
+        def betas(t, after=0):
+            return [h["adaptive_kl/current_beta"] for h in t.state.log_history if "adaptive_kl/current_beta" in h and h["step"] > after]
+
+        out[method] = {
+            "full": betas(full), "resumed_after_2": betas(resumed, after=2),
+            "full_state": full._adaptive_kl.state_dict(), "resumed_state": resumed._adaptive_kl.state_dict(),
+        }
+    results["resume"] = out
+
+
 def scenario_compiled():
     """Compiled fused loss: graphs compiled per step with a fixed beta, a beta that changes every
     step, and a beta that reaches 0 (dynamo state reset between runs)."""
@@ -267,6 +290,6 @@ def scenario_compiled():
         }
 
 
-{"config": scenario_config, "identity": scenario_identity, "kl_part": scenario_kl_part, "train": scenario_train, "compiled": scenario_compiled}[SCENARIO]()
+{"config": scenario_config, "identity": scenario_identity, "resume": scenario_resume, "kl_part": scenario_kl_part, "train": scenario_train, "compiled": scenario_compiled}[SCENARIO]()
 with open(OUT, "w") as f:
     json.dump(results, f, default=lambda o: None if isinstance(o, float) and math.isnan(o) else str(o))
