@@ -171,3 +171,19 @@ def test_doctor_checks_every_unsloth_anchor_where_unsloth_is_installed():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for target in ("grpo_compute_loss: 4", "UnslothEfficientGRPO.forward: 1", "grpo_accumulated_loss: 1", "UnslothGRPOTrainer.compute_loss: 1"):
         assert f"{target} anchor(s) found" in proc.stdout, proc.stdout
+
+
+def test_doctor_reports_an_import_time_patch_error_instead_of_dying(tmp_path):
+    # A sitecustomize that makes the installed TRL look like an unsupported release.
+    (tmp_path / "sitecustomize.py").write_text(
+        "import importlib.metadata as m\n"
+        "_version = m.version\n"
+        "m.version = lambda name: '9.0.0' if name == 'trl' else _version(name)\n"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env.pop("UNSLOTH_ADAPTIVE_KL_ALLOW_UNTESTED", None)
+    plain = subprocess.run([sys.executable, "-c", "import unsloth_adaptive_kl"], capture_output=True, text=True, env=env, timeout=300)
+    assert plain.returncode != 0 and "trl 9.0.0" in plain.stderr  # a normal import still fails loudly
+    doctor = subprocess.run([sys.executable, "-m", "unsloth_adaptive_kl", "doctor", "--backend", "trl"], capture_output=True, text=True, env=env, timeout=300)
+    assert doctor.returncode == 1
+    assert "Import" in doctor.stdout and "trl 9.0.0" in doctor.stdout and "[FAIL]" in doctor.stdout

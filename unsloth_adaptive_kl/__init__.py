@@ -6,6 +6,9 @@ Importing this package patches TRL's ``GRPOConfig`` and ``GRPOTrainer`` (idempot
 
 from __future__ import annotations
 
+import os
+import sys
+
 from .adaptation import AdaptiveKL
 from .config import FIELDS, validate
 from .controllers import BetaController, DynamicBeta, FixedBeta, TargetKLBeta
@@ -31,7 +34,23 @@ def unpatch() -> None:
     _trl.unpatch()
 
 
-patch()
+def _started_as_doctor() -> bool:
+    """True when this import is the ``doctor`` command starting (``python -m unsloth_adaptive_kl``
+    or the ``unsloth-adaptive-kl`` script): it must report a broken install, not die of it."""
+    argv = getattr(sys, "orig_argv", [])
+    as_module = any(a == "-m" and b == __name__ for a, b in zip(argv, argv[1:]))
+    as_script = len(argv) > 1 and os.path.basename(argv[1]) == "unsloth-adaptive-kl"
+    return as_module or as_script
+
+
+#: The error that stopped the patch at import, seen only by the doctor command; elsewhere it raises.
+IMPORT_PATCH_ERROR: PatchError | None = None
+try:
+    patch()
+except PatchError as error:
+    if not _started_as_doctor():
+        raise
+    IMPORT_PATCH_ERROR = error
 
 __all__ = [
     "ADAPTED_KL",

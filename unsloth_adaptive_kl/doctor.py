@@ -240,8 +240,11 @@ def run(requested: list[str] | None = None, out=None) -> int:
             findings = [Finding(backend, FAIL, f"checking it raised {type(error).__name__}: {error}")]
         sections.append((f"Backend {backend}", findings))
         failed = failed or any(f.status == FAIL for f in findings)
-    from . import __version__
+    from . import IMPORT_PATCH_ERROR, __version__
 
+    if IMPORT_PATCH_ERROR is not None:  # `import unsloth_adaptive_kl` would raise this anywhere else
+        sections.insert(0, ("Import", [Finding("import unsloth_adaptive_kl", FAIL, str(IMPORT_PATCH_ERROR))]))
+        failed = True
     print(f"unsloth-adaptive-kl {__version__} doctor", file=out)
     for title, findings in sections:
         print(f"\n{title}", file=out)
