@@ -91,3 +91,20 @@ def metric_reference(method, raw, shaped, mask):
     else:
         adapted = shaped.sum() / mask.sum()
     return raw_mean.item(), adapted.item()
+
+
+def expected_betas(method, logs, *, beta=0.04, decay=0.9, kl_target=0.02, kl_horizon=40.0, completions=4):
+    """The β each logged step should have used, written from the controllers' definitions, for
+    the end-to-end runs of the backend tests (reward always above the threshold; one micro-batch
+    per step, so the logged raw_kl is the step's mean KL)."""
+    controller = next((p for p in method.split("+") if p in ("dynamic", "target")), "fixed")
+    betas = [beta]
+    for h in logs[:-1]:
+        if controller == "dynamic":
+            betas.append(betas[-1] * decay)
+        elif controller == "target":
+            error = min(max(h["adaptive_kl/raw_kl"] / kl_target - 1, -0.2), 0.2)
+            betas.append(betas[-1] * (1 + error * completions / kl_horizon))
+        else:
+            betas.append(betas[-1])
+    return betas
