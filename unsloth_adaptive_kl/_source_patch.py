@@ -43,24 +43,30 @@ def rewrite_function(
     func: Callable,
     replacements: list[tuple[str, str]],
     *,
-    library: str,
+    library: str | tuple[str, ...],
     extra_globals: dict | None = None,
     namespace: dict | None = None,
 ) -> Callable:
     """Return a copy of ``func`` compiled from its source with each ``(anchor, replacement)`` applied.
 
-    Each anchor must occur exactly once in the (dedented) source. The new function runs in the
-    original's module globals (plus ``extra_globals``), so it sees the same names.
+    Each anchor must occur exactly once in the (dedented) source. The new function runs in a copy
+    of the original's module globals (plus ``extra_globals``), or in ``namespace`` when rewrites
+    must see each other. ``library`` names the distribution(s) whose versions a failure reports.
     """
-    source = inspect.getsource(func)  # anchors are matched with the installed file's indentation
+    libraries = (library,) if isinstance(library, str) else tuple(library)
+    installed = " / ".join(f"{name} {version_of(name)}" for name in libraries)
+    try:
+        source = inspect.getsource(func)  # anchors are matched with the installed file's indentation
+    except (OSError, TypeError) as error:
+        raise PatchError(f"{installed}: cannot read the source of {func.__qualname__} ({error}); the adaptive KL cannot be applied") from error
     for anchor, replacement in replacements:
         count = source.count(anchor)
         if count != 1:
             shown = " / ".join(line.strip() for line in anchor.strip().splitlines()[:2])
             raise PatchError(
-                f"{library} {version_of(library)}: expected the anchor {shown!r} exactly once in "
-                f"{func.__qualname__}, found it {count} times. This version of {library} is not supported by "
-                "unsloth_adaptive_kl; the adaptive KL cannot be applied."
+                f"{installed}: expected the anchor {shown!r} exactly once in "
+                f"{func.__qualname__}, found it {count} times. This version of {' and '.join(libraries)} is not "
+                "supported by unsloth_adaptive_kl; the adaptive KL cannot be applied."
             )
         source = source.replace(anchor, replacement)
     source = textwrap.dedent(source)

@@ -50,7 +50,7 @@ GRPO_COMPUTE_LOSS_REWRITES = [
     (
         "        kl_i = torch.expm1(kl_log_ratio) - kl_log_ratio\n",
         "        kl_i = torch.expm1(kl_log_ratio) - kl_log_ratio\n"
-        '        kl_i = kwargs["adaptive_kl"].estimate(kl_i, new, kl_log_ratio, mask, kwargs.get("adaptive_kl_statistic"))\n',
+        '        kl_i = kwargs["adaptive_kl"].estimate(kl_i, new, kl_log_ratio, mask, kwargs.get("adaptive_kl_statistic"), ref)\n',
     ),
     (
         "        kl_i = torch.clamp(kl_i, min = -10.0, max = 10.0)\n",
@@ -103,12 +103,17 @@ class FusedKL:
         self.bottom_q = bottom_q
         self.length_normalized = method.length_normalized
 
-    def estimate(self, unsloth_k3, new, clamped_log_ratio, mask, statistic):
+    def estimate(self, unsloth_k3, new, clamped_log_ratio, mask, statistic, ref=None):
         """Unsloth's own (clamped) k3, or our estimator on the same clamped log-ratio."""
         if self.estimator == "k3":
             return unsloth_k3
+        clamped_ref = new + clamped_log_ratio
+        if ref is not None:
+            # ref itself where the clamp is inactive: new + (ref - new) is not always ref in float32, and
+            # bottom_q compares ref with its threshold (a value of ref), so the threshold token could drop out.
+            clamped_ref = torch.where(clamped_log_ratio == ref - new, ref, clamped_ref)
         return estimate_kl(
-            self.estimator, new, new + clamped_log_ratio, mask=mask, statistic=statistic, bottom_q=self.bottom_q, check=False
+            self.estimator, new, clamped_ref, mask=mask, statistic=statistic, bottom_q=self.bottom_q, check=False
         )
 
     def shape(self, kl):
@@ -217,16 +222,16 @@ def patch_generated_module(module) -> None:
     # All rewrites share one namespace, so they call each other's new versions; build them all
     # before changing anything, so a missing anchor leaves Unsloth untouched.
     namespace = dict(module.__dict__)
-    library = "unsloth_zoo"
+    library = ("unsloth", "unsloth_zoo")  # the generated code comes from both
     compute = rewrite_function(module.grpo_compute_loss, GRPO_COMPUTE_LOSS_REWRITES, library=library, namespace=namespace)
     forward = rewrite_function(
         module.UnslothEfficientGRPO.forward, EFFICIENT_FORWARD_REWRITES, library=library, namespace=namespace
     )
     accumulated = rewrite_function(
-        module.grpo_accumulated_loss, ACCUMULATED_LOSS_REWRITES, library="unsloth", namespace=namespace
+        module.grpo_accumulated_loss, ACCUMULATED_LOSS_REWRITES, library=library, namespace=namespace
     )
     trainer_compute_loss = rewrite_function(
-        trainer_cls.compute_loss, TRAINER_COMPUTE_LOSS_REWRITES, library="unsloth", namespace=namespace
+        trainer_cls.compute_loss, TRAINER_COMPUTE_LOSS_REWRITES, library=library, namespace=namespace
     )
     trl_backend.patch_config_class(pristine_config)
     _graft_config_fields(config_cls, pristine_config)
