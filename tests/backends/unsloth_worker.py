@@ -18,6 +18,9 @@ import tempfile
 ORDER, SCENARIO, OUT = sys.argv[1:4]
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("UNSLOTH_COMPILE_LOCATION", tempfile.mkdtemp(prefix="unsloth-cache-"))
+# A private TorchInductor cache: a cache shared with other processes (or left by earlier runs) was
+# seen to feed the compiled scenario a graph that failed with inductor::_alloc_from_pool aliasing.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="inductor-cache-"))
 if SCENARIO != "compiled":
     os.environ["UNSLOTH_COMPILE_DISABLE"] = "1"  # eager: exact comparisons and fast tests
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for reference.py
