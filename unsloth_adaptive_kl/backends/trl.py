@@ -236,12 +236,31 @@ def _wrap_load_callback_state(original):
     return _load_callback_state
 
 
+def _check_loss_path(trainer, method_is_none: bool) -> None:
+    """A subclass that overrides the patched loss would train without the adaptation: refuse it."""
+    for base, names in _LOSS_PATH.items():
+        if not isinstance(trainer, base):
+            continue
+        overridden = [name for name in names if getattr(type(trainer), name) is not getattr(base, name)]
+        if not overridden:
+            return
+        message = (
+            f"{type(trainer).__qualname__} overrides {', '.join(overridden)} of {base.__qualname__}, the loss path "
+            "unsloth_adaptive_kl patches: the adaptive KL would not reach its loss"
+        )
+        if not method_is_none:
+            raise PatchError(message + f"; kl_adaptation_method={trainer.args.kl_adaptation_method!r} cannot be applied")
+        logger.warning("%s (no adaptation requested, so training goes on; the adaptive_kl metrics may be missing)", message)
+        return
+
+
 def attach(trainer, loss_class=None, runtime_cls=None) -> TRLAdaptiveKL:
     """Give ``trainer`` its adaptive-KL state (and, with ``loss_class``, its loss module); idempotent."""
     existing = getattr(trainer, "_adaptive_kl", None)
     if existing is not None:
         return existing
     runtime = (runtime_cls or TRLAdaptiveKL)(trainer)
+    _check_loss_path(trainer, runtime.method.is_none and runtime.estimator == "k3")
     trainer._adaptive_kl = runtime
     trainer.beta = runtime.beta
     trainer._adaptive_loss_module = None
@@ -260,8 +279,17 @@ def attach(trainer, loss_class=None, runtime_cls=None) -> TRLAdaptiveKL:
     return runtime
 
 
-def patch_trainer_class(trainer_cls, runtime_cls) -> None:
-    """The wrappers every GRPO trainer class gets, whichever backend computes its loss."""
+#: For each patched trainer class, the loss methods that must stay ours for the adaptation to act.
+_LOSS_PATH: dict[type, tuple[str, ...]] = {}
+
+
+def patch_trainer_class(trainer_cls, runtime_cls, loss_path: tuple[str, ...]) -> None:
+    """The wrappers every GRPO trainer class gets, whichever backend computes its loss.
+
+    ``loss_path`` names the methods the loss goes through; a subclass that overrides one of them
+    is refused when an adaptation is on (see :func:`_check_loss_path`).
+    """
+    _LOSS_PATH[trainer_cls] = loss_path
     _set(trainer_cls, "__init__", _wrap_init(trainer_cls.__init__, runtime_cls))
     _set(trainer_cls, "_generate_and_score_completions", _wrap_generate(trainer_cls._generate_and_score_completions))
     _set(trainer_cls, "_load_callback_state", _wrap_load_callback_state(trainer_cls._load_callback_state))
@@ -300,7 +328,7 @@ def patch() -> None:
         patch_config_class(config_cls)
         if eager_trl:
             _set(trainer_cls, "_compute_loss", _dispatch_compute_loss(compute_loss))
-            patch_trainer_class(trainer_cls, TRLAdaptiveKL)
+            patch_trainer_class(trainer_cls, TRLAdaptiveKL, loss_path=("compute_loss", "_compute_loss"))
         unsloth_backend.maybe_patch()
     except Exception:
         unpatch()
@@ -312,6 +340,7 @@ def unpatch() -> None:
     from . import unsloth as unsloth_backend
 
     unsloth_backend.forget()
+    _LOSS_PATH.clear()
     while _ORIGINALS:
         owner, name, original, had_own = _ORIGINALS.pop()
         if had_own:

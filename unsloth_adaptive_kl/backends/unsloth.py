@@ -239,5 +239,5 @@ def patch_generated_module(module) -> None:
     trl_backend._set(module, "grpo_accumulated_loss", accumulated)
     trl_backend._set(module.UnslothEfficientGRPO, "forward", forward)
     trl_backend._set(trainer_cls, "compute_loss", trainer_compute_loss)
-    trl_backend.patch_trainer_class(trainer_cls, UnslothAdaptiveKL)
+    trl_backend.patch_trainer_class(trainer_cls, UnslothAdaptiveKL, loss_path=("compute_loss",))
     _patched_module = module
