@@ -591,9 +591,8 @@ def _global_mean(trainer, local_mean: torch.Tensor, mask) -> float:
 
 
 def _log_adaptive(trainer, mode, terms: LossTerms, mask, beta) -> None:
-    values = trainer._adaptive_kl.record(terms.raw_kl, terms.adapted_kl, mask, training=mode == "train", beta=beta)
-    for name, value in values.items():
-        trainer._metrics[mode][name].append(value)
+    runtime = trainer._adaptive_kl
+    values = runtime.log_metrics(runtime.record(terms.raw_kl, terms.adapted_kl, mask, training=mode == "train", beta=beta), mode)
     if terms.raw_kl is not None:
         trainer._metrics[mode]["kl"].append(values[metrics.RAW_KL])  # TRL's kl: the unshaped KL
 

@@ -96,10 +96,14 @@ class TRLAdaptiveKL(AdaptiveKL):
         if raw is not None and self.length_normalized:
             accumulation = trainer.current_gradient_accumulation_steps if mode == "train" else 1.0
             loss = loss + beta * self.length_normalized_term(adapted, mask, mask.shape[0]) / accumulation
-        values = self.record(raw, adapted, mask, training=mode == "train", beta=beta)
-        for name, value in values.items():
-            trainer._metrics[mode][name].append(value)
+        self.log_metrics(self.record(raw, adapted, mask, training=mode == "train", beta=beta), mode)
         return loss
+
+    def log_metrics(self, values: dict[str, float], mode: str) -> dict[str, float]:
+        """Append the adaptive_kl/* values to the trainer's metrics, which its ``log()`` averages."""
+        for name, value in values.items():
+            self.trainer._metrics[mode][name].append(value)
+        return values
 
 
 # -- the checkpoint callback ---------------------------------------------------------------------------
@@ -351,7 +355,7 @@ def unpatch() -> None:
 
 def original(owner, name: str):
     """The attribute ``owner.name`` had before patching (for tests and comparisons)."""
-    for patched_owner, patched_name, value, had_own in _ORIGINALS:  # noqa: B007
+    for patched_owner, patched_name, value, had_own in _ORIGINALS:
         if patched_owner is owner and patched_name == name:
             return value if had_own else getattr(super(owner, owner), name, None)
     return getattr(owner, name)

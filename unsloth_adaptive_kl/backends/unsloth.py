@@ -173,9 +173,7 @@ class UnslothAdaptiveKL(trl_backend.TRLAdaptiveKL):
                 f"no adaptive-KL statistics (got {getattr(stats, 'shape', stats)}); this loss path is not patched"
             )
         beta = float(self.trainer.beta)
-        values = self.record_sums(None if beta == 0.0 else stats[1:], training=mode == "train", beta=beta)
-        for name, value in values.items():
-            self.trainer._metrics[mode][name].append(value)
+        self.log_metrics(self.record_sums(None if beta == 0.0 else stats[1:], training=mode == "train", beta=beta), mode)
         return stats[0].item()
 
 
