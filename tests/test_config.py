@@ -83,6 +83,7 @@ BAD = [
     (dict(reward_window=0), "reward_window", "0"),
     (dict(kl_bottom_q=0.0), "kl_bottom_q", "0.0"),
     (dict(kl_bottom_q=1.5), "kl_bottom_q", "1.5"),
+    (dict(kl_bottom_q=0.001), "kl_bottom_q", "0.001"),  # 1/q = 1000 would blow the KL up; the floor is 0.01
     (dict(reward_threshold=float("nan")), "reward_threshold", "nan"),
     (dict(beta=0.0, kl_adaptation_method="dynamic"), "beta", "0.0"),
     (dict(beta=0.0, kl_adaptation_method="clip"), "beta", "0.0"),
@@ -107,4 +108,44 @@ def test_core_modules_import_only_torch():
         tree = ast.parse((package / name).read_text())
         imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 0 and n.module}
-        assert imported <= {"torch", "math", "dataclasses", "collections", "typing", "__future__"}, (name, imported)
+        assert imported <= {"torch", "math", "dataclasses", "collections", "typing", "logging", "__future__"}, (name, imported)
+
+
+def test_a_yaml_exponent_without_a_dot_is_refused_with_yaml_float_syntax_hint(tmp_path):
+    parser = HfArgumentParser(GRPOConfig)
+    yaml_file = tmp_path / "c.yaml"
+    yaml_file.write_text(f"output_dir: {tmp_path}\nuse_cpu: true\nbf16: false\nbeta: 0.1\nbeta_min: 1e-3\n")
+    with pytest.raises(ValueError) as info:
+        parser.parse_yaml_file(str(yaml_file))
+    message = str(info.value)
+    assert "beta_min='1e-3'" in message and "YAML" in message and "1.0e-3" in message
+    yaml_file.write_text(f"output_dir: {tmp_path}\nuse_cpu: true\nbf16: false\nbeta: 0.1\nbeta_min: 1.0e-3\n")
+    (config,) = parser.parse_yaml_file(str(yaml_file))
+    assert config.beta_min == 0.001
+    with pytest.raises(ValueError) as info:  # a string that is no number gets no YAML hint
+        GRPOConfig(**CPU, beta=0.1, beta_min="small")
+    assert "YAML" not in str(info.value)
+
+
+def test_a_config_made_before_the_import_trains_with_the_defaults(tiny_checkpoint, tmp_path):
+    script = textwrap.dedent(
+        f"""
+        from trl import GRPOConfig
+        args = GRPOConfig(output_dir={str(tmp_path)!r}, use_cpu=True, bf16=False, report_to="none", beta=0.04,
+                          per_device_train_batch_size=4, num_generations=4, max_completion_length=4, max_steps=1,
+                          save_strategy="no")
+        import unsloth_adaptive_kl
+        from trl import GRPOTrainer
+        from unsloth_adaptive_kl import toy
+        trainer = GRPOTrainer(model={tiny_checkpoint!r}, reward_funcs=[toy.format_reward], args=args,
+                              train_dataset=toy.prompt_dataset(8))
+        assert args.kl_adaptation_method == "none" and args.to_dict()["kl_estimator"] == "k3"
+        trainer.train()
+        assert trainer.state.log_history[0]["adaptive_kl/current_beta"] == 0.04
+        print("ok")
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().endswith("ok")
+    assert "created before `import unsloth_adaptive_kl`" in out.stderr and "create the config after the import" in out.stderr

@@ -85,3 +85,122 @@ def test_zero_beta_is_absorbing(name):
     c = make_controller(name, ControllerConfig(beta=0.1, beta_min=0.0, beta_schedule_steps=1, reward_threshold=-1))
     c.beta = 0.0
     assert c.update(global_step=5, kl=10.0, num_completions=8) == 0.0
+
+
+# -- non-finite and empty observations (issue 15) ------------------------------------------------
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_target_skips_a_non_finite_kl_without_moving_beta_and_counts_it(bad, caplog):
+    c = TargetKLBeta(ControllerConfig(beta=0.2, beta_min=0.0, kl_target=0.1, kl_horizon=100.0))
+    before = c.update(global_step=1, kl=0.3, num_completions=16)  # a normal update first
+    with caplog.at_level("WARNING", logger="unsloth_adaptive_kl"):
+        assert c.update(global_step=2, kl=bad, num_completions=16) == before
+        assert c.update(global_step=3, kl=bad, num_completions=16) == before
+    assert c.skipped_updates == 2 and c.state_dict()["skipped_updates"] == 2
+    assert caplog.text.count("non-finite KL") == 1  # warned once
+    # the next finite KL moves β from where it was, by the usual factor
+    assert c.update(global_step=4, kl=0.3, num_completions=16) == pytest.approx(before * (1 + 0.2 * 16 / 100.0), rel=1e-12)
+
+
+def test_target_never_overflows_beta_to_inf():
+    c = TargetKLBeta(ControllerConfig(beta=1e308, kl_target=0.1, kl_horizon=1.0))
+    assert c.update(global_step=1, kl=1.0, num_completions=4) == 1e308  # 1e308 * 1.8 is inf: skipped
+    assert c.skipped_updates == 1
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf")])
+def test_dynamic_keeps_only_finite_rewards_in_its_window(bad):
+    c = DynamicBeta(ControllerConfig(beta=0.1, reward_threshold=0.5, reward_window=3))
+    c.observe_reward(1.0)
+    c.observe_reward(bad)
+    assert c.trailing_reward() == 1.0 and list(c.rewards) == [1.0]
+    assert c.skipped_updates == 1
+    assert c.update(global_step=1, kl=None, num_completions=4) == pytest.approx(0.09)
+
+
+def test_dynamic_decays_once_per_new_reward_not_once_per_optimizer_step():
+    # steps_per_generation=4 with one micro-batch per step: one reward, then 3 steps reusing its batch
+    c = DynamicBeta(ControllerConfig(beta=0.04, dynamic_beta_decay=0.5, reward_threshold=0.0, beta_schedule_steps=100))
+    betas = []
+    for step in range(1, 9):
+        if step % 4 == 1:
+            c.observe_reward(1.0)
+        betas.append(c.update(global_step=step, kl=None, num_completions=4))
+    assert betas == [0.02] * 4 + [0.01] * 4
+
+
+def test_dynamic_schedule_still_counts_optimizer_steps_without_new_rewards():
+    c = DynamicBeta(ControllerConfig(beta=0.04, beta_min=0.001, reward_threshold=10.0, beta_schedule_steps=3))
+    c.observe_reward(0.0)
+    assert [c.update(global_step=s, kl=None, num_completions=4) for s in range(1, 5)] == [0.04, 0.04, 0.001, 0.001]
+
+
+@pytest.mark.parametrize(
+    "name, state, words",
+    [
+        ("dynamic", {"name": "dynamic", "beta": float("nan"), "rewards": []}, "beta=nan"),
+        ("dynamic", {"name": "dynamic", "beta": -0.01, "rewards": []}, "beta=-0.01"),
+        ("dynamic", {"name": "dynamic", "beta": 0.5, "rewards": []}, "configured beta=0.1"),
+        ("dynamic", {"name": "dynamic", "beta": 0.05, "rewards": [1.0, float("inf")]}, "rewards="),
+        ("target", {"name": "target", "beta": float("inf")}, "beta=inf"),
+        ("target", {"name": "target", "beta": -1.0}, "beta=-1.0"),
+        ("fixed", {"name": "fixed", "beta": float("nan")}, "beta=nan"),
+    ],
+)
+def test_load_state_dict_refuses_a_non_finite_negative_or_impossible_beta(name, state, words):
+    c = make_controller(name, ControllerConfig(beta=0.1))
+    with pytest.raises(ValueError, match="allowed") as info:
+        c.load_state_dict(state)
+    assert words in str(info.value)
+    assert c.beta == 0.1  # nothing was half-loaded
+
+
+def test_target_beta_above_the_initial_one_loads():  # target may legitimately raise β
+    c = make_controller("target", ControllerConfig(beta=0.1))
+    c.load_state_dict({"name": "target", "beta": 0.3})
+    assert c.beta == 0.3 and c.skipped_updates == 0  # a checkpoint written before skipped_updates existed
+
+
+def test_target_refuses_a_horizon_too_small_for_the_step_before_training():
+    c = TargetKLBeta(ControllerConfig(beta=0.2, kl_horizon=0.5))
+    with pytest.raises(ValueError, match=r"kl_horizon=0\.5 .*4 completions.*allowed: kl_horizon > 0\.8"):
+        c.check_step_size(4)
+    TargetKLBeta(ControllerConfig(beta=0.2, kl_horizon=0.81)).check_step_size(4)
+    make_controller("dynamic", ControllerConfig(beta=0.2, kl_horizon=0.5)).check_step_size(4)  # not its field
+
+
+def _adaptive(method, **fields):
+    from types import SimpleNamespace
+
+    from unsloth_adaptive_kl import AdaptiveKL, FIELDS
+
+    config = SimpleNamespace(**{**{f.name: f.default for f in FIELDS}, "beta": 0.2, "kl_adaptation_method": method})
+    for name, value in fields.items():
+        setattr(config, name, value)
+    return AdaptiveKL(config)
+
+
+def test_a_step_with_no_valid_token_is_no_observation_for_target():
+    import torch
+
+    state = _adaptive("target", kl_target=0.1, kl_horizon=100.0)
+    mask = torch.zeros(4, 5, dtype=torch.long)  # every completion masked (e.g. all truncated)
+    logp = -torch.rand(4, 5)
+    raw, adapted = state.per_token(logp, logp - 3.0, mask)  # a large KL on the masked tokens
+    state.record(raw, adapted, mask, training=True, beta=state.beta)
+    assert state.end_step(1) == 0.2  # not treated as KL = 0 (which would lower β)
+    assert state.skipped_updates == 0  # no observation, not a bad one
+    mask[0, :2] = 1
+    state.record(*state.per_token(logp, logp - 3.0, mask), mask, training=True, beta=state.beta)
+    assert state.end_step(2) == pytest.approx(0.2 * (1 + 0.2 * 4 / 100.0))  # a real KL far above target raises β
+
+
+def test_a_nan_kl_from_a_nan_reference_logprob_leaves_beta_and_is_counted():
+    import torch
+
+    state = _adaptive("target", beta_min=0.0)
+    mask = torch.ones(2, 3, dtype=torch.long)
+    logp = -torch.rand(2, 3)
+    ref = logp - 0.5
+    ref[1] = float("nan")  # one completion's reference log-probs are NaN
+    state.record(*state.per_token(logp, ref, mask), mask, training=True, beta=state.beta)
+    assert state.end_step(1) == 0.2 and state.skipped_updates == 1

@@ -1,6 +1,7 @@
 """Hypothesis fuzzing: random configurations × random inputs for every estimator, every shaping
 combination and every β controller, against float64 references written in this file."""
 
+import json
 import math
 
 import pytest
@@ -70,16 +71,19 @@ def test_per_token_and_length_normalised_term_match_float64(config, batch, with_
 
 # -- β controllers ----------------------------------------------------------------------------------
 def dynamic64(cfg: ControllerConfig, steps):
-    """The dynamic controller, written out: trailing mean of the last `reward_window` non-NaN rewards."""
-    beta, window, out = cfg.beta if cfg.beta_schedule_steps > 0 else cfg.beta_min, [], []
+    """The dynamic controller, written out: trailing mean of the last `reward_window` finite rewards;
+    at most one decay per new finite reward (a step without one, reward None, reuses a generation batch)."""
+    beta, window, out, new = cfg.beta if cfg.beta_schedule_steps > 0 else cfg.beta_min, [], [], False
     for step, (reward, _kl, _n) in enumerate(steps):
-        if not math.isnan(reward):
-            window = (window + [reward])[-cfg.reward_window :]
+        if reward is not None and math.isfinite(reward):
+            window, new = (window + [reward])[-cfg.reward_window :], True
         if beta != 0.0:
             if step + 1 >= cfg.beta_schedule_steps:
                 beta = cfg.beta_min
-            elif window and sum(window) / len(window) > cfg.reward_threshold:
-                beta = max(cfg.beta_min, beta * cfg.dynamic_beta_decay)
+            elif new:
+                new = False
+                if sum(window) / len(window) > cfg.reward_threshold:
+                    beta = max(cfg.beta_min, beta * cfg.dynamic_beta_decay)
         out.append(beta)
     return out
 
@@ -87,7 +91,7 @@ def dynamic64(cfg: ControllerConfig, steps):
 def target64(cfg: ControllerConfig, steps):
     beta, out = cfg.beta, []
     for _reward, kl, n in steps:
-        if beta != 0.0 and kl is not None:
+        if beta != 0.0 and kl is not None and math.isfinite(kl):
             error = min(max(kl / cfg.kl_target - 1, -0.2), 0.2)
             beta = max(cfg.beta_min, beta * (1 + error * n / cfg.kl_horizon))
         out.append(beta)
@@ -107,8 +111,11 @@ def controller_runs(draw):
         kl_target=draw(st.floats(1e-3, 1.0)),
         kl_horizon=draw(st.floats(50.0, 1e4)),
     )
+    non_finite = st.sampled_from([float("nan"), float("inf"), float("-inf")])
     step = st.tuples(
-        st.one_of(st.floats(-1, 1), st.just(float("nan"))), st.one_of(st.none(), st.floats(0, 3)), st.integers(1, 8)
+        st.one_of(st.floats(-1, 1), non_finite, st.none()),  # None: no generation batch this step
+        st.one_of(st.none(), st.floats(0, 3), non_finite),
+        st.integers(1, 8),
     )
     return cfg, draw(st.lists(step, min_size=1, max_size=15))
 
@@ -126,6 +133,13 @@ def test_controllers_follow_their_reference_and_resume_exactly(run, name, data):
             state = controller.state_dict()
             controller = make_controller(name, cfg)
             controller.load_state_dict(state)
-        controller.observe_reward(reward)
+        if reward is not None:
+            controller.observe_reward(reward)
         betas.append(controller.update(global_step=index + 1, kl=kl, num_completions=n))
     assert betas == expected  # exact: the same float operations in the same order
+    assert all(math.isfinite(b) and b >= 0 for b in betas)
+    state = controller.state_dict()
+    assert json.loads(json.dumps(state, allow_nan=False)) == state  # no NaN/inf anywhere in the state
+    non_finite = sum(1 for r, kl, _ in steps if (name == "dynamic" and r is not None and math.isinf(r)) or (name == "target" and kl is not None and not math.isfinite(kl)))
+    if name != "fixed" and 0.0 not in betas[:-1]:  # updates stop counting once β is 0
+        assert state["skipped_updates"] == non_finite

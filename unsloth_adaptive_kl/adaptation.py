@@ -114,14 +114,27 @@ class AdaptiveKL:
     def observe_reward(self, reward: float) -> None:
         self.controller.observe_reward(reward)
 
+    def check_step_size(self, num_completions: int) -> None:
+        """Refuse, when the trainer is created, a configuration that ``num_completions`` completions per
+        optimizer step (all processes) would break at its first update (``target``'s ``kl_horizon``)."""
+        self.controller.check_step_size(num_completions)
+
+    @property
+    def skipped_updates(self) -> int:
+        return self.controller.skipped_updates
+
     def end_step(self, global_step: int) -> float:
-        """Update β once per optimizer step; ``global_step`` is the index of the step about to start."""
+        """Update β once per optimizer step; ``global_step`` is the index of the step about to start.
+
+        A step with no valid token (every completion masked, e.g. all truncated under
+        ``mask_truncated_completions``) has no KL: the controller gets ``kl=None``, not 0.
+        """
         sums, self._step_sums = self._step_sums, None
-        if sums is None:
-            kl, completions = None, 0
+        if sums is None or sums[metrics.TOKENS].item() == 0:
+            kl = None
         else:
-            kl = (sums[metrics.RAW_SUM] / sums[metrics.TOKENS].clamp(min=1)).item()
-            completions = int(sums[metrics.COMPLETIONS].item())
+            kl = (sums[metrics.RAW_SUM] / sums[metrics.TOKENS]).item()
+        completions = 0 if sums is None else int(sums[metrics.COMPLETIONS].item())
         return self.controller.update(global_step=global_step, kl=kl, num_completions=completions)
 
     def state_dict(self) -> dict:

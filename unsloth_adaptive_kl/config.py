@@ -50,8 +50,8 @@ FIELDS: tuple[FieldSpec, ...] = (
         "dynamic_beta_decay",
         float,
         0.9,
-        "'dynamic': beta is multiplied by this (in (0, 1]) after each optimizer step while the trailing mean "
-        "reward exceeds reward_threshold.",
+        "'dynamic': beta is multiplied by this (in (0, 1]) once per new generation batch's reward (at the end of "
+        "the optimizer step that received it) while the trailing mean reward exceeds reward_threshold.",
     ),
     FieldSpec(
         "reward_threshold",
@@ -89,12 +89,32 @@ FIELDS: tuple[FieldSpec, ...] = (
         "kl_bottom_q",
         float,
         0.2,
-        "'bottom_q' estimator: the fraction (0, 1] of valid tokens, lowest reference log-prob first, that get "
-        "the KL (scaled by 1 / kl_bottom_q).",
+        "'bottom_q' estimator: the fraction [0.01, 1] of valid tokens, lowest reference log-prob first, that get "
+        "the KL (scaled by 1 / kl_bottom_q, so at most 100x).",
     ),
 )
 
 FIELD_NAMES = tuple(f.name for f in FIELDS)
+
+
+#: The smallest ``kl_bottom_q``: ``bottom_q`` scales the selected tokens' KL by 1 / q, at most 100x.
+MIN_BOTTOM_Q = 0.01
+
+
+def _yaml_hint(value) -> str:
+    """PyYAML (YAML 1.1) reads ``1e-3`` -- no dot -- as a string: say how to write it as a float."""
+    if not isinstance(value, str):
+        return ""
+    try:
+        number = float(value)
+    except ValueError:
+        return ""
+    mantissa, _, exponent = value.lower().partition("e")
+    written = f"{mantissa}.0e{exponent}" if exponent and "." not in mantissa else repr(number)
+    return (
+        f" (it is the string {value!r}: YAML reads a number in exponent form without a dot, such as 1e-3, as a "
+        f"string; write it with a dot, e.g. {written})"
+    )
 
 
 def _number(config, name: str, *, integer: bool = False) -> float:
@@ -102,7 +122,7 @@ def _number(config, name: str, *, integer: bool = False) -> float:
     ok_types = (int,) if integer else (int, float)
     if isinstance(value, bool) or not isinstance(value, ok_types) or (not integer and not math.isfinite(value)):
         kind = "an integer" if integer else "a finite number"
-        raise ValueError(f"{name}={value!r} is not valid; allowed: {kind}")
+        raise ValueError(f"{name}={value!r} is not valid; allowed: {kind}{_yaml_hint(value)}")
     return value
 
 
@@ -119,8 +139,9 @@ def validate(config) -> Method:
     missing = [name for name in FIELD_NAMES if not hasattr(config, name)]
     if missing:
         raise ValueError(
-            f"{type(config).__name__} has no adaptive-KL field(s) {missing}: was it created by a config class "
-            "that unsloth_adaptive_kl did not patch?"
+            f"{type(config).__name__} has no adaptive-KL field(s) {missing}: its class is not one unsloth_adaptive_kl "
+            "patched (trl.GRPOConfig, or Unsloth's UnslothGRPOConfig). Create the config from trl.GRPOConfig after "
+            "`import unsloth_adaptive_kl`"
         )
     method = parse_method(config.kl_adaptation_method)
     get_estimator(config.kl_estimator)
@@ -136,7 +157,7 @@ def validate(config) -> Method:
     steps = _number(config, "beta_schedule_steps", integer=True)
     _require(steps >= 0, "beta_schedule_steps", steps, "an integer >= 0")
     q = _number(config, "kl_bottom_q")
-    _require(0 < q <= 1, "kl_bottom_q", q, "a number in (0, 1]")
+    _require(MIN_BOTTOM_Q <= q <= 1, "kl_bottom_q", q, f"a number in [{MIN_BOTTOM_Q}, 1] (bottom_q scales the KL by 1 / q)")
     _require(beta >= 0, "beta", beta, "a number >= 0")
     beta_min = _number(config, "beta_min")
     _require(0 <= beta_min <= beta, "beta_min", beta_min, f"a number in [0, beta={beta}]")

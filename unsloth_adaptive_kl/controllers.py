@@ -8,12 +8,30 @@ same on every rank.
 
 β = 0 is absorbing: once a controller reaches 0 it stays there, because the trainer then stops
 computing reference log-probs and a later non-zero β would have nothing to multiply.
+
+β is always finite and >= 0, whatever the inputs: a non-finite observation (a NaN or ±inf KL or
+reward) never moves it. It is skipped, counted in ``skipped_updates`` (logged as
+``adaptive_kl/skipped_updates``) and warned about once per controller; a step with no valid
+token is no observation at all and changes nothing. A state loaded from a checkpoint is checked.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 from collections import deque
 from dataclasses import dataclass
+
+logger = logging.getLogger("unsloth_adaptive_kl")
+
+
+def _finite(value) -> bool:
+    if isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except TypeError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -27,6 +45,12 @@ class ControllerConfig:
     kl_target: float = 0.1
     kl_horizon: float = 10000.0
 
+    def __post_init__(self):
+        if not (_finite(self.beta) and self.beta >= 0):
+            raise ValueError(f"beta={self.beta!r} is not valid; allowed: a finite number >= 0")
+        if not (_finite(self.beta_min) and 0 <= self.beta_min <= self.beta):
+            raise ValueError(f"beta_min={self.beta_min!r} is not valid; allowed: a number in [0, beta={self.beta!r}]")
+
 
 class BetaController:
     """Base class: a constant β (used for "none" and for pure shaping)."""
@@ -36,6 +60,22 @@ class BetaController:
     def __init__(self, config: ControllerConfig):
         self.config = config
         self.beta = float(config.beta)
+        self.skipped_updates = 0  # non-finite observations that were not used (see the module docstring)
+        self._warned = False
+
+    def skip(self, what: str, value) -> None:
+        """Count a non-finite observation that must not move β; warn the first time."""
+        self.skipped_updates += 1
+        if not self._warned:
+            self._warned = True
+            logger.warning(
+                "unsloth_adaptive_kl: the %s controller got a non-finite %s (%r) and left beta at %s; such observations "
+                "are skipped and counted in adaptive_kl/skipped_updates (this warning is shown once)",
+                self.name, what, value, self.beta,
+            )
+
+    def check_step_size(self, num_completions: int) -> None:
+        """Refuse, before training, a configuration this many completions per optimizer step would break."""
 
     def observe_reward(self, reward: float) -> None:
         """Record the step's raw mean reward (gathered across processes). Ignored by default."""
@@ -45,12 +85,25 @@ class BetaController:
         return self.beta
 
     def state_dict(self) -> dict:
-        return {"name": self.name, "beta": self.beta}
+        return {"name": self.name, "beta": self.beta, "skipped_updates": self.skipped_updates}
+
+    def max_loaded_beta(self) -> float:
+        """The largest β a checkpoint may hold for this controller."""
+        return math.inf
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("name") != self.name:
             raise ValueError(f"cannot load β-controller state of {state.get('name')!r} into a {self.name!r} controller")
-        self.beta = float(state["beta"])
+        beta = state.get("beta")
+        limit = self.max_loaded_beta()
+        if not _finite(beta) or not 0 <= beta <= limit:
+            allowed = "a finite number >= 0" + (f" and <= the configured beta={limit}" if math.isfinite(limit) else "")
+            raise ValueError(f"β-controller state: beta={beta!r} is not valid for the {self.name!r} controller; allowed: {allowed}")
+        skipped = state.get("skipped_updates", 0)  # absent in checkpoints written before it existed
+        if isinstance(skipped, bool) or not isinstance(skipped, int) or skipped < 0:
+            raise ValueError(f"β-controller state: skipped_updates={skipped!r} is not valid; allowed: an integer >= 0")
+        self.beta = float(beta)
+        self.skipped_updates = skipped
 
 
 class FixedBeta(BetaController):
@@ -60,13 +113,18 @@ class FixedBeta(BetaController):
 class DynamicBeta(BetaController):
     """Decay β while the reward is high; drop to the floor after a fixed number of steps.
 
-    Once per optimizer step, with ``r`` the mean of the last ``reward_window`` raw rewards (the
-    ``reward`` TRL logs, one value per generation batch, already gathered across processes):
+    At the end of each optimizer step, with ``r`` the mean of the last ``reward_window`` finite raw
+    rewards (the ``reward`` TRL logs, one value per generation batch, already gathered across
+    processes):
 
-    * if ``r > reward_threshold``: ``beta = max(beta_min, beta * dynamic_beta_decay)``;
-    * from ``global_step >= beta_schedule_steps``: ``beta = beta_min``.
+    * if a new reward arrived since the last decay and ``r > reward_threshold``:
+      ``beta = max(beta_min, beta * dynamic_beta_decay)``; so β decays at most once per generation
+      batch, however many optimizer steps reuse it (``steps_per_generation`` >
+      ``gradient_accumulation_steps``, ``num_iterations`` > 1);
+    * from ``global_step >= beta_schedule_steps`` (counted in optimizer steps): ``beta = beta_min``.
 
     The raw reward is used, not the advantages: after group normalisation those average ~0.
+    A NaN reward (every reward function returned None) is no observation; ±inf is skipped and counted.
     """
 
     name = "dynamic"
@@ -74,12 +132,18 @@ class DynamicBeta(BetaController):
     def __init__(self, config: ControllerConfig):
         super().__init__(config)
         self.rewards: deque[float] = deque(maxlen=config.reward_window)
+        self.new_reward = False  # a reward arrived that no decay has used yet
         if config.beta_schedule_steps == 0:
             self.beta = float(config.beta_min)
 
     def observe_reward(self, reward: float) -> None:
-        if reward == reward:  # a batch whose every reward was None logs NaN: keep it out of the mean
-            self.rewards.append(float(reward))
+        if reward != reward:  # NaN: every reward of the batch was None (TRL logs NaN); no observation
+            return
+        if not _finite(reward):
+            self.skip("reward", reward)
+            return
+        self.rewards.append(float(reward))
+        self.new_reward = True
 
     def trailing_reward(self) -> float | None:
         return sum(self.rewards) / len(self.rewards) if self.rewards else None
@@ -91,17 +155,30 @@ class DynamicBeta(BetaController):
         if global_step >= cfg.beta_schedule_steps:
             self.beta = float(cfg.beta_min)
             return self.beta
+        if not self.new_reward:  # no new reward since the last decay: the same observation is not counted twice
+            return self.beta
+        self.new_reward = False
         reward = self.trailing_reward()
         if reward is not None and reward > cfg.reward_threshold:
             self.beta = max(float(cfg.beta_min), self.beta * cfg.dynamic_beta_decay)
         return self.beta
 
+    def max_loaded_beta(self) -> float:
+        return float(self.config.beta)  # dynamic only ever lowers β
+
     def state_dict(self) -> dict:
-        return {**super().state_dict(), "rewards": list(self.rewards)}
+        return {**super().state_dict(), "rewards": list(self.rewards), "new_reward": self.new_reward}
 
     def load_state_dict(self, state: dict) -> None:
+        rewards = state.get("rewards")
+        if not isinstance(rewards, list) or not all(_finite(r) for r in rewards):
+            raise ValueError(f"β-controller state: rewards={rewards!r} is not valid; allowed: a list of finite numbers")
+        new_reward = state.get("new_reward", False)
+        if not isinstance(new_reward, bool):
+            raise ValueError(f"β-controller state: new_reward={new_reward!r} is not valid; allowed: true or false")
         super().load_state_dict(state)
-        self.rewards = deque((float(r) for r in state["rewards"]), maxlen=self.config.reward_window)
+        self.rewards = deque((float(r) for r in rewards), maxlen=self.config.reward_window)
+        self.new_reward = new_reward
 
 
 class TargetKLBeta(BetaController):
@@ -113,23 +190,37 @@ class TargetKLBeta(BetaController):
 
         e = clip(kl / kl_target - 1, -0.2, 0.2)
         beta = max(beta_min, beta * (1 + e * n / kl_horizon))
+
+    ``kl=None`` (β is 0, or the step had no valid token) is no observation: β stays. A NaN or ±inf
+    ``kl`` is skipped and counted; so is an update whose β would overflow to inf.
+    ``kl_horizon > 0.2 * n`` keeps the factor positive (:meth:`check_step_size`).
     """
 
     name = "target"
+
+    def check_step_size(self, num_completions: int) -> None:
+        minimum = 0.2 * num_completions
+        if not self.config.kl_horizon > minimum:
+            raise ValueError(
+                f"kl_horizon={self.config.kl_horizon!r} is not valid for {num_completions} completions per optimizer "
+                f"step: the target-KL update factor 1 - 0.2 * {num_completions} / kl_horizon would make beta "
+                f"non-positive; allowed: kl_horizon > {minimum!r}"
+            )
 
     def update(self, *, global_step: int, kl: float | None, num_completions: int) -> float:
         cfg = self.config
         if self.beta == 0.0 or kl is None:
             return self.beta
+        if not _finite(kl):
+            self.skip("KL", kl)
+            return self.beta
+        self.check_step_size(num_completions)
         error = min(max(kl / cfg.kl_target - 1.0, -0.2), 0.2)
-        factor = 1.0 + error * num_completions / cfg.kl_horizon
-        if factor <= 0.0:
-            raise ValueError(
-                f"kl_horizon={cfg.kl_horizon} is too small for {num_completions} completions per step: "
-                f"the target-KL update factor {factor} would make beta non-positive; use kl_horizon > "
-                f"{0.2 * num_completions}"
-            )
-        self.beta = max(float(cfg.beta_min), self.beta * factor)
+        beta = max(float(cfg.beta_min), self.beta * (1.0 + error * num_completions / cfg.kl_horizon))
+        if not math.isfinite(beta):
+            self.skip("β update", beta)
+            return self.beta
+        self.beta = beta
         return self.beta
 
 

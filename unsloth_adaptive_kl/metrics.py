@@ -14,7 +14,11 @@ from .shaping import sequence_mean
 RAW_KL = "adaptive_kl/raw_kl"
 ADAPTED_KL = "adaptive_kl/adapted_kl"
 CURRENT_BETA = "adaptive_kl/current_beta"
-METRIC_NAMES = (RAW_KL, ADAPTED_KL, CURRENT_BETA)
+SKIPPED_UPDATES = "adaptive_kl/skipped_updates"
+METRIC_NAMES = (RAW_KL, ADAPTED_KL, CURRENT_BETA, SKIPPED_UPDATES)
+#: Logged as their latest value in the logging window, not averaged over it: the β of the window's
+#: last step (an average of several steps' β is a β no step used) and a running count.
+LATEST_VALUE_METRICS = (CURRENT_BETA, SKIPPED_UPDATES)
 
 # Layout of the sums tensor.
 RAW_SUM, ADAPTED_SUM, TOKENS, ADAPTED_SEQ_MEAN_SUM, COMPLETIONS = range(5)

@@ -599,14 +599,10 @@ def _log_adaptive(trainer, mode, terms: LossTerms, mask, beta) -> None:
 
 def _log_foreign(trainer, mode, liger_metrics, mask, beta) -> None:
     """Liger's own class: method none with k3 (checked), so raw = adapted = Liger's kl_mean."""
-    trainer._metrics[mode][metrics.CURRENT_BETA].append(float(beta))
-    if beta == 0.0:
-        trainer._metrics[mode][metrics.RAW_KL].append(math.nan)
-        trainer._metrics[mode][metrics.ADAPTED_KL].append(math.nan)
-        return
-    kl = _global_mean(trainer, liger_metrics[0], mask)
-    for name in ("kl", metrics.RAW_KL, metrics.ADAPTED_KL):
-        trainer._metrics[mode][name].append(kl)
+    kl = math.nan if beta == 0.0 else _global_mean(trainer, liger_metrics[0], mask)
+    trainer._adaptive_kl.log_metrics({metrics.CURRENT_BETA: float(beta), metrics.RAW_KL: kl, metrics.ADAPTED_KL: kl}, mode)
+    if beta != 0.0:
+        trainer._metrics[mode]["kl"].append(kl)
 
 
 def _log_clip_ratio(trainer, mode, clip_ratio, mask) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import sys
 
 import torch
 
@@ -28,6 +29,31 @@ from ..config import FIELDS, validate
 from ..versions import SUPPORTED
 
 logger = logging.getLogger("unsloth_adaptive_kl")
+
+
+class _WhenNothingElseLogs(logging.Filter):
+    """Let the package's own stderr handler print a record only while the root logger has no handler
+    (an application that configured logging, or pytest, gets the record there, exactly once)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not logging.getLogger().handlers
+
+
+def _default_handler() -> None:
+    """The one line per trainer that names its backend is INFO: show it by default, as transformers
+    shows its own messages. Silence it with ``logging.getLogger("unsloth_adaptive_kl").setLevel("WARNING")``."""
+    if any(getattr(h, "_unsloth_adaptive_kl", False) for h in logger.handlers):
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    handler.addFilter(_WhenNothingElseLogs())
+    handler._unsloth_adaptive_kl = True
+    logger.addHandler(handler)
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)
+
+
+_default_handler()
 
 SUPPORTED_TRL = SUPPORTED["trl"].label  # the range lives in versions.py
 
@@ -100,9 +126,15 @@ class TRLAdaptiveKL(AdaptiveKL):
         return loss
 
     def log_metrics(self, values: dict[str, float], mode: str) -> dict[str, float]:
-        """Append the adaptive_kl/* values to the trainer's metrics, which its ``log()`` averages."""
+        """Hand the adaptive_kl/* values to the trainer's metrics, which its ``log()`` averages over the
+        logging window: the KL values are appended (one per micro-batch); ``current_beta`` and
+        ``skipped_updates`` keep only their latest value, so the log shows the β of the window's last
+        step and the running count, never an average of them."""
         for name, value in values.items():
-            self.trainer._metrics[mode][name].append(value)
+            if name in metrics.LATEST_VALUE_METRICS:
+                self.trainer._metrics[mode][name][:] = [value]
+            else:
+                self.trainer._metrics[mode][name].append(value)
         return values
 
 
@@ -120,9 +152,40 @@ def _callback_classes():
 
         def __init__(self, runtime: TRLAdaptiveKL | None = None):
             self.runtime = runtime
+            self._warned_unpatched = False
+
+        def _check_still_patched(self) -> None:
+            """After ``unpatch()`` the trainer's class runs the library's own loss: refuse to train on
+            it when an adaptation was asked for; warn once when none was."""
+            trainer = self.runtime.trainer
+            if trainer_is_patched(trainer):
+                return
+            message = (
+                f"unsloth_adaptive_kl.unpatch() was called after this {type(trainer).__qualname__} was created: it now "
+                "computes the library's own loss, without the adaptive KL and without the adaptive_kl metrics"
+            )
+            runtime = self.runtime
+            if not (runtime.method.is_none and runtime.estimator == "k3"):
+                raise PatchError(
+                    f"{message}; kl_adaptation_method={trainer.args.kl_adaptation_method!r} with kl_estimator="
+                    f"{trainer.args.kl_estimator!r} cannot be applied. Call unsloth_adaptive_kl.patch() again before "
+                    "training it, or create a new trainer"
+                )
+            if not self._warned_unpatched:
+                self._warned_unpatched = True
+                logger.warning("%s (kl_adaptation_method='none', so training goes on)", message)
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self._check_still_patched()
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self._check_still_patched()
 
         def on_step_end(self, args, state, control, **kwargs):
-            self.runtime.trainer.beta = self.runtime.end_step(state.global_step)
+            runtime = self.runtime
+            runtime.trainer.beta = runtime.end_step(state.global_step)
+            # After the update, so the log written right after this step shows its skip.
+            runtime.log_metrics({metrics.SKIPPED_UPDATES: float(runtime.skipped_updates)}, "train")
 
         def state(self) -> dict:
             return {"args": {}, "attributes": {"adaptive_kl_state": self.runtime.state_dict()}}
@@ -144,6 +207,11 @@ def _set(owner, name: str, value) -> None:
 
 def is_patched() -> bool:
     return bool(_ORIGINALS)
+
+
+def trainer_is_patched(trainer) -> bool:
+    """Whether ``trainer``'s class is currently patched (false after :func:`unpatch`)."""
+    return any(isinstance(trainer, cls) for cls in _LOSS_PATH)
 
 
 def patch_config_class(config_cls) -> None:
@@ -177,18 +245,82 @@ def patch_config_class(config_cls) -> None:
 
 # Every wrapper keeps the original's signature and source (functools.wraps sets __wrapped__):
 # Unsloth generates its trainer from TRL's signatures and sources, and must see TRL's own.
+def fill_missing_fields(config) -> None:
+    """A config made before ``import unsloth_adaptive_kl`` lacks the fields its (now patched) class
+    has: give it their defaults (method ``none``). A config whose class was never patched is left
+    alone, for :func:`validate` to refuse with its hint."""
+    missing = [f for f in FIELDS if not hasattr(config, f.name)]
+    class_fields = getattr(type(config), "__dataclass_fields__", {})
+    if not missing or not all(f.name in class_fields for f in missing):
+        return
+    for f in missing:
+        setattr(config, f.name, f.default)
+    logger.info(
+        "unsloth_adaptive_kl: this %s was created before `import unsloth_adaptive_kl`; its adaptive-KL fields take "
+        "their defaults (kl_adaptation_method='none'). To set them, create the config after the import.",
+        type(config).__name__,
+    )
+
+
+def _config_argument(args, kwargs):
+    """The ``args=`` of a GRPO trainer call, given by keyword or as the third positional argument."""
+    if "args" in kwargs:
+        return kwargs["args"]
+    return args[2] if len(args) > 2 else None
+
+
 def _wrap_init(original, runtime_cls):
     @functools.wraps(original)
     def __init__(self, *args, loss_class=None, **kwargs):
+        config = _config_argument(args, kwargs)
+        if config is not None:
+            fill_missing_fields(config)
         original(self, *args, **kwargs)
         attach(self, loss_class=loss_class, runtime_cls=runtime_cls)
 
     return __init__
 
 
-def _dispatch_compute_loss(rewritten):
+def unattached_runtime(trainer, runtime_cls):
+    """The runtime of a trainer created before ``import unsloth_adaptive_kl`` (it has none).
+
+    Such a trainer cannot have asked for an adaptation through its config (the fields did not exist):
+    if one is set on it anyway, raise. Otherwise a TRL trainer trains as stock TRL (``None``: the
+    callers run TRL's own functions), and an Unsloth trainer, whose generated loss is rewritten in
+    place, gets the runtime for ``none`` + ``k3`` now (stock Unsloth's loss, tested identical).
+    """
+    method = getattr(trainer.args, "kl_adaptation_method", "none")
+    estimator = getattr(trainer.args, "kl_estimator", "k3")
+    if method != "none" or estimator != "k3":
+        raise PatchError(
+            f"this {type(trainer).__qualname__} was created before `import unsloth_adaptive_kl`, so "
+            f"kl_adaptation_method={method!r} with kl_estimator={estimator!r} cannot be applied to it: create the "
+            "trainer (and its GRPOConfig) after the import"
+        )
+    if not getattr(trainer, "_adaptive_kl_unattached_warned", False):
+        trainer._adaptive_kl_unattached_warned = True
+        logger.warning(
+            "unsloth_adaptive_kl: this %s was created before `import unsloth_adaptive_kl`; it trains %s, without the "
+            "adaptive_kl metrics. Create the trainer after the import to use the package.",
+            type(trainer).__qualname__,
+            "as stock TRL" if runtime_cls is TRLAdaptiveKL else "with the library's own KL (method 'none')",
+        )
+    if runtime_cls is TRLAdaptiveKL:
+        return None
+    fill_missing_fields(trainer.args)
+    return attach(trainer, runtime_cls=runtime_cls)
+
+
+def _runtime(trainer, runtime_cls):
+    runtime = getattr(trainer, "_adaptive_kl", None)
+    return runtime if runtime is not None else unattached_runtime(trainer, runtime_cls)
+
+
+def _dispatch_compute_loss(rewritten, original):
     @functools.wraps(rewritten)
     def _compute_loss(self, model, inputs):
+        if _runtime(self, TRLAdaptiveKL) is None:  # created before the import: stock TRL
+            return original(self, model, inputs)
         # With loss_class=, the loss comes from that module (backends/liger.py), not TRL's per-token path.
         if getattr(self, "_adaptive_loss_module", None) is not None:
             from . import liger
@@ -199,9 +331,11 @@ def _dispatch_compute_loss(rewritten):
     return _compute_loss
 
 
-def _wrap_generate(original):
+def _wrap_generate(original, runtime_cls):
     @functools.wraps(original)
     def _generate_and_score_completions(self, *args, **kwargs):
+        if _runtime(self, runtime_cls) is None:  # created before the import: stock TRL
+            return original(self, *args, **kwargs)
         mode = "train" if self.model.training else "eval"
         rewards = self._metrics[mode]["reward"]
         before = len(rewards)
@@ -219,11 +353,13 @@ def _wrap_generate(original):
     return _generate_and_score_completions
 
 
-def _wrap_load_callback_state(original):
+def _wrap_load_callback_state(original, runtime_cls):
     @functools.wraps(original)
     def _load_callback_state(self):
         original(self)
-        runtime = self._adaptive_kl
+        runtime = _runtime(self, runtime_cls)
+        if runtime is None:  # created before the import: stock TRL, nothing of ours to restore
+            return
         stored = self.state.stateful_callbacks.get(AdaptiveKLCallback.__name__)
         if stored is not None:
             stored = stored[0] if isinstance(stored, list) else stored
@@ -263,8 +399,11 @@ def attach(trainer, loss_class=None, runtime_cls=None) -> TRLAdaptiveKL:
     existing = getattr(trainer, "_adaptive_kl", None)
     if existing is not None:
         return existing
-    runtime = (runtime_cls or TRLAdaptiveKL)(trainer)
+    runtime_cls = runtime_cls or TRLAdaptiveKL
+    runtime = runtime_cls(trainer)
     _check_loss_path(trainer, runtime.method.is_none and runtime.estimator == "k3")
+    args = trainer.args
+    runtime.check_step_size(args.per_device_train_batch_size * args.gradient_accumulation_steps * trainer.accelerator.num_processes)
     trainer._adaptive_kl = runtime
     trainer.beta = runtime.beta
     trainer._adaptive_loss_module = None
@@ -274,13 +413,33 @@ def attach(trainer, loss_class=None, runtime_cls=None) -> TRLAdaptiveKL:
         trainer._adaptive_loss_module = liger.make_loss_module(trainer, loss_class)
     trainer.add_callback(AdaptiveKLCallback(runtime))
     logger.info(
-        "unsloth_adaptive_kl: kl_adaptation_method=%r, kl_estimator=%r, beta=%s (logged as %s)",
-        trainer.args.kl_adaptation_method,
+        "unsloth_adaptive_kl: %s; kl_adaptation_method=%r, kl_estimator=%r, beta=%s (logged as %s)",
+        backend_description(trainer),
+        args.kl_adaptation_method,
         runtime.estimator,
         runtime.beta,
         ", ".join(metrics.METRIC_NAMES),
     )
+    if runtime_cls is TRLAdaptiveKL and "unsloth" in sys.modules and loss_class is None:
+        logger.warning(
+            "unsloth_adaptive_kl: unsloth is imported, but this trainer is TRL's own %s (Unsloth did not patch TRL's "
+            "GRPO trainer here, e.g. no GPU): it trains on TRL's eager loss, not Unsloth's fused one",
+            type(trainer).__qualname__,
+        )
     return runtime
+
+
+def backend_description(trainer) -> str:
+    """Which loss computes the KL of this trainer, in words (logged once when the trainer is created)."""
+    module = getattr(trainer, "_adaptive_loss_module", None)
+    if module is not None:
+        cls = type(module)
+        return f"backend: loss_class={cls.__module__}.{cls.__qualname__} (fused-linear loss from the LM head's hidden states)"
+    from . import unsloth as unsloth_backend
+
+    if isinstance(getattr(trainer, "_adaptive_kl", None), unsloth_backend.UnslothAdaptiveKL):
+        return f"backend: Unsloth fused loss ({type(trainer).__module__}.{type(trainer).__qualname__}, grpo_compute_loss)"
+    return f"backend: TRL eager loss ({type(trainer).__qualname__}._compute_loss)"
 
 
 #: For each patched trainer class, the loss methods that must stay ours for the adaptation to act.
@@ -295,8 +454,8 @@ def patch_trainer_class(trainer_cls, runtime_cls, loss_path: tuple[str, ...]) ->
     """
     _LOSS_PATH[trainer_cls] = loss_path
     _set(trainer_cls, "__init__", _wrap_init(trainer_cls.__init__, runtime_cls))
-    _set(trainer_cls, "_generate_and_score_completions", _wrap_generate(trainer_cls._generate_and_score_completions))
-    _set(trainer_cls, "_load_callback_state", _wrap_load_callback_state(trainer_cls._load_callback_state))
+    _set(trainer_cls, "_generate_and_score_completions", _wrap_generate(trainer_cls._generate_and_score_completions, runtime_cls))
+    _set(trainer_cls, "_load_callback_state", _wrap_load_callback_state(trainer_cls._load_callback_state, runtime_cls))
 
 
 def _is_unsloth_generated(cls) -> bool:
@@ -331,7 +490,7 @@ def patch() -> None:
     try:
         patch_config_class(config_cls)
         if eager_trl:
-            _set(trainer_cls, "_compute_loss", _dispatch_compute_loss(compute_loss))
+            _set(trainer_cls, "_compute_loss", _dispatch_compute_loss(compute_loss, trainer_cls._compute_loss))
             patch_trainer_class(trainer_cls, TRLAdaptiveKL, loss_path=("compute_loss", "_compute_loss"))
         unsloth_backend.maybe_patch()
     except Exception:
