@@ -8,6 +8,8 @@ backend also keeps Unsloth's [-10, 10] on the corrected KL)."""
 
 import types
 
+import math
+
 import pytest
 import torch
 
@@ -132,14 +134,17 @@ def test_core_stays_finite_and_matches_float64_at_log_ratios_of_1e4(estimator, m
     torch.testing.assert_close(leaf.grad.double(), leaf64.grad, rtol=1e-5, atol=1e-4)
 
 
-def test_local_sums_and_metrics_of_an_empty_batch_are_zero_not_nan():
+def test_local_sums_of_an_empty_batch_are_zero_and_its_metrics_are_missing_not_zero():
     for lengths, width in ([[0, 0], 3], [[0], 0]):
         mask = ragged_mask(lengths, width)
         garbage = torch.full(mask.shape, NAN)
         sums = metrics.local_kl_sums(garbage, garbage, mask)
-        assert sums.tolist() == [0.0, 0.0, 0.0, 0.0, float(len(lengths))]
-        values = metrics.metric_values(sums, length_normalized=True)
-        assert values == {metrics.RAW_KL: 0.0, metrics.ADAPTED_KL: 0.0}
+        assert sums.tolist() == [0.0, 0.0, 0.0, 0.0, float(len(lengths))]  # the masked NaN does not leak
+        for length_normalized in (True, False):
+            values = metrics.metric_values(sums, length_normalized=length_normalized)
+            # no valid token: no KL was observed; NaN is what the trainer's log() shows as missing (a 0 would
+            # claim a KL of 0, the same mistake that made `target` lower β on such steps)
+            assert set(values) == {metrics.RAW_KL, metrics.ADAPTED_KL} and all(math.isnan(v) for v in values.values())
 
 
 def test_local_sums_match_float64_over_valid_tokens_only():

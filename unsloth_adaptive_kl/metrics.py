@@ -7,6 +7,8 @@ A backend computes :func:`local_kl_sums` on its shard of the batch, sums them ac
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .shaping import sequence_mean
@@ -51,6 +53,8 @@ def metric_values(totals: torch.Tensor, *, length_normalized: bool) -> dict[str,
     ``length_normalized``, the mean over completions of each completion's mean shaped KL.
     """
     t = totals.tolist()
-    tokens = max(t[TOKENS], 1.0)
+    if t[TOKENS] == 0:  # no valid token anywhere: no KL was observed (NaN, which the trainer logs as missing), not 0
+        return {RAW_KL: math.nan, ADAPTED_KL: math.nan}
+    tokens = t[TOKENS]
     adapted = t[ADAPTED_SEQ_MEAN_SUM] / max(t[COMPLETIONS], 1.0) if length_normalized else t[ADAPTED_SUM] / tokens
     return {RAW_KL: t[RAW_SUM] / tokens, ADAPTED_KL: adapted}

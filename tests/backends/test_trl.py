@@ -290,3 +290,115 @@ def test_a_subclass_overriding_the_loss_is_refused_when_an_adaptation_is_on(tiny
     with caplog.at_level("WARNING", logger="unsloth_adaptive_kl"):
         assert build("none")._adaptive_kl.method.is_none  # nothing to apply: a warning, not an error
     assert "OwnLoss overrides _compute_loss" in caplog.text
+
+
+# -- reliability, second round (issue 15) -------------------------------------------------------------
+def _betas(trainer):
+    return [h["adaptive_kl/current_beta"] for h in trainer.state.log_history if "adaptive_kl/current_beta" in h]
+
+
+def test_logged_beta_is_the_last_steps_beta_not_the_window_mean(tiny_checkpoint, tmp_path):
+    overrides = dict(kl_adaptation_method="dynamic", reward_threshold=-1.0, dynamic_beta_decay=0.5, max_steps=4, logging_steps=2)
+    trainer, logs = _run(tiny_checkpoint, tmp_path, **overrides)
+    # steps use 0.04, 0.02, 0.01, 0.005: the log at step 2 shows 0.02 (not 0.03), at step 4 0.005 (not 0.0075)
+    assert [h["step"] for h in logs] == [2, 4]
+    assert [h["adaptive_kl/current_beta"] for h in logs] == [0.02, 0.005]
+    assert [h["adaptive_kl/skipped_updates"] for h in logs] == [0.0, 0.0]
+
+
+@pytest.mark.parametrize(
+    "schedule, expected, generations",
+    [
+        # one generation batch feeds 4 optimizer steps: one decay per batch, not per step
+        (dict(steps_per_generation=4), [0.04, 0.02, 0.02, 0.02, 0.02, 0.01], [0, 4]),
+        # each generation batch is used for 2 optimizer steps (num_iterations=2)
+        (dict(num_iterations=2), [0.04, 0.02, 0.02, 0.01, 0.01, 0.005], [0, 2, 4]),
+        # steps_per_generation > gradient_accumulation_steps > 1: 2 optimizer steps per generation batch
+        (dict(steps_per_generation=4, gradient_accumulation_steps=2, per_device_train_batch_size=2), [0.04, 0.02, 0.02, 0.01, 0.01, 0.005], [0, 2, 4]),
+    ],
+    ids=["steps_per_generation=4", "num_iterations=2", "spg=4,ga=2"],
+)
+def test_dynamic_decays_once_per_generation_batch(tiny_checkpoint, tmp_path, schedule, expected, generations):
+    overrides = dict(kl_adaptation_method="dynamic", reward_threshold=-1.0, dynamic_beta_decay=0.5, max_steps=6, **schedule)
+    trainer = make_trainer(tiny_checkpoint, tmp_path, **overrides)
+    seen = []  # the optimizer step (global_step before it) at which each new reward arrived
+    original = trainer._adaptive_kl.observe_reward
+    trainer._adaptive_kl.observe_reward = lambda r: (seen.append(trainer.state.global_step), original(r))
+    trainer.train()
+    assert seen == generations  # the schedule the expected series assumes
+    assert _betas(trainer) == expected  # one decay per new reward; per optimizer step would be 0.04 * 0.5**k
+
+
+def test_target_ignores_steps_whose_completions_are_all_masked(tiny_checkpoint, tmp_path):
+    class AllTruncated(GRPOTrainer):  # as mask_truncated_completions=True does when every completion hits the limit
+        def _generate_and_score_completions(self, *args, **kwargs):
+            output = super()._generate_and_score_completions(*args, **kwargs)
+            output["completion_mask"] = torch.zeros_like(output["completion_mask"])
+            return output
+
+    args = grpo_config(tmp_path, kl_adaptation_method="target", kl_target=1.0, kl_horizon=8.0)
+    trainer = AllTruncated(model=tiny_checkpoint, reward_funcs=[toy.format_reward], args=args, train_dataset=toy.prompt_dataset(64))
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "adaptive_kl/current_beta" in h]
+    assert len(logs) == 3 and all(h["adaptive_kl/raw_kl"] is None for h in logs)  # no KL observed: missing, not 0
+    assert _betas(trainer) == [0.04, 0.04, 0.04] and trainer.beta == 0.04  # read as KL = 0, β would fall by 0.9 per step
+
+
+def test_a_nan_kl_leaves_beta_where_it_was_and_is_counted(tiny_checkpoint, tmp_path, caplog):
+    class NaNReference(GRPOTrainer):  # the 3rd generation batch has NaN reference log-probs on one completion
+        calls = 0
+
+        def _generate_and_score_completions(self, *args, **kwargs):
+            output = super()._generate_and_score_completions(*args, **kwargs)
+            NaNReference.calls += 1
+            if NaNReference.calls == 3:
+                output["ref_per_token_logps"][0] = float("nan")
+            return output
+
+    args = grpo_config(tmp_path, kl_adaptation_method="target", beta_min=0.0, kl_target=0.01, kl_horizon=40.0)
+    trainer = NaNReference(model=tiny_checkpoint, reward_funcs=[toy.format_reward], args=args, train_dataset=toy.prompt_dataset(64))
+    with caplog.at_level("WARNING", logger="unsloth_adaptive_kl"):
+        trainer.train()
+    logs = [h for h in trainer.state.log_history if "adaptive_kl/current_beta" in h]
+    assert logs[2]["adaptive_kl/raw_kl"] is None  # the NaN step's KL (NaN) is logged as missing...
+    assert trainer.beta == logs[2]["adaptive_kl/current_beta"] > 0  # ...and did not move β (was beta_min = 0)
+    assert [h["adaptive_kl/skipped_updates"] for h in logs] == [0.0, 0.0, 1.0]
+    assert "non-finite KL" in caplog.text
+
+
+def test_a_kl_horizon_too_small_for_the_step_is_refused_when_the_trainer_is_created(tiny_checkpoint, tmp_path):
+    # 4 completions per optimizer step: the factor 1 - 0.2 * 4 / 0.5 would be negative at the first low KL
+    with pytest.raises(ValueError, match=r"kl_horizon=0\.5 .*4 completions per optimizer step.*allowed: kl_horizon > 0\.8"):
+        make_trainer(tiny_checkpoint, tmp_path, kl_adaptation_method="target", kl_horizon=0.5)
+
+
+def test_the_trainer_logs_which_backend_computes_its_kl(tiny_checkpoint, tmp_path, caplog):
+    from unsloth_adaptive_kl.backends.liger import AdaptiveFusedLinearGRPOLoss
+
+    with caplog.at_level("INFO", logger="unsloth_adaptive_kl"):
+        make_trainer(tiny_checkpoint, tmp_path, kl_adaptation_method="clip")
+    assert "backend: TRL eager loss (GRPOTrainer._compute_loss)" in caplog.text
+    caplog.clear()
+    with caplog.at_level("INFO", logger="unsloth_adaptive_kl"):
+        GRPOTrainer(
+            model=tiny_checkpoint, reward_funcs=[toy.format_reward], args=grpo_config(tmp_path), train_dataset=toy.prompt_dataset(8),
+            loss_class=AdaptiveFusedLinearGRPOLoss,
+        )
+    assert "backend: loss_class=unsloth_adaptive_kl.backends.liger.AdaptiveFusedLinearGRPOLoss" in caplog.text
+
+
+@pytest.mark.parametrize("method", ["clip", "none"])
+def test_unpatch_with_a_live_trainer_raises_or_warns_before_training(tiny_checkpoint, tmp_path, caplog, method):
+    trainer = make_trainer(tiny_checkpoint, tmp_path, kl_adaptation_method=method, max_steps=1)
+    unsloth_adaptive_kl.unpatch()
+    try:
+        if method != "none":
+            with pytest.raises(unsloth_adaptive_kl.PatchError, match="unpatch\\(\\) was called.*'clip'.*patch\\(\\) again"):
+                trainer.train()
+        else:
+            with caplog.at_level("WARNING", logger="unsloth_adaptive_kl"):
+                trainer.train()  # nothing to adapt: TRL's loss, with a warning
+            assert "unpatch() was called" in caplog.text
+            assert not any("adaptive_kl/raw_kl" in h for h in trainer.state.log_history)
+    finally:
+        unsloth_adaptive_kl.patch()
