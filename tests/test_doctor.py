@@ -104,7 +104,7 @@ def test_asking_for_a_missing_backend_fails_but_an_unrequested_one_does_not(monk
 
 def test_an_out_of_range_unsloth_fails_naming_its_range(monkeypatch):
     fake_versions(monkeypatch, unsloth="2026.11.1", unsloth_zoo="2026.10.9")
-    monkeypatch.setattr(doctor, "_generated_unsloth_module", lambda: None)  # do not import unsloth here
+    monkeypatch.setattr(doctor, "_generated_unsloth_module", lambda: (None, False))  # do not import unsloth here
     status, text = report("unsloth")
     assert status == 1
     assert "[FAIL] unsloth: 2026.11.1 is outside the tested range 2026.10.x" in text
@@ -168,7 +168,15 @@ def test_doctor_checks_every_unsloth_anchor_where_unsloth_is_installed():
     proc = subprocess.run(
         [sys.executable, "-m", "unsloth_adaptive_kl", "doctor", "--backend", "unsloth"], capture_output=True, text=True, timeout=300, env=env
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # Whether Unsloth's loss would be used here: only where `import unsloth` patches TRL (a GPU). On a
+    # machine without one, asking for the Unsloth backend fails, though every anchor is found.
+    if torch.cuda.is_available():
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert "[  ok] unsloth used on this machine" in proc.stdout
+    else:
+        assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert "[FAIL] unsloth used on this machine: no: `import unsloth` does not patch TRL's GRPO trainer here" in proc.stdout
+        assert "runs on TRL's eager loss" in proc.stdout
     for target in ("grpo_compute_loss: 4", "UnslothEfficientGRPO.forward: 1", "grpo_accumulated_loss: 1", "UnslothGRPOTrainer.compute_loss: 1"):
         assert f"{target} anchor(s) found" in proc.stdout, proc.stdout
 
@@ -187,3 +195,10 @@ def test_doctor_reports_an_import_time_patch_error_instead_of_dying(tmp_path):
     doctor = subprocess.run([sys.executable, "-m", "unsloth_adaptive_kl", "doctor", "--backend", "trl"], capture_output=True, text=True, env=env, timeout=300)
     assert doctor.returncode == 1
     assert "Import" in doctor.stdout and "trl 9.0.0" in doctor.stdout and "[FAIL]" in doctor.stdout
+
+
+@pytest.mark.parametrize("active, requested, status", [(True, True, doctor.OK), (True, False, doctor.OK), (False, True, doctor.FAIL), (False, False, doctor.WARN)])
+def test_doctor_says_whether_unsloths_loss_would_be_used_here(active, requested, status):
+    finding = doctor.unsloth_used_finding(active, requested)
+    assert finding.status == status and finding.topic == "unsloth used on this machine"
+    assert ("Unsloth's fused loss" in finding.detail) if active else ("runs on TRL's eager loss" in finding.detail)

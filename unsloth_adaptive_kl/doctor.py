@@ -146,35 +146,57 @@ def trl_backend_findings() -> list[Finding]:
     if findings[-1].status == OK:
         compute_loss = _pristine(trainer_cls, "_compute_loss")
         findings.append(dry_run("trl GRPOTrainer._compute_loss", compute_loss, trl_backend.COMPUTE_LOSS_REWRITES, library="trl"))
+    findings.append(
+        Finding("trl used when", INFO, "trl.GRPOTrainer is TRL's own class (Unsloth not active: see Backend unsloth) and no loss_class= is given")
+    )
     return findings
 
 
 def _generated_unsloth_module():
-    """Unsloth's generated GRPO module; on a machine where ``import unsloth`` does not generate it
-    (no GPU), generate it through Unsloth's own (private) entry point."""
+    """Unsloth's generated GRPO module, and whether ``import unsloth`` itself generated it and rebound
+    ``trl.GRPOTrainer`` to it (what a user's import does). Where it does not (no GPU), the module is
+    generated through Unsloth's own (private) entry point, so the anchors can still be checked."""
     import unsloth  # noqa: F401  (generates the RL trainers on a GPU machine)
+    import trl
 
     from .backends import unsloth as unsloth_backend
 
     module = sys.modules.get(unsloth_backend.GENERATED_MODULE)
+    active = module is not None and getattr(trl, "GRPOTrainer", None) is getattr(module, "UnslothGRPOTrainer", None)
     if module is None:
         from unsloth.models.rl import _patch_trl_rl_trainers
 
         _patch_trl_rl_trainers("grpo_trainer")
         module = sys.modules.get(unsloth_backend.GENERATED_MODULE)
-    return module
+    return module, active
 
 
-def unsloth_backend_findings() -> list[Finding]:
+def unsloth_used_finding(active: bool, requested: bool) -> Finding:
+    """Whether a GRPOTrainer created after ``import unsloth`` on this machine would use Unsloth's loss.
+    Where it would not, that is FAIL when the Unsloth backend was asked for, WARN otherwise."""
+    topic = "unsloth used on this machine"
+    if active:
+        return Finding(topic, OK, "`import unsloth` rebinds trl.GRPOTrainer to UnslothGRPOTrainer: a GRPOTrainer created after it uses Unsloth's fused loss")
+    return Finding(
+        topic,
+        FAIL if requested else WARN,
+        "no: `import unsloth` does not patch TRL's GRPO trainer here (it needs a GPU), so a GRPOTrainer created on this "
+        "machine runs on TRL's eager loss, not Unsloth's fused one; the anchors below were checked on a trainer "
+        "generated through Unsloth's private entry point",
+    )
+
+
+def unsloth_backend_findings(requested: bool = False) -> list[Finding]:
     findings = [version_finding("unsloth"), version_finding("unsloth_zoo")]
     if any(f.status == INFO for f in findings):
         return [Finding("unsloth", FAIL, "unsloth or unsloth_zoo is not installed; pip install 'unsloth-adaptive-kl[unsloth]'")]
     try:
-        module = _generated_unsloth_module()
+        module, active = _generated_unsloth_module()
     except Exception as error:  # noqa: BLE001 - report whatever stopped Unsloth, then fail
         return findings + [Finding("unsloth import", FAIL, f"{type(error).__name__}: {error}")]
     if module is None:
         return findings + [Finding("unsloth GRPO trainer", FAIL, "Unsloth did not generate its GRPO trainer module")]
+    findings.append(unsloth_used_finding(active, requested))
     from .backends import unsloth as unsloth_backend
 
     trainer_cls = getattr(module, "UnslothGRPOTrainer", None)
@@ -215,6 +237,7 @@ def liger_backend_findings() -> list[Finding]:
                 "TRITON_INTERPRET=1 is set" if interpreted else "no GPU: set TRITON_INTERPRET=1 before importing trl to run it (slowly)",
             )
         )
+    findings.append(Finding("liger used when", INFO, "GRPOTrainer(loss_class=AdaptiveFusedLinearGRPOLoss or a Liger-shaped class) is given"))
     return findings
 
 
@@ -235,7 +258,8 @@ def run(requested: list[str] | None = None, out=None) -> int:
             sections.append((f"Backend {backend}", [Finding(backend, INFO, f"not checked: {why}")]))
             continue
         try:
-            findings = BACKEND_CHECKS[backend]()
+            asked = {"requested": True} if requested and backend == "unsloth" else {}
+            findings = BACKEND_CHECKS[backend](**asked)
         except Exception as error:  # noqa: BLE001 - a doctor reports, it does not crash
             findings = [Finding(backend, FAIL, f"checking it raised {type(error).__name__}: {error}")]
         sections.append((f"Backend {backend}", findings))
