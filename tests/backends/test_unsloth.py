@@ -78,6 +78,8 @@ def test_unsloth_grpo_trains_with_each_method(method, tmp_path_factory):
     run = run_worker("ours-first", "train", tmp_path_factory)["train"][method]
     logs = run["logs"]
     assert run["runtime"] == "UnslothAdaptiveKL" and not run["ignored_printed"]
+    (line,) = run["backend_lines"]  # one line, at creation, naming the backend actually patched in
+    assert "backend: Unsloth fused loss (UnslothGRPOTrainer.UnslothGRPOTrainer, grpo_compute_loss)" in line, line
     assert run["batch"][:2] == [4, 1]  # 4 completions per optimizer step, one micro-batch
     assert len(logs) == 3
     betas = [h["adaptive_kl/current_beta"] for h in logs]

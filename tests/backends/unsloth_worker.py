@@ -224,17 +224,25 @@ METHODS = ["none", "clip", "sigmoid", "length_normalized", "dynamic", "target", 
 
 
 def scenario_train():
+    import logging
+
     runs = {}
     for method in METHODS:
         out = io.StringIO()
+        lines = []
+        handler = logging.Handler()
+        handler.emit = lambda record: lines.append(record.getMessage())
+        logging.getLogger("unsloth_adaptive_kl").addHandler(handler)
         with contextlib.redirect_stdout(out):
             t = trainer(kl_adaptation_method=method, reward_threshold=-1.0, kl_clip_threshold=0.05, kl_target=0.02, kl_horizon=40.0)
             t.train()
+        logging.getLogger("unsloth_adaptive_kl").removeHandler(handler)
         logs = [h for h in t.state.log_history if "adaptive_kl/current_beta" in h]
         runs[method] = {
             "logs": [{k: v for k, v in h.items() if k.startswith("adaptive_kl/") or k == "kl"} for h in logs],
             "ignored_printed": "IGNORED" in out.getvalue(),
             "runtime": type(t._adaptive_kl).__name__,
+            "backend_lines": [line for line in lines if "backend:" in line],
             "batch": [t.args.per_device_train_batch_size, t.args.gradient_accumulation_steps, t.args.steps_per_generation],
         }
     results["train"] = runs
