@@ -2,6 +2,8 @@
 references for every loss type and method, metrics, end-to-end runs, resume and β -> 0."""
 
 import math
+import sys
+import types
 
 import pytest
 import torch
@@ -402,3 +404,13 @@ def test_unpatch_with_a_live_trainer_raises_or_warns_before_training(tiny_checkp
             assert not any("adaptive_kl/raw_kl" in h for h in trainer.state.log_history)
     finally:
         unsloth_adaptive_kl.patch()
+
+
+def test_a_trl_trainer_with_unsloth_imported_warns_that_it_runs_on_trls_loss(tiny_checkpoint, tmp_path, caplog, monkeypatch):
+    # What a CPU machine shows: `import unsloth` succeeds but leaves trl.GRPOTrainer as TRL's own class.
+    monkeypatch.setitem(sys.modules, "unsloth", types.ModuleType("unsloth"))
+    with caplog.at_level("INFO", logger="unsloth_adaptive_kl"):
+        make_trainer(tiny_checkpoint, tmp_path, kl_adaptation_method="clip")
+    assert "backend: TRL eager loss" in caplog.text
+    warning = [r for r in caplog.records if r.levelname == "WARNING" and "unsloth is imported" in r.getMessage()]
+    assert len(warning) == 1 and "trains on TRL's eager loss, not Unsloth's fused one" in warning[0].getMessage()
