@@ -1,5 +1,6 @@
 """``GRPOTrainer(loss_class=AdaptiveFusedLinearGRPOLoss)`` for a few real GRPO steps per loss type,
-with real padding (sampled completions of different lengths), each micro-batch's loss checked
+with real padding (sampled completions of different lengths) and old log-probs (``num_iterations=2``:
+an importance ratio that is not 1), each micro-batch's loss checked
 finite and equal to TRL's own loss on the same inputs (TRL's ``_compute_loss`` with the module
 unset, under no_grad) within bf16 tolerance. A stage of scripts/gpu/verify.sh; on a machine with
 no GPU it runs in float32 on the CPU (TRITON_INTERPRET=1), slowly.
@@ -36,6 +37,7 @@ def run(checkpoint, loss_type, steps, out_dir, cuda):
         num_generations=4, max_completion_length=8, max_steps=steps, logging_steps=1, learning_rate=1e-3,
         beta=0.04, save_strategy="no", seed=0, loss_type=loss_type, temperature=1.0, use_bias_correction_kl=True,
         epsilon_high=5.0 if loss_type == "cispo" else None, gradient_accumulation_steps=2, steps_per_generation=2,
+        num_iterations=2,  # TRL then computes old log-probs: the importance ratio is not 1
     )  # fmt: skip
     trainer = GRPOTrainer(
         model=checkpoint, reward_funcs=[toy.format_reward, toy.correctness_reward], args=args,
@@ -53,6 +55,7 @@ def run(checkpoint, loss_type, steps, out_dir, cuda):
                 reference = patched(trainer, model, inputs)  # TRL's own loss
         finally:
             trainer._adaptive_loss_module = module
+        assert inputs.get("old_per_token_logps") is not None
         lengths = inputs["completion_mask"].sum(1).tolist()
         rows.append((loss.item(), reference.item(), lengths))
         return loss
