@@ -51,7 +51,7 @@ if [ ! -f "$TESTS/$UPSTREAM" ]; then
   SDIST=$CACHE/liger_kernel-$VERSION.tar.gz
   if [ ! -f "$SDIST" ]; then
     mkdir -p "$CACHE"
-    "$PYTHON" -m pip download -q --no-binary :all: --no-deps --no-build-isolation -d "$CACHE" "liger-kernel==$VERSION" \
+    "$PYTHON" -m pip download -q --no-binary :all: --no-deps -d "$CACHE" "liger-kernel==$VERSION" \
       || { echo "could not fetch the liger-kernel $VERSION sdist; offline, put it (or its extracted test/ folder) in $CACHE" >&2; exit 1; }
   fi
   mkdir -p "$TESTS"
