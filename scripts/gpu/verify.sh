@@ -2,7 +2,8 @@
 # GPU verification, run on the GPU machine from the repo root (see docs/gpu-verification.md):
 #   export PYTHONPATH=$PWD/.gpu-site:$PWD; bash scripts/gpu/verify.sh "$OUT" STAGE...
 # Stages: machine, tests (Unsloth backend, every method as 16-bit LoRA and 4-bit QLoRA; dynamic
-# beta over 32 steps), liger (bench), unsloth-bench, demo-check (a short demo run), demo-3seeds.
+# beta over 32 steps), liger (bench), liger-conformance (Liger's upstream GRPO tests against the
+# drop-in, and GRPOTrainer(loss_class=) against TRL's loss), unsloth-bench, demo-check (a short demo run), demo-3seeds.
 set -uo pipefail
 OUT=$1; shift
 mkdir -p "$OUT"
@@ -19,6 +20,11 @@ for stage in "$@"; do
       timeout 150 python bench/bench_liger.py 2>&1 | tee "$OUT/bench-liger.log" | tail -25 ;;
     unsloth-bench)
       timeout 260 python bench/bench_unsloth.py 2>&1 | tee "$OUT/bench-unsloth.log" | grep -E "^ROW|^\||^Machine|^Model|^Command|beta per step|^  " | tail -40 ;;
+    liger-conformance)  # Liger's own GRPO test file, stock vs the drop-in, 8 shards each; then loss_class= vs TRL
+      timeout 200 python scripts/gpu/liger_loss_class_check.py --steps 4 > "$OUT/liger-loss-class.log" 2>&1 &
+      bash scripts/liger_conformance.sh --shards 8 --timeout 500 --out /tmp/liger-conformance 2>&1 | tee "$OUT/liger-conformance.log"
+      tar czf "$OUT/liger-conformance.tgz" -C /tmp liger-conformance
+      wait; grep -vE "Loading|it/s|^\{|Warning|warn" "$OUT/liger-loss-class.log" | tail -14 ;;
     demo-check)
       timeout 170 python blackwell/test_adaptive_kl_grpo.py --steps 4 --methods none,dynamic --output-dir "$OUT/demo-check" 2>&1 | tee "$OUT/demo-check.log" | tail -30 ;;
     demo-beta03)

@@ -145,6 +145,43 @@ def test_ref_input_and_num_items_and_vllm_ratio_match_liger():
     assert_same(run_module(AdaptiveFusedLinearGRPOLoss(**kwargs), batch), run_module(LigerFusedLinearGRPOLoss(**kwargs), batch))
 
 
+def sharp_batch(seed=0):
+    """Liger's own test grid at its large shape (issue 10): logits so sharp that log-probs fall below
+    -88, and old / reference log-probs are the policy's own plus noise, padding included."""
+    batch = make_batch(seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    batch["lin_weight"] = torch.randn(V, H, generator=g) * 40
+    logits = (batch["_input"].double() @ batch["lin_weight"].double().T + batch["bias"].double())
+    logps = logits.log_softmax(-1).gather(-1, batch["selected_token_ids"].unsqueeze(-1)).squeeze(-1).float()
+    assert logps[batch["attention_mask"] == 0].min() < -89  # exp(0 - old) overflows float32 at padding
+    batch["old_per_token_logps"] = logps + 0.01 * torch.randn(B, T, generator=g)
+    batch["ref_per_token_logps"] = logps + 0.01 * torch.randn(B, T, generator=g)
+    batch["advantages"] = torch.tensor([1.0, -0.5, 1.2])  # a padded row with A < 0: -min(inf * A, .) = inf
+    return batch
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+@pytest.mark.parametrize("bias_correction", [False, True])
+def test_padding_with_very_negative_old_logps_is_finite_and_matches_liger(loss_type, bias_correction):
+    """The forward computes no log-prob at padding; a ratio exp(0 - old) there must not overflow
+    into the loss (inf * mask 0 = NaN): it was NaN in Liger's own grid, where stock Liger is finite."""
+    kwargs = liger_kwargs(loss_type, bias_correction=bias_correction, compiled=False)
+    batch = sharp_batch()
+    ours, theirs = run_module(AdaptiveFusedLinearGRPOLoss(**kwargs), batch), run_module(LigerFusedLinearGRPOLoss(**kwargs), batch)
+    assert torch.isfinite(theirs[0]) and all(torch.isfinite(g).all() for g in theirs[2])
+    assert_same(ours, theirs, atol=1e-5, rtol=1e-4)
+
+
+def test_both_reference_inputs_warn_as_liger_and_use_the_log_probs():
+    batch = make_batch()
+    extra = dict(ref_input=batch["_input"] + 1.0, ref_weight=batch["lin_weight"], ref_bias=batch["bias"])
+    kwargs = liger_kwargs("dapo", compiled=False)
+    for cls in (AdaptiveFusedLinearGRPOLoss, LigerFusedLinearGRPOLoss):
+        with pytest.warns(UserWarning, match="Both ref_per_token_logps and ref_input are provided. Using ref_per_token_logps."):
+            loss, _ = cls(**kwargs)(**batch, **extra)
+        torch.testing.assert_close(loss, cls(**kwargs)(**batch)[0])
+
+
 # -- β across calls --------------------------------------------------------------------------------------
 def test_beta_changes_every_call_without_recompiling(light_compile):
     from torch._dynamo.utils import counters

@@ -52,6 +52,7 @@ import logging
 import math
 import os
 import types
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -105,6 +106,19 @@ def selected_token_logps(hidden, weight, bias, token_ids, rows, temperature: flo
 
 
 # -- step 3: the elementwise loss ----------------------------------------------------------------------
+def neutral_padding(mask, *per_token):
+    """Each ``(B, T)`` tensor (or None) with 0 where ``mask`` is 0: an importance ratio of 1 and a KL of 0 there.
+
+    Every aggregation but luspo's multiplies the per-token loss by the mask, so a padded position
+    never counts, unless its value is not finite: ``inf * 0`` is NaN. And it can be: the forward
+    computes no log-prob at padding (0 there), so the ratio ``exp(0 - old)`` overflows float32 for
+    any old log-prob below about -88, which a large vocabulary or sharp logits give (Liger's own
+    test grid does). Liger computes real log-probs everywhere, so its ratio there is finite.
+    """
+    keep = mask.bool()
+    return tuple(None if t is None else t.masked_fill(~keep, 0.0) for t in per_token)
+
+
 def log_importance_weights(logps, old_logps, mask, level: str) -> torch.Tensor:
     """``log(pi / pi_old)`` per token ``(B, T)``, or its masked mean per sequence ``(B, 1)`` (GSPO).
 
@@ -314,6 +328,8 @@ class AdaptiveFusedLinearGRPOLoss(nn.Module):
         if not self.use_ref_model:
             return logps.detach()
         if ref_per_token_logps is not None:
+            if ref_input is not None:
+                warnings.warn("Both ref_per_token_logps and ref_input are provided. Using ref_per_token_logps.")  # Liger's words
             return ref_per_token_logps
         with torch.no_grad():
             return selected_token_logps(ref_input, ref_weight, ref_bias, token_ids, rows, self.temperature)
@@ -341,6 +357,8 @@ class AdaptiveFusedLinearGRPOLoss(nn.Module):
         with_kl = ref_per_token_logps is not None and _is_nonzero(self.beta)
         ref = ref_per_token_logps.float() if with_kl else None
         old = old_per_token_logps.float() if old_per_token_logps is not None else None
+        if self.loss_type != "luspo":
+            per_token_logps, ref, old = neutral_padding(attention_mask, per_token_logps, ref, old)
         # Batch-level quantities, from the whole batch, before anything else.
         statistic = self.adaptive_kl.batch_statistic(ref, attention_mask) if with_kl else None
         beta = torch.as_tensor(self.beta, dtype=torch.float32, device=per_token_logps.device)
