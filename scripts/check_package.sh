@@ -95,10 +95,10 @@ from trl import GRPOConfig
 
 venv = os.path.realpath(sys.argv[1])
 assert os.path.realpath(unsloth_adaptive_kl.__file__).startswith(venv), unsloth_adaptive_kl.__file__
-config = GRPOConfig(output_dir="out", beta=0.04, kl_adaptation_method="dynamic+length_normalized", reward_threshold=0.5)
+config = GRPOConfig(output_dir="out", use_cpu=True, bf16=False, beta=0.04, kl_adaptation_method="dynamic+length_normalized", reward_threshold=0.5)
 assert (config.kl_adaptation_method, config.reward_threshold) == ("dynamic+length_normalized", 0.5)
 try:
-    GRPOConfig(output_dir="out", beta=0.04, kl_clip_threshold=-1.0)
+    GRPOConfig(output_dir="out", use_cpu=True, bf16=False, beta=0.04, kl_clip_threshold=-1.0)
 except ValueError as error:
     assert "kl_clip_threshold" in str(error), error
 else:
@@ -107,11 +107,13 @@ print(f"import and config: ok ({unsloth_adaptive_kl.__file__})")
 EOF
 "$WORK/venv/bin/unsloth-adaptive-kl" doctor --backend trl --backend liger
 "$WORK/venv/bin/unsloth-adaptive-kl" grpo --help >"$WORK/grpo-help.txt"
-grep -- "--kl_adaptation_method" "$WORK/grpo-help.txt" >/dev/null && echo "grpo --help lists the fields: ok"
+grep -q -- "--kl_adaptation_method" "$WORK/grpo-help.txt" || { echo "grpo --help does not list the fields" >&2; exit 1; }
+echo "grpo --help lists the fields: ok"
 "$VENV_PY" "$SRC/examples/prepare_toy.py" toy --warm-start-steps 0 --prompts 64 >/dev/null 2>&1
 "$WORK/venv/bin/unsloth-adaptive-kl" grpo --config "$SRC/examples/grpo_recipe.yaml" --max_steps 2 --save_strategy steps --save_steps 2 \
     >"$WORK/grpo.log" 2>&1 || { tail -50 "$WORK/grpo.log"; exit 1; }
-grep -q '"adaptive_kl/current_beta"' toy/out/checkpoint-2/trainer_state.json && echo "TRL CLI recipe, 2 steps: ok"
+grep -q '"adaptive_kl/current_beta"' toy/out/checkpoint-2/trainer_state.json || { echo "no adaptive_kl metrics logged" >&2; exit 1; }
+echo "TRL CLI recipe, 2 steps: ok"
 
 echo "== the sdist's tests/test_config.py against the installed wheel"
 # Run from the smoke folder: the sdist's own copy of the package is not on sys.path (pytest puts
