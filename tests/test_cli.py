@@ -58,15 +58,22 @@ def _assert_dynamic_beta_halves(history, steps):
 
 
 @pytest.mark.slow
-def test_recipe_runs_through_the_cli_with_yaml_fields_and_flag_overrides(toy_dir, tmp_path):
+@pytest.mark.parametrize("processes", [1, 2])
+def test_recipe_runs_through_the_cli_with_yaml_fields_and_flag_overrides(toy_dir, tmp_path, processes):
     out = tmp_path / "out"
     flags = ["--max_steps", "3", "--dynamic_beta_decay", "0.5", "--reward_threshold", "-1", "--save_strategy", "steps", "--save_steps", "3"]
+    if processes > 1:  # accelerate's flags, passed through as with `trl grpo`: torchrun and gloo on CPU
+        flags += ["--multi_gpu", "--num_processes", str(processes), "--num_machines", "1", "--mixed_precision", "no", "--use_cpu", "true"]
     proc = subprocess.run(
         [sys.executable, "-m", "unsloth_adaptive_kl", "grpo", "--config", RECIPE, *_paths(toy_dir, out), *flags],
         capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    _assert_dynamic_beta_halves(_log_history(out, 3), 3)
+    history = _log_history(out, 3)
+    _assert_dynamic_beta_halves(history, 3)
+    # Each process takes one prompt (8 completions, 8 generations) per step from the 64 prompts:
+    # the epoch counter tells how many processes trained.
+    assert history[-1]["epoch"] == pytest.approx(3 * processes / 64, rel=1e-3)
     assert os.path.isfile(out / "model.safetensors")  # TRL's script saved the model at the end
 
 
