@@ -10,9 +10,9 @@ Why not ``import unsloth_adaptive_kl`` and call ``trl.cli.main`` as it is: TRL s
 ``trl/scripts/grpo.py`` in new processes, and nothing there imports this package, so there
 ``GRPOConfig`` has none of the fields (TRL's script parses its YAML with
 ``fail_with_unknown_args=False``: a field in the YAML would be dropped without a word).
-Swapping the launched script is the one hook TRL's CLI offers for this: its ``TrainingCommand.run``
-looks ``launch_training_script`` up in ``trl.cli.accelerate_launcher`` when it runs, and that
-lookup is checked here before it is relied on.
+TRL's CLI has no option to name another script, so for the duration of the call this replaces
+``trl.cli.accelerate_launcher.launch_training_script``, which ``TrainingCommand.run`` looks up when
+it runs (checked before it is relied on, and that the replacement was called after).
 
 Under ``accelerate launch`` directly (any number of processes), run the training module itself:
 ``accelerate launch [accelerate flags] -m unsloth_adaptive_kl.trl_grpo --config recipe.yaml``.
