@@ -130,3 +130,31 @@ def test_grpo_refuses_to_run_when_the_patch_failed_at_import(tmp_path):
     )
     assert proc.returncode != 0 and "trl 9.0.0" in proc.stderr, proc.stderr[-2000:]
     assert "PatchError" in proc.stderr
+
+
+def test_grpo_runs_trls_cli_and_launches_the_training_module_with_the_same_arguments(monkeypatch):
+    import accelerate.commands.launch
+    from trl.cli import accelerate_launcher
+
+    from unsloth_adaptive_kl import trl_grpo
+
+    launched = []
+    monkeypatch.setattr(accelerate.commands.launch, "launch_command", launched.append)
+    original = accelerate_launcher.launch_training_script
+    argv = ["--config", RECIPE, "--max_steps", "1", "--num_processes", "1", "--kl_estimator", "k1"]
+    assert trl_grpo.launch(argv) == 0
+    (args,) = launched
+    assert args.module and args.training_script == "unsloth_adaptive_kl.trl_grpo"
+    assert args.num_processes == 1  # accelerate's flag went to accelerate...
+    assert args.training_script_args == ["--config", RECIPE, "--max_steps", "1", "--kl_estimator", "k1"]  # ...the rest to the script
+    assert accelerate_launcher.launch_training_script is original  # TRL's launcher is back
+
+
+def test_grpo_refuses_a_trl_cli_that_no_longer_looks_up_the_launcher(monkeypatch):
+    from trl.cli.commands.training import TrainingCommand
+
+    from unsloth_adaptive_kl import trl_grpo
+
+    monkeypatch.setattr(TrainingCommand, "run", lambda self, args, context: 0)
+    with pytest.raises(RuntimeError, match="launch_training_script"):
+        trl_grpo.launch(["--config", RECIPE])
