@@ -14,7 +14,7 @@ TRL's CLI has no option to name another script, so for the duration of the call 
 ``trl.cli.accelerate_launcher.launch_training_script``, which ``TrainingCommand.run`` looks up when
 it runs (checked before it is relied on, and that the replacement was called after).
 
-Under ``accelerate launch`` directly (any number of processes), run the training module itself:
+Under ``accelerate launch`` directly, run the training module itself:
 ``accelerate launch [accelerate flags] -m unsloth_adaptive_kl.trl_grpo --config recipe.yaml``.
 """
 
@@ -27,7 +27,9 @@ TRAINING_MODULE = __name__ if __name__ != "__main__" else "unsloth_adaptive_kl.t
 
 
 def _require_patch() -> None:
-    """The package's import tolerates a failed patch only for ``doctor``; training must not."""
+    """Started as ``python -m unsloth_adaptive_kl`` or ``unsloth-adaptive-kl``, the package's import
+    keeps a failed patch in ``IMPORT_PATCH_ERROR`` instead of raising (so that ``doctor`` can report
+    it); training must not go on without the patch."""
     import unsloth_adaptive_kl
 
     if unsloth_adaptive_kl.IMPORT_PATCH_ERROR is not None:
