@@ -1,8 +1,9 @@
 """A small adaptive-KL GRPO run, offline, on the CPU by default.
 
 Builds a tokenizer and a tiny Llama for a synthetic arithmetic task, warm-starts it with a
-short supervised phase, then trains it with GRPO and an adaptive KL method, printing the
-adaptive_kl/* metrics of every step.
+short supervised phase, then trains it with GRPO and an adaptive KL method. While it trains it
+shows the Trainer's progress bar; at the end, a table of the adaptive_kl/* metrics of every step.
+``--verbose`` also prints the Trainer's log dictionary at every step, and the loading bars.
 
     python examples/quickstart.py --method dynamic+length_normalized --steps 20
 """
@@ -16,10 +17,19 @@ import tempfile
 os.environ.setdefault("TRITON_INTERPRET", "1")  # TRL's Triton log-prob kernel, interpreted on CPU
 
 import torch
+from transformers import ProgressCallback
+from transformers.utils import logging as transformers_logging
 
 import unsloth_adaptive_kl  # noqa: F401  (before the trainer is created)
 from unsloth_adaptive_kl import toy
 from trl import GRPOConfig, GRPOTrainer
+
+
+class ProgressBarOnly(ProgressCallback):
+    """The Trainer's own tqdm bar, without the log dictionary it writes at every logging step."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        pass
 
 
 def main() -> None:
@@ -31,7 +41,10 @@ def main() -> None:
     parser.add_argument("--reward-threshold", type=float, default=0.6)
     parser.add_argument("--warm-start-steps", type=int, default=150)
     parser.add_argument("--output-dir", default=None)
+    parser.add_argument("--verbose", action="store_true", help="print the log dictionary of every step, and the loading bars")
     args = parser.parse_args()
+    if not args.verbose:
+        transformers_logging.disable_progress_bar()  # the bars of saving and loading the tiny model
 
     output_dir = args.output_dir or tempfile.mkdtemp(prefix="adaptive-kl-quickstart-")
     model_dir = toy.build_checkpoint(os.path.join(output_dir, "model"), warm_start_steps=args.warm_start_steps)
@@ -53,7 +66,7 @@ def main() -> None:
         kl_estimator=args.estimator,
         reward_threshold=args.reward_threshold,
         reward_window=3,
-        disable_tqdm=True,
+        disable_tqdm=False,
     )
     trainer = GRPOTrainer(
         model=model_dir,
@@ -61,6 +74,8 @@ def main() -> None:
         args=config,
         train_dataset=toy.prompt_dataset(1024),
     )
+    if not args.verbose and trainer.pop_callback(ProgressCallback) is not None:
+        trainer.add_callback(ProgressBarOnly)
     trainer.train()
 
     print(f"\nkl_adaptation_method={args.method!r}  kl_estimator={args.estimator!r}  output: {output_dir}")

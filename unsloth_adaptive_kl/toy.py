@@ -32,7 +32,7 @@ def build_tokenizer(*, seed: int = 0, vocab_size: int = 64):
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
     tok.decoder = decoders.BPEDecoder()
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS))
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False))
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         pad_token="<pad>",

@@ -1,0 +1,160 @@
+"""TRL's GRPO command line with the adaptive-KL fields: examples/grpo_recipe.yaml run for a few
+steps on the CPU through ``python -m unsloth_adaptive_kl grpo`` (TRL's CLI entry, which starts the
+training module through ``accelerate launch``) and through ``accelerate launch -m
+unsloth_adaptive_kl.trl_grpo``; bad field values stop it with an error naming the field."""
+
+import json
+import os
+import runpy
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPE = os.path.join(ROOT, "examples", "grpo_recipe.yaml")
+PREPARE = os.path.join(ROOT, "examples", "prepare_toy.py")
+BETA = 0.04  # the recipe's beta
+
+
+@pytest.fixture(scope="module")
+def toy_dir(tmp_path_factory):
+    """The recipe's model and data set, built by examples/prepare_toy.py (small, no warm start)."""
+    directory = tmp_path_factory.mktemp("toy")
+    argv = sys.argv
+    sys.argv = [PREPARE, str(directory), "--warm-start-steps", "0", "--prompts", "64"]
+    try:
+        runpy.run_path(PREPARE, run_name="__main__")
+    finally:
+        sys.argv = argv
+    assert os.path.isfile(directory / "data" / "train.jsonl") and os.path.isfile(directory / "model" / "config.json")
+    return directory
+
+
+def _env():
+    env = {**os.environ, "TRITON_INTERPRET": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    # The child processes import this checkout's package, whether or not it is installed.
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def _paths(toy_dir, output_dir):
+    return ["--model_name_or_path", str(toy_dir / "model"), "--dataset_name", str(toy_dir / "data"), "--output_dir", str(output_dir)]
+
+
+def _log_history(output_dir, step):
+    with open(os.path.join(output_dir, f"checkpoint-{step}", "trainer_state.json")) as f:
+        return json.load(f)["log_history"]
+
+
+def _assert_dynamic_beta_halves(history, steps):
+    """The recipe's method is dynamic+length_normalized; the flags set decay 0.5 and a reward
+    threshold every reward is above, so beta halves after every optimizer step from the YAML's 0.04."""
+    logged = [h for h in history if "adaptive_kl/current_beta" in h]
+    assert [h["step"] for h in logged] == list(range(1, steps + 1))
+    for h in logged:
+        assert h["adaptive_kl/current_beta"] == pytest.approx(BETA * 0.5 ** (h["step"] - 1), rel=1e-6)
+        assert h["adaptive_kl/raw_kl"] is not None and h["adaptive_kl/adapted_kl"] is not None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("processes", [1, 2])
+def test_recipe_runs_through_the_cli_with_yaml_fields_and_flag_overrides(toy_dir, tmp_path, processes):
+    out = tmp_path / "out"
+    flags = ["--max_steps", "3", "--dynamic_beta_decay", "0.5", "--reward_threshold", "-1", "--save_strategy", "steps", "--save_steps", "3"]
+    if processes > 1:  # accelerate's flags, passed through as with `trl grpo`: torchrun and gloo on CPU
+        flags += ["--multi_gpu", "--num_processes", str(processes), "--num_machines", "1", "--mixed_precision", "no", "--use_cpu", "true"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "unsloth_adaptive_kl", "grpo", "--config", RECIPE, *_paths(toy_dir, out), *flags],
+        capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    history = _log_history(out, 3)
+    _assert_dynamic_beta_halves(history, 3)
+    # Each process takes one prompt (8 completions, 8 generations) per step from the 64 prompts:
+    # the epoch counter tells how many processes trained.
+    assert history[-1]["epoch"] == pytest.approx(3 * processes / 64, rel=1e-3)
+    assert os.path.isfile(out / "model.safetensors")  # TRL's script saved the model at the end
+
+
+@pytest.mark.slow
+def test_recipe_runs_under_accelerate_launch_with_the_training_module(toy_dir, tmp_path):
+    out = tmp_path / "out"
+    accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
+    flags = ["--max_steps", "2", "--dynamic_beta_decay", "0.5", "--reward_threshold", "-1", "--save_strategy", "steps", "--save_steps", "2"]
+    proc = subprocess.run(
+        [accelerate, "launch", "--num_processes", "1", "-m", "unsloth_adaptive_kl.trl_grpo", "--config", RECIPE, *_paths(toy_dir, out), *flags],
+        capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _assert_dynamic_beta_halves(_log_history(out, 2), 2)
+
+
+@pytest.mark.parametrize(
+    "where, field, value, allowed",
+    [("yaml", "dynamic_beta_decay", "1.5", "(0, 1]"), ("flag", "kl_adaptation_method", "dynamc", "dynamic")],
+)
+def test_a_bad_field_value_stops_the_cli_with_an_error_naming_it(toy_dir, tmp_path, where, field, value, allowed):
+    out = tmp_path / "out"
+    if where == "yaml":
+        with open(RECIPE) as f:
+            recipe = f.read()
+        assert f"\n{field}: " in recipe
+        config = tmp_path / "bad.yaml"
+        config.write_text("\n".join(f"{field}: {value}" if line.startswith(f"{field}: ") else line for line in recipe.splitlines()))
+        args = ["--config", str(config)]
+    else:
+        args = ["--config", RECIPE, f"--{field}", value]
+    proc = subprocess.run(
+        [sys.executable, "-m", "unsloth_adaptive_kl", "grpo", *args, *_paths(toy_dir, out)],
+        capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=300,
+    )
+    assert proc.returncode != 0
+    last_line = proc.stderr.strip().splitlines()[-1]
+    assert last_line.startswith("ValueError:") and field in last_line and value in last_line and allowed in last_line, proc.stderr[-2000:]
+    assert not out.exists()  # refused while parsing, before any training process started
+
+
+def test_grpo_refuses_to_run_when_the_patch_failed_at_import(tmp_path):
+    # The package's import tolerates a failed patch for `doctor` only (same trick as tests/test_doctor.py).
+    (tmp_path / "sitecustomize.py").write_text(
+        "import importlib.metadata as m\n"
+        "_version = m.version\n"
+        "m.version = lambda name: '9.0.0' if name == 'trl' else _version(name)\n"
+    )
+    env = _env()
+    env["PYTHONPATH"] = f"{tmp_path}{os.pathsep}{env['PYTHONPATH']}"
+    env.pop("UNSLOTH_ADAPTIVE_KL_ALLOW_UNTESTED", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "unsloth_adaptive_kl", "grpo", "--config", RECIPE], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300
+    )
+    assert proc.returncode != 0 and "trl 9.0.0" in proc.stderr, proc.stderr[-2000:]
+    assert "PatchError" in proc.stderr
+
+
+def test_grpo_runs_trls_cli_and_launches_the_training_module_with_the_same_arguments(monkeypatch):
+    import accelerate.commands.launch
+    from trl.cli import accelerate_launcher
+
+    from unsloth_adaptive_kl import trl_grpo
+
+    launched = []
+    monkeypatch.setattr(accelerate.commands.launch, "launch_command", launched.append)
+    original = accelerate_launcher.launch_training_script
+    argv = ["--config", RECIPE, "--max_steps", "1", "--num_processes", "1", "--kl_estimator", "k1"]
+    assert trl_grpo.launch(argv) == 0
+    (args,) = launched
+    assert args.module and args.training_script == "unsloth_adaptive_kl.trl_grpo"
+    assert args.num_processes == 1  # accelerate's flag went to accelerate...
+    assert args.training_script_args == ["--config", RECIPE, "--max_steps", "1", "--kl_estimator", "k1"]  # ...the rest to the script
+    assert accelerate_launcher.launch_training_script is original  # TRL's launcher is back
+
+
+def test_grpo_refuses_a_trl_cli_that_no_longer_looks_up_the_launcher(monkeypatch):
+    from trl.cli.commands.training import TrainingCommand
+
+    from unsloth_adaptive_kl import trl_grpo
+
+    monkeypatch.setattr(TrainingCommand, "run", lambda self, args, context: 0)
+    with pytest.raises(RuntimeError, match="launch_training_script"):
+        trl_grpo.launch(["--config", RECIPE])
