@@ -6,7 +6,7 @@
 # evidence:NAME (the demo invocations listed in scripts/gpu/evidence/NAME.txt, all at once; see
 # docs/evidence.md). An evidence stage writes to $OUT: NAME-stream.jsonl (every run's steps, as they
 # come), NAME-analysis.md (the slope table), NAME.log and NAME-runs.tar.gz (logs, summaries, plots).
-EVIDENCE_TIMEOUT=${EVIDENCE_TIMEOUT:-530}
+EVIDENCE_TIMEOUT=${EVIDENCE_TIMEOUT:-545}
 evidence() {
   local name=$1 work=/tmp/evidence-$1 i=0 pids=()
   mkdir -p "$work"
@@ -20,7 +20,7 @@ evidence() {
     pids+=($!)
   done < "scripts/gpu/evidence/$name.txt"
   for pid in "${pids[@]}"; do wait "$pid"; done
-  for f in "$work"/*.log; do echo "== $f"; grep -v "^\[\|started\|^step" "$f" | tail -25; done > "$OUT/$name.log"
+  for f in "$work"/*.log; do echo "== $f"; grep -v "^\[\|  started \|^step" "$f" | tail -25; done > "$OUT/$name.log"
   python blackwell/test_adaptive_kl_grpo.py --analyze "$OUT/$name-stream.jsonl" | tee "$OUT/$name-analysis.md"
   (cd "$work" && tar czf "$OUT/$name-runs.tar.gz" --exclude=checkpoints --exclude=unsloth_compiled_cache --exclude='*.safetensors' .)
 }
