@@ -23,6 +23,7 @@ See docs/demo.md.
 from __future__ import annotations
 
 import argparse
+import gzip
 import importlib.util
 import json
 import math
@@ -598,10 +599,11 @@ def fmt_interval(values: list[float], fmt: str = ".2f") -> str:
 
 
 def read_rows(paths: list[str]) -> dict[str, dict[tuple[str, int], list[dict]]]:
-    """{tag: {(method, seed): rows sorted by step}} from metrics files; a step seen twice counts once."""
+    """{tag: {(method, seed): rows sorted by step}} from metrics files (.jsonl, or .jsonl.gz); a step seen
+    twice counts once."""
     by_run: dict[tuple[str, str, int], dict[int, dict]] = {}
     for path in paths:
-        with open(path) as f:
+        with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
             for line in f:
                 if line.strip():
                     row = json.loads(line)
