@@ -6,7 +6,7 @@
 # evidence:NAME (the demo invocations listed in scripts/gpu/evidence/NAME.txt, all at once; see
 # docs/evidence.md). An evidence stage writes to $OUT: NAME-stream.jsonl (every run's steps, as they
 # come), NAME-analysis.md (the slope table), NAME.log and NAME-runs.tar.gz (logs, summaries, plots).
-EVIDENCE_TIMEOUT=${EVIDENCE_TIMEOUT:-545}
+EVIDENCE_TIMEOUT=${EVIDENCE_TIMEOUT:-550}
 evidence() {
   local name=$1 work=/tmp/evidence-$1 i=0 pids=()
   mkdir -p "$work"
