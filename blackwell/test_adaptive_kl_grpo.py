@@ -646,6 +646,7 @@ def analyze(paths: list[str], baseline: str = "none") -> str:
         methods = list(dict.fromkeys(m for m, _ in runs))
         if len(methods) < 2 or baseline not in methods:
             continue
+        methods = [baseline] + [m for m in methods if m != baseline]
         numbers = {key: run_numbers(rows) for key, rows in runs.items()}
         out += ["", f"**{tag}**: mean ± std over seeds; Δ: paired difference from `{baseline}` by seed, mean "
                     "[95% t interval] (* excludes 0)", "",
@@ -725,6 +726,27 @@ def plot(metrics: dict, methods: list[str], seeds: list[int], steps: int, path: 
     return f"plot: {path}"
 
 
+def plot_analysis(paths: list[str], path: str, baseline: str = "none") -> str:
+    """The figure for metrics files: every method of the one setting they hold, or, with several
+    settings, the baseline of each (a line per setting)."""
+    data = read_rows(paths)
+    if len(data) == 1:
+        (tag, runs), = data.items()
+        methods = list(dict.fromkeys(m for m, _ in runs))
+        title = f"setting {tag}"
+    else:
+        runs = {(tag, s): rows for tag, by_run in data.items() for (m, s), rows in by_run.items() if m == baseline}
+        methods = list(data)
+        title = f"the fixed-β baseline (`{baseline}`) in each setting"
+    seeds = sorted({s for _, s in runs})
+    runs = {k: v for k, v in runs.items()}
+    for method in methods:  # seeds a setting lacks are left out of its mean
+        for seed in seeds:
+            runs.setdefault((method, seed), [])
+    steps = max(r["step"] for rows in runs.values() for r in rows)
+    return plot(runs, methods, seeds, steps, path, title)
+
+
 # -- main ------------------------------------------------------------------------------------------
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -752,6 +774,8 @@ def parse_args(argv=None):
     p.add_argument("--analyze", nargs="+", metavar="JSONL", help="only analyse finished metrics files (metrics.jsonl "
                    "or --stream files): the length-slope table per setting and, where a setting has several methods, "
                    "the paired comparison with `none`; prints markdown")
+    p.add_argument("--plot", metavar="PNG", help="with --analyze: also draw the curves (every method of one setting, "
+                                                 "or the baseline of each setting) into this file")
     p.add_argument("--backend", choices=["auto", "unsloth", "trl"], default="auto")
     p.add_argument("--jobs", type=int, help="runs at a time (default: all of them, at most 24 on a GPU and one "
                                             "per core on the CPU)")
@@ -829,7 +853,8 @@ def main(argv=None) -> None:
     if args.worker:
         return train_one(args.worker)
     if args.analyze:
-        return print(analyze(args.analyze))
+        print(analyze(args.analyze))
+        return print(plot_analysis(args.analyze, args.plot)) if args.plot else None
     if args.smoke:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # CPU even on a GPU machine; children inherit it
     import torch
