@@ -10,6 +10,8 @@ subprocesses, several at a time (--jobs): a tiny model leaves the GPU mostly idl
     python blackwell/test_adaptive_kl_grpo.py                   # all methods, one seed
     python blackwell/test_adaptive_kl_grpo.py --seeds 3         # mean ± std across seeds
     python blackwell/test_adaptive_kl_grpo.py --smoke           # CPU, tiny, every method, ~1 min
+    python blackwell/test_adaptive_kl_grpo.py --task medium --loss-type grpo --beta 0.04 --steps 300 --seeds 3
+    python blackwell/test_adaptive_kl_grpo.py --analyze out/metrics.jsonl   # length slopes, paired intervals
 
 Under --output-dir: metrics.jsonl (one line per run and step), summary.md (the header and the
 table), curves.png (reward, completion length, KL, β against step), runs/*/log.txt.
@@ -739,7 +741,6 @@ def plot_analysis(paths: list[str], path: str, baseline: str = "none") -> str:
         methods = list(data)
         title = f"the fixed-β baseline (`{baseline}`) in each setting"
     seeds = sorted({s for _, s in runs})
-    runs = {k: v for k, v in runs.items()}
     for method in methods:  # seeds a setting lacks are left out of its mean
         for seed in seeds:
             runs.setdefault((method, seed), [])
