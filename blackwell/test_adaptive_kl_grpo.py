@@ -10,6 +10,8 @@ subprocesses, several at a time (--jobs): a tiny model leaves the GPU mostly idl
     python blackwell/test_adaptive_kl_grpo.py                   # all methods, one seed
     python blackwell/test_adaptive_kl_grpo.py --seeds 3         # mean ± std across seeds
     python blackwell/test_adaptive_kl_grpo.py --smoke           # CPU, tiny, every method, ~1 min
+    python blackwell/test_adaptive_kl_grpo.py --task medium --loss-type grpo --beta 0.04 --steps 300 --seeds 3
+    python blackwell/test_adaptive_kl_grpo.py --analyze out/metrics.jsonl   # length slopes, paired intervals
 
 Under --output-dir: metrics.jsonl (one line per run and step), summary.md (the header and the
 table), curves.png (reward, completion length, KL, β against step), runs/*/log.txt.
@@ -23,6 +25,7 @@ See docs/demo.md.
 from __future__ import annotations
 
 import argparse
+import gzip
 import importlib.util
 import json
 import math
@@ -67,7 +70,18 @@ class Settings:
     layers: int = 4
     warm_start_steps: int = 800  # batch 64; seconds on a GPU. 400 left the reward at ~0.7 in a CPU trial
     summary_window: float = 0.1  # "start" and "end" values are means over this fraction of the steps
+    task: str = "easy"  # the offline task's difficulty: a key of TASKS
 
+
+# The offline task's variants: how many terms a sum has and how large they are. "easy" is the
+# original (the reward saturates near 0.9 within ~20 steps); "medium" and "hard" keep accuracy below 1
+# for longer (the longest warm-start completion: ~23 and ~30 tokens). On the GPU, the 800-step warm
+# start taught neither "hard" nor "easy" to a 256x4 model (accuracy ~0.03 and ~0.14: docs/evidence.md).
+TASKS = {
+    "easy": dict(min_terms=2, max_terms=3, max_operand=9),
+    "medium": dict(min_terms=3, max_terms=4, max_operand=9),
+    "hard": dict(min_terms=3, max_terms=4, max_operand=19),
+}
 
 SMOKE = dict(steps=4, prompts_per_step=2, num_generations=4, max_completion_length=24, hidden_size=32, layers=2,
              warm_start_steps=30, lora_rank=8)
@@ -205,7 +219,11 @@ def task(spec: dict):
     from unsloth_adaptive_kl import toy
 
     if spec["dataset"] is None:
-        return toy.scratchpad_dataset(4096, seed=spec["seed"]), [toy.scratchpad_format_reward, toy.scratchpad_correctness_reward]
+        from datasets import Dataset
+
+        rows = toy.sum_problems(4096, seed=spec["seed"], **TASKS[spec["settings"]["task"]])
+        data = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
+        return data, [toy.scratchpad_format_reward, toy.scratchpad_correctness_reward]
     return hub_dataset(spec["dataset"]), [hub_format_reward, hub_correctness_reward]
 
 
@@ -223,10 +241,13 @@ def step_logger(metrics_path: str, spec: dict):
         def on_log(self, args, state, control, logs=None, **kwargs):
             if not logs or "reward" not in logs:  # the end-of-training summary
                 return
-            row = {"method": spec["method"], "seed": spec["seed"], "step": state.global_step, "step_time": self.seconds}
+            row = {"tag": spec["tag"], "method": spec["method"], "seed": spec["seed"], "step": state.global_step,
+                   "step_time": self.seconds}
             row.update({k: v for k, v in logs.items() if isinstance(v, (int, float)) or v is None})
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps(row) + "\n")
+            line = json.dumps(row) + "\n"
+            for path in filter(None, [metrics_path, spec.get("stream")]):
+                with open(path, "a") as f:  # one short append per line: concurrent runs may share the stream
+                    f.write(line)
             print(f"step {state.global_step}: reward {row['reward']:.3f} length {row['completions/mean_length']:.1f} "
                   f"beta {row['adaptive_kl/current_beta']:.4g} ({self.seconds:.2f} s)", flush=True)
 
@@ -320,12 +341,38 @@ def starting_model(args, settings: Settings, seed: int, device: str) -> str:
         return fetch_hub_model(args.model)
     path = os.path.join(args.output_dir, "checkpoints", f"seed{seed}")
     started = time.perf_counter()
-    built = toy.build_scratchpad_checkpoint(path, seed=seed, hidden_size=settings.hidden_size, layers=settings.layers,
-                                            warm_start_steps=settings.warm_start_steps, device=device)
+    if settings.task == "easy":  # the original task: toy's own builder, unchanged
+        built = toy.build_scratchpad_checkpoint(path, seed=seed, hidden_size=settings.hidden_size, layers=settings.layers,
+                                                warm_start_steps=settings.warm_start_steps, device=device)
+    else:
+        built = build_task_checkpoint(path, settings, seed, device)
     print(f"seed {seed}: tiny Llama ({settings.hidden_size}x{settings.layers}) warm-started for "
-          f"{settings.warm_start_steps} steps, final loss {built['warm_start_loss']:.3f} "
+          f"{settings.warm_start_steps} steps on the {settings.task} task, final loss {built['warm_start_loss']:.3f} "
           f"({time.perf_counter() - started:.0f} s)", flush=True)
     return path
+
+
+def build_task_checkpoint(path: str, settings: Settings, seed: int, device: str) -> dict:
+    """As ``toy.build_scratchpad_checkpoint``, for any task of TASKS: the three solution styles in
+    equal parts, batch 64, ``settings.warm_start_steps`` steps."""
+    import random
+
+    import torch
+
+    from unsloth_adaptive_kl import toy
+
+    tokenizer = toy.build_scratchpad_tokenizer()
+    model = toy.build_model(tokenizer, hidden_size=settings.hidden_size, layers=settings.layers, seed=seed).to(device)
+    rng = random.Random(seed + 1)
+    rows = toy.sum_problems(settings.warm_start_steps * 64, seed=seed + 1, **TASKS[settings.task])
+    texts = [r["prompt"] + toy.worked_solution(r["terms"], rng.randrange(3)) + tokenizer.eos_token for r in rows]
+    loss = toy.supervised_warm_start(model, tokenizer, texts, batch_size=64) if settings.warm_start_steps else math.nan
+    model.to("cpu").save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    del model
+    if device != "cpu":
+        torch.cuda.empty_cache()
+    return {"path": path, "warm_start_loss": loss}
 
 
 # -- running every (method, seed) ------------------------------------------------------------------
@@ -354,7 +401,8 @@ def make_runs(args, settings: Settings, backend: str, checkpoints: dict[int, str
                       os.path.join(run_dir, "metrics.jsonl"))
             spec = dict(method=method, seed=seed, backend=backend, model=model, dataset=args.dataset,
                         settings=asdict(settings), run_dir=run_dir, metrics_path=run.metrics_path,
-                        max_seq_length=512 if args.model else 128)
+                        max_seq_length=512 if args.model else 128, tag=args.tag or default_tag(settings),
+                        stream=os.path.abspath(args.stream) if args.stream else None)
             with open(run.spec_path, "w") as f:
                 json.dump(spec, f, indent=1)
             if os.path.exists(run.metrics_path):
@@ -401,10 +449,11 @@ def default_jobs(num_runs: int, cuda: bool) -> int:
     return min(num_runs, 24 if cuda else os.cpu_count() or 1)
 
 
-def run_all(runs: list[Run], jobs: int, steps: int, cuda: bool, poll_seconds: float) -> None:
-    """Run at most ``jobs`` runs at a time, printing each run's progress as it advances."""
+def run_all(runs: list[Run], jobs: int, steps: int, cuda: bool, poll_seconds: float, keep_going: bool = False) -> list[Run]:
+    """Run at most ``jobs`` runs at a time, printing each run's progress as it advances. A failed run
+    stops them all, or with ``keep_going`` is reported and left out; returns the runs that finished."""
     threads = max(1, (os.cpu_count() or 1) // jobs)
-    waiting, active, shown = list(runs), [], {}
+    waiting, active, shown, failed = list(runs), [], {}, []
     t0 = time.perf_counter()
     while waiting or active:
         while waiting and len(active) < jobs:
@@ -422,10 +471,15 @@ def run_all(runs: list[Run], jobs: int, steps: int, cuda: bool, poll_seconds: fl
             if run.process.poll() is not None:
                 active.remove(run)
                 if run.process.returncode != 0:
+                    if keep_going:
+                        print(f"  FAILED {run.name} (exit {run.process.returncode}): see {run.log_path}", flush=True)
+                        failed.append(run)
+                        continue
                     for other in active:
                         other.process.terminate()
                     fail(run)
                 print(f"  finished {run.name} in {time.perf_counter() - run.started:.0f} s", flush=True)
+    return [run for run in runs if run not in failed]
 
 
 # -- summary ------------------------------------------------------------------------------------------
@@ -498,13 +552,128 @@ def table_notes(seeds: list[int], steps: int, window: float) -> str:
             "generation included.")
 
 
+# -- drift analysis: length slope per run, intervals over seeds, paired differences --------------------
+LENGTH = "completions/mean_length"
+CORRECT = "rewards/scratchpad_correctness_reward/mean"  # 0.5 per right answer
+# Two-sided 95 % quantiles of Student's t, by degrees of freedom (standard table values).
+T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
+
+
+def ols_slope(xs: list[float], ys: list[float]) -> float:
+    """Least-squares slope of ys on xs."""
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+
+
+def second_half_slope(rows: list[dict], key: str = LENGTH, per: float = 100.0) -> float:
+    """Slope of ``key`` against step over the second half of a run (steps > last step / 2), in units
+    per ``per`` steps."""
+    last = max(r["step"] for r in rows)
+    half = [(r["step"], r[key]) for r in rows if r["step"] > last / 2 and r.get(key) is not None]
+    return per * ols_slope([x for x, _ in half], [y for _, y in half])
+
+
+def t_interval(values: list[float]) -> tuple[float, float, float]:
+    """(mean, low, high): the two-sided 95 % Student-t interval of the mean; (v, nan, nan) for one value."""
+    n = len(values)
+    mean = sum(values) / n
+    if n < 2:
+        return mean, math.nan, math.nan
+    sd = statistics.stdev(values)
+    half = (T975[n - 2] if n - 1 <= len(T975) else 1.96) * sd / math.sqrt(n)
+    return mean, mean - half, mean + half
+
+
+def paired_differences(values: dict[tuple[str, int], float], method: str, baseline: str = "none") -> list[float]:
+    """``values[(method, seed)] - values[(baseline, seed)]`` for every seed both have, by seed."""
+    seeds = sorted(s for m, s in values if m == method and (baseline, s) in values)
+    return [values[(method, s)] - values[(baseline, s)] for s in seeds]
+
+
+def fmt_interval(values: list[float], fmt: str = ".2f") -> str:
+    mean, low, high = t_interval(values)
+    if math.isnan(low):
+        return format(mean, fmt)
+    excludes = " *" if low > 0 or high < 0 else ""
+    return f"{format(mean, fmt)} [{format(low, fmt)}, {format(high, fmt)}]{excludes}"
+
+
+def read_rows(paths: list[str]) -> dict[str, dict[tuple[str, int], list[dict]]]:
+    """{tag: {(method, seed): rows sorted by step}} from metrics files (.jsonl, or .jsonl.gz); a step seen
+    twice counts once."""
+    by_run: dict[tuple[str, str, int], dict[int, dict]] = {}
+    for path in paths:
+        with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
+            for line in f:
+                if line.strip():
+                    row = json.loads(line)
+                    by_run.setdefault((row.get("tag", "default"), row["method"], row["seed"]), {})[row["step"]] = row
+    out: dict[str, dict[tuple[str, int], list[dict]]] = {}
+    for (tag, method, seed), steps in sorted(by_run.items()):
+        out.setdefault(tag, {})[(method, seed)] = [steps[k] for k in sorted(steps)]
+    return out
+
+
+def run_numbers(rows: list[dict], window: float = 0.1) -> dict:
+    """One run's numbers for the drift tables (summarize_run's, plus the length slope and accuracy)."""
+    k = max(1, round(len(rows) * window))
+    numbers = summarize_run(rows, window)
+    numbers["steps"] = rows[-1]["step"]
+    numbers["length_slope"] = second_half_slope(rows)
+    numbers["accuracy_start"] = 2 * _mean(r.get(CORRECT) for r in rows[:k])
+    numbers["accuracy_end"] = 2 * _mean(r.get(CORRECT) for r in rows[-k:])
+    return numbers
+
+
+def analyze(paths: list[str], baseline: str = "none") -> str:
+    """Markdown: per setting (tag), the baseline's length slope over the second half with its 95 % t
+    interval over seeds; per setting with several methods, each method's numbers and its paired
+    difference from the baseline by seed. ``*``: the interval excludes 0."""
+    data = read_rows(paths)
+    out = ["| setting | seeds | steps | accuracy start → end | length start → end | length slope / 100 steps, "
+           "2nd half: mean [95% CI] | per seed |", "|---|---|---|---|---|---|---|"]
+    for tag, runs in data.items():
+        base = {s: run_numbers(rows) for (m, s), rows in runs.items() if m == baseline}
+        if not base:
+            continue
+        v = list(base.values())
+        out.append(f"| {tag} | {len(v)} | {min(x['steps'] for x in v)} | "
+                   f"{_mean(x['accuracy_start'] for x in v):.2f} → {_mean(x['accuracy_end'] for x in v):.2f} | "
+                   f"{_mean(x['length_start'] for x in v):.1f} → {_mean(x['length_end'] for x in v):.1f} | "
+                   f"{fmt_interval([x['length_slope'] for x in v])} | "
+                   f"{', '.join(format(base[s]['length_slope'], '.2f') for s in sorted(base))} |")
+    for tag, runs in data.items():
+        methods = list(dict.fromkeys(m for m, _ in runs))
+        if len(methods) < 2 or baseline not in methods:
+            continue
+        methods = [baseline] + [m for m in methods if m != baseline]
+        numbers = {key: run_numbers(rows) for key, rows in runs.items()}
+        out += ["", f"**{tag}**: mean ± std over seeds; Δ: paired difference from `{baseline}` by seed, mean "
+                    "[95% t interval] (* excludes 0)", "",
+                "| method | seeds | length end | length slope | accuracy end | reward end | raw KL end | adapted KL end "
+                "| final β | Δ length end | Δ length slope | Δ reward end |", "|---" * 12 + "|"]
+        for method in methods:
+            mine = [numbers[(method, s)] for (m, s) in runs if m == method]
+            col = lambda key, fmt: cell([x[key] for x in mine], fmt)  # noqa: E731
+            diff = lambda key: (fmt_interval(paired_differences({k: x[key] for k, x in numbers.items()}, method, baseline))  # noqa: E731
+                                if method != baseline else "—")
+            out.append(f"| `{method}` | {len(mine)} | {col('length_end', '.2f')} | {col('length_slope', '.2f')} | "
+                       f"{col('accuracy_end', '.3f')} | {col('final_reward', '.3f')} | {col('raw_kl_end', '.4f')} | "
+                       f"{col('adapted_kl_end', '.4f')} | {col('final_beta', '.3g')} | {diff('length_end')} | "
+                       f"{diff('length_slope')} | {diff('final_reward')} |")
+    return "\n".join(out)
+
+
 # -- the plot -----------------------------------------------------------------------------------------
 PANELS = [("reward", "reward"), ("completions/mean_length", "completion length (tokens)"),
           ("adaptive_kl/raw_kl", "KL: raw (solid), adapted (dashed)"), ("adaptive_kl/current_beta", "β")]
 
 
-def seed_mean_curve(metrics: dict, method: str, seeds: list[int], key: str, smooth: int) -> tuple[list, list]:
-    """Per step, the mean over seeds of ``key``, then a trailing moving average over ``smooth`` steps."""
+def seed_mean_curve(metrics: dict, method: str, seeds: list[int], key: str, smooth: int, std: bool = False):
+    """Per step, the mean over seeds of ``key``, then a trailing moving average over ``smooth`` steps;
+    with ``std``, also the smoothed sample standard deviation over seeds (0 with one seed)."""
     by_step: dict[int, list[float]] = {}
     for seed in seeds:
         for row in metrics[(method, seed)]:
@@ -513,8 +682,14 @@ def seed_mean_curve(metrics: dict, method: str, seeds: list[int], key: str, smoo
                 by_step.setdefault(row["step"], []).append(value)
     steps = sorted(by_step)
     means = [sum(by_step[s]) / len(by_step[s]) for s in steps]
-    smoothed = [sum(means[max(0, i - smooth + 1): i + 1]) / len(means[max(0, i - smooth + 1): i + 1]) for i in range(len(means))]
-    return steps, smoothed
+    def smoothe(values):
+        return [sum(values[max(0, i - smooth + 1): i + 1]) / len(values[max(0, i - smooth + 1): i + 1])
+                for i in range(len(values))]
+
+    if not std:
+        return steps, smoothe(means)
+    stds = [statistics.stdev(by_step[s]) if len(by_step[s]) > 1 else 0.0 for s in steps]
+    return steps, smoothe(means), smoothe(stds)
 
 
 def plot(metrics: dict, methods: list[str], seeds: list[int], steps: int, path: str, title: str) -> str:
@@ -532,8 +707,11 @@ def plot(metrics: dict, methods: list[str], seeds: list[int], steps: int, path: 
     colors = plt.get_cmap("tab10")
     for (key, label), ax in zip(PANELS, axes.flat):
         for i, method in enumerate(methods):
-            xs, ys = seed_mean_curve(metrics, method, seeds, key, smooth)
+            xs, ys, sd = seed_mean_curve(metrics, method, seeds, key, smooth, std=True)
             ax.plot(xs, ys, color=colors(i), label=method)
+            if len(seeds) > 1:  # ± one standard deviation over seeds
+                ax.fill_between(xs, [y - d for y, d in zip(ys, sd)], [y + d for y, d in zip(ys, sd)],
+                                color=colors(i), alpha=0.12, linewidth=0)
             if key == "adaptive_kl/raw_kl":
                 xs, ys = seed_mean_curve(metrics, method, seeds, "adaptive_kl/adapted_kl", smooth)
                 ax.plot(xs, ys, color=colors(i), linestyle="--")
@@ -542,11 +720,32 @@ def plot(metrics: dict, methods: list[str], seeds: list[int], steps: int, path: 
     for ax in axes[1]:
         ax.set_xlabel("step")
     axes[0][0].legend(fontsize=8)
-    fig.suptitle(f"{title}\n(mean over {len(seeds)} seed(s), moving average over {smooth} step(s))", fontsize=10)
+    fig.suptitle(f"{title}\n(mean over {len(seeds)} seed(s){', band: ± 1 std over seeds' if len(seeds) > 1 else ''}, "
+                 f"moving average over {smooth} step(s))", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return f"plot: {path}"
+
+
+def plot_analysis(paths: list[str], path: str, baseline: str = "none") -> str:
+    """The figure for metrics files: every method of the one setting they hold, or, with several
+    settings, the baseline of each (a line per setting)."""
+    data = read_rows(paths)
+    if len(data) == 1:
+        (tag, runs), = data.items()
+        methods = list(dict.fromkeys(m for m, _ in runs))
+        title = f"setting {tag}"
+    else:
+        runs = {(tag, s): rows for tag, by_run in data.items() for (m, s), rows in by_run.items() if m == baseline}
+        methods = list(data)
+        title = f"the fixed-β baseline (`{baseline}`) in each setting"
+    seeds = sorted({s for _, s in runs})
+    for method in methods:  # seeds a setting lacks are left out of its mean
+        for seed in seeds:
+            runs.setdefault((method, seed), [])
+    steps = max(r["step"] for rows in runs.values() for r in rows)
+    return plot(runs, methods, seeds, steps, path, title)
 
 
 # -- main ------------------------------------------------------------------------------------------
@@ -556,7 +755,28 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, help=f"GRPO steps per run (default {Settings.steps}; smoke {SMOKE['steps']})")
     p.add_argument("--beta", type=float, help=f"initial β, the same for every method (default {Settings.beta})")
     p.add_argument("--learning-rate", type=float, help=f"default {Settings.learning_rate} (hub model: {HUB['learning_rate']})")
-    p.add_argument("--seeds", type=int, default=1, help="seeds 0..N-1: each its own starting model, shared by every method")
+    p.add_argument("--seeds", type=int, default=1, help="seeds 0..N-1 (from --first-seed): each its own starting "
+                                                         "model, shared by every method")
+    p.add_argument("--first-seed", type=int, default=0, help="the first seed (default 0): --first-seed 3 --seeds 2 "
+                                                             "runs seeds 3 and 4")
+    p.add_argument("--task", choices=sorted(TASKS), help=f"the offline task's difficulty (default {Settings.task}): "
+                   + "; ".join(f"{k}: {v['min_terms']}-{v['max_terms']} terms of 0-{v['max_operand']}" for k, v in TASKS.items()))
+    p.add_argument("--loss-type", help=f"TRL's loss_type (default {Settings.loss_type}), e.g. grpo, dapo, dr_grpo, bnpo")
+    p.add_argument("--hidden-size", type=int, help=f"tiny Llama's hidden size (default {Settings.hidden_size})")
+    p.add_argument("--layers", type=int, help=f"tiny Llama's layers (default {Settings.layers})")
+    p.add_argument("--max-completion-length", type=int, help=f"default {Settings.max_completion_length}")
+    p.add_argument("--warm-start-steps", type=int, help=f"supervised steps of batch 64 (default {Settings.warm_start_steps})")
+    p.add_argument("--tag", help="a name for this setting in the metrics (default: built from task, loss, β, model, "
+                                 "length and steps)")
+    p.add_argument("--stream", help="also append every run's per-step JSON lines to this file as they come "
+                                    "(several invocations may share it)")
+    p.add_argument("--keep-going", action="store_true", help="a failed run is reported and left out instead of "
+                                                             "stopping the others")
+    p.add_argument("--analyze", nargs="+", metavar="JSONL", help="only analyse finished metrics files (metrics.jsonl "
+                   "or --stream files): the length-slope table per setting and, where a setting has several methods, "
+                   "the paired comparison with `none`; prints markdown")
+    p.add_argument("--plot", metavar="PNG", help="with --analyze: also draw the curves (every method of one setting, "
+                                                 "or the baseline of each setting) into this file")
     p.add_argument("--backend", choices=["auto", "unsloth", "trl"], default="auto")
     p.add_argument("--jobs", type=int, help="runs at a time (default: all of them, at most 24 on a GPU and one "
                                             "per core on the CPU)")
@@ -577,13 +797,24 @@ def parse_args(argv=None):
     return args
 
 
+def default_tag(settings: Settings) -> str:
+    return (f"{settings.task}-{settings.loss_type}-b{settings.beta:g}-h{settings.hidden_size}x{settings.layers}"
+            f"-L{settings.max_completion_length}-s{settings.steps}")
+
+
+def seed_list(args) -> list[int]:
+    return list(range(args.first_seed, args.first_seed + args.seeds))
+
+
 def settings_from(args) -> Settings:
     settings = Settings()
     if args.smoke:
         settings = replace(settings, **SMOKE)
     if args.model:
         settings = replace(settings, **HUB)
-    overrides = {"steps": args.steps, "beta": args.beta, "learning_rate": args.learning_rate}
+    overrides = {"steps": args.steps, "beta": args.beta, "learning_rate": args.learning_rate, "task": args.task,
+                 "loss_type": args.loss_type, "hidden_size": args.hidden_size, "layers": args.layers,
+                 "max_completion_length": args.max_completion_length, "warm_start_steps": args.warm_start_steps}
     return replace(settings, **{k: v for k, v in overrides.items() if v is not None})
 
 
@@ -614,7 +845,7 @@ def header(args, settings: Settings, backend: str, gpu: GpuCheck) -> str:
         f"task: {task}",
         f"settings: {json.dumps(asdict(settings))}",
         f"method fields (every run): {json.dumps(method_fields(settings))}",
-        f"methods: {', '.join(args.methods)}; seeds: {list(range(args.seeds))}",
+        f"methods: {', '.join(args.methods)}; seeds: {seed_list(args)}; tag: {args.tag or default_tag(settings)}",
     ])
 
 
@@ -622,6 +853,9 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.worker:
         return train_one(args.worker)
+    if args.analyze:
+        print(analyze(args.analyze))
+        return print(plot_analysis(args.analyze, args.plot)) if args.plot else None
     if args.smoke:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # CPU even on a GPU machine; children inherit it
     import torch
@@ -640,12 +874,15 @@ def main(argv=None) -> None:
     print(head, flush=True)
 
     t0 = time.perf_counter()
-    seeds = list(range(args.seeds))
+    seeds = seed_list(args)
     checkpoints = {seed: starting_model(args, settings, seed, "cuda" if cuda else "cpu") for seed in seeds}
     runs = make_runs(args, settings, backend, checkpoints)
     jobs = args.jobs or default_jobs(len(runs), cuda)
     print(f"{len(runs)} runs, {jobs} at a time, {settings.steps} steps each", flush=True)
-    run_all(runs, jobs, settings.steps, cuda, poll_seconds=2.0 if args.smoke else 10.0)
+    runs = run_all(runs, jobs, settings.steps, cuda, poll_seconds=2.0 if args.smoke else 10.0, keep_going=args.keep_going)
+    finished = {(r.method, r.seed) for r in runs}  # with --keep-going: the table keeps methods done on every seed
+    args.methods = [m for m in args.methods if all((m, s) in finished for s in seeds)]
+    runs = [r for r in runs if r.method in args.methods]
 
     metrics = read_metrics(runs)
     with open(os.path.join(args.output_dir, "metrics.jsonl"), "w") as f:
@@ -656,7 +893,8 @@ def main(argv=None) -> None:
     elapsed = f"wall time: {time.perf_counter() - t0:.0f} s"
     with open(os.path.join(args.output_dir, "summary.md"), "w") as f:
         f.write(f"```\n{head}\n{elapsed}\n```\n\n{table}\n\n{notes}\n")
-    title = f"adaptive-KL GRPO, backend {backend}, β0={settings.beta}"
+    title = (f"adaptive-KL GRPO, backend {backend}, β0={settings.beta}, loss {settings.loss_type}, task {settings.task}, "
+             f"Llama {settings.hidden_size}x{settings.layers}")
     plotted = plot(metrics, args.methods, seeds, settings.steps, os.path.join(args.output_dir, "curves.png"), title)
     print(f"\n{table}\n\n{notes}\n\n{elapsed}\n{plotted}\nwritten: {args.output_dir}/metrics.jsonl, "
           f"{args.output_dir}/summary.md", flush=True)

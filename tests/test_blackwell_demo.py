@@ -104,6 +104,55 @@ def test_cells_show_mean_and_sample_std_across_seeds():
     assert demo.cell([0.5], ".3f") == "0.500"
 
 
+# -- the drift analysis -----------------------------------------------------------------------------
+# References computed by hand: xs 1..4, ys 2, 4, 5, 9: means 2.5 and 5, Sxy = 4.5 + 0.5 + 0 + 6 = 11,
+# Sxx = 5, slope 2.2. Values 1, 2, 3: mean 2, sd 1, t(0.975, 2 df) = 4.303, half-width 4.303 / sqrt(3).
+def test_ols_slope_matches_the_hand_computed_value():
+    assert demo.ols_slope([1, 2, 3, 4], [2, 4, 5, 9]) == pytest.approx(2.2)
+
+
+def test_the_length_slope_uses_only_the_second_half_of_the_run():
+    rows = [{"step": s, "completions/mean_length": 50.0} for s in range(1, 5)]  # the first half: ignored
+    rows += [{"step": s, "completions/mean_length": y} for s, y in zip(range(5, 9), [2, 4, 5, 9])]
+    assert demo.second_half_slope(rows) == pytest.approx(220.0)  # 2.2 tokens a step, per 100 steps
+    assert demo.second_half_slope(rows, per=1) == pytest.approx(2.2)
+
+
+def test_t_interval_matches_the_hand_computed_value():
+    mean, low, high = demo.t_interval([1.0, 2.0, 3.0])
+    half = 4.303 / math.sqrt(3)
+    assert (mean, low, high) == pytest.approx((2.0, 2.0 - half, 2.0 + half))
+    mean, low, high = demo.t_interval([5.0])
+    assert mean == 5.0 and math.isnan(low) and math.isnan(high)
+    assert demo.T975[4] == 2.571  # 5 degrees of freedom (6 seeds)
+
+
+def test_paired_differences_are_taken_by_seed_and_skip_seeds_without_a_baseline():
+    values = {("none", 0): 1.0, ("none", 1): 2.0, ("none", 2): 4.0,
+              ("clip", 0): 2.0, ("clip", 1): 4.0, ("clip", 2): 7.0, ("clip", 3): 100.0}
+    assert demo.paired_differences(values, "clip") == [1.0, 2.0, 3.0]
+    assert demo.fmt_interval([1.0, 2.0, 3.0]) == "2.00 [-0.48, 4.48]"
+    assert demo.fmt_interval([2.0, 3.0, 4.0]) == "3.00 [0.52, 5.48] *"  # the interval excludes 0
+
+
+def test_analyze_reports_the_baseline_slope_and_the_paired_comparison(tmp_path):
+    lines = []
+    for seed, (slope_none, slope_clip) in enumerate([(1.0, 0.0), (2.0, 0.5), (3.0, 1.0)]):
+        for method, slope in [("none", slope_none), ("clip", slope_clip)]:
+            for step in range(1, 11):
+                lines.append({"tag": "t", "method": method, "seed": seed, "step": step, "step_time": 1.0,
+                              "reward": 0.5, "completions/mean_length": 10 + slope * step,
+                              "adaptive_kl/current_beta": 0.1, "adaptive_kl/raw_kl": 0.2, "adaptive_kl/adapted_kl": 0.1,
+                              demo.CORRECT: 0.25})
+    path = tmp_path / "stream.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines + lines[:5]))  # a repeated step counts once
+    text = demo.analyze([str(path)])
+    # baseline slopes 100, 200, 300 per 100 steps: mean 200, half-width 4.303 * 100 / sqrt(3) = 248.43
+    assert "| t | 3 | 10 | 0.50 → 0.50 |" in text and "200.00 [-48.43, 448.43] | 100.00, 200.00, 300.00 |" in text
+    # clip - none by seed: -100, -150, -200 per 100 steps: mean -150, sd 50, half-width 124.22
+    assert "| `clip` | 3 |" in text and "-150.00 [-274.22, -25.78] *" in text
+
+
 # -- the smoke run ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):

@@ -3,7 +3,28 @@
 #   export PYTHONPATH=$PWD/.gpu-site:$PWD; bash scripts/gpu/verify.sh "$OUT" STAGE...
 # Stages: machine, tests (Unsloth backend, every method as 16-bit LoRA and 4-bit QLoRA; dynamic
 # beta over 32 steps), liger (bench), liger-conformance (Liger's upstream GRPO tests against the
-# drop-in, and GRPOTrainer(loss_class=) against TRL's loss), unsloth-bench, demo-check (a short demo run), demo-3seeds.
+# drop-in, and GRPOTrainer(loss_class=) against TRL's loss), unsloth-bench, demo-check (a short demo run), demo-3seeds,
+# evidence:NAME (the demo invocations listed in scripts/gpu/evidence/NAME.txt, all at once; see
+# docs/evidence.md). An evidence stage writes to $OUT: NAME-stream.jsonl (every run's steps, as they
+# come), NAME-analysis.md (the slope table), NAME.log and NAME-runs.tar.gz (logs, summaries, plots).
+EVIDENCE_TIMEOUT=${EVIDENCE_TIMEOUT:-550}
+evidence() {
+  local name=$1 work=/tmp/evidence-$1 i=0 pids=()
+  mkdir -p "$work"
+  while read -r line; do
+    case $line in ''|'#'*) continue ;; esac
+    i=$((i + 1))
+    echo "[$name.$i] $line"
+    # shellcheck disable=SC2086
+    timeout "$EVIDENCE_TIMEOUT" python blackwell/test_adaptive_kl_grpo.py $line --keep-going \
+      --stream "$OUT/$name-stream.jsonl" --output-dir "$work/$i" > "$work/$i.log" 2>&1 &
+    pids+=($!)
+  done < "scripts/gpu/evidence/$name.txt"
+  for pid in "${pids[@]}"; do wait "$pid"; done
+  for f in "$work"/*.log; do echo "== $f"; grep -v "^\[\|  started \|^step" "$f" | tail -25; done > "$OUT/$name.log"
+  python blackwell/test_adaptive_kl_grpo.py --analyze "$OUT/$name-stream.jsonl" | tee "$OUT/$name-analysis.md"
+  (cd "$work" && tar czf "$OUT/$name-runs.tar.gz" --exclude=checkpoints --exclude=unsloth_compiled_cache --exclude='*.safetensors' .)
+}
 set -uo pipefail
 OUT=$1; shift
 mkdir -p "$OUT"
@@ -29,6 +50,8 @@ for stage in "$@"; do
       timeout 170 python blackwell/test_adaptive_kl_grpo.py --steps 4 --methods none,dynamic --output-dir "$OUT/demo-check" 2>&1 | tee "$OUT/demo-check.log" | tail -30 ;;
     demo-beta03)
       timeout 420 python blackwell/test_adaptive_kl_grpo.py --seeds 3 --beta 0.3 --steps 150 --methods none,length_normalized,dynamic,clip --jobs 12 --output-dir "$OUT/demo-beta03" 2>&1 | tee "$OUT/demo-beta03.log" | grep -v "^\[" | tail -25 ;;
+    evidence:*)
+      evidence "${stage#evidence:}" ;;
     demo-3seeds)
       timeout 570 python blackwell/test_adaptive_kl_grpo.py --seeds 3 --jobs 21 --output-dir "$OUT/demo-3seeds" 2>&1 | tee "$OUT/demo-3seeds.log" | tail -40 ;;
   esac
