@@ -30,8 +30,11 @@ def test_quickstart_prints_the_progress_bar_and_the_table_only(tmp_path):
     assert all(not line.strip() for line in lines[: header - 1])  # before the table: its title line only
     assert lines[header - 1].startswith("kl_adaptation_method=")
     assert [line.split()[0] for line in lines[header + 1 :]] == [str(step) for step in range(1, STEPS + 1)]
-    # stderr: tqdm's bar (carriage-return updates) reaching STEPS/STEPS, and nothing else.
-    bar_updates = [part for part in re.split(r"[\r\n]", proc.stderr) if part.strip()]
+    # stderr: the package's one line naming the backend when the trainer is created, then tqdm's bar
+    # (carriage-return updates) reaching STEPS/STEPS, and nothing else.
+    parts = [part for part in re.split(r"[\r\n]", proc.stderr) if part.strip()]
+    assert parts and parts[0].startswith("unsloth_adaptive_kl: backend: TRL eager loss"), proc.stderr[-2000:]
+    bar_updates = parts[1:]
     assert bar_updates and all(re.search(r"\| *\d+/%d \[" % STEPS, part) for part in bar_updates), proc.stderr[-2000:]
     assert f"{STEPS}/{STEPS} [" in proc.stderr
     assert "{'loss'" not in proc.stdout + proc.stderr
