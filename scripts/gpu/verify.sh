@@ -36,7 +36,7 @@ for stage in "$@"; do
       nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/machine.txt"
       python -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(), torch.cuda.get_device_capability())" | tee -a "$OUT/machine.txt" ;;
     tests)
-      UAKL_GPU_REPORT="$OUT/gpu-report.json" timeout 400 python -m pytest -q -s -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu-tests.log" | grep -E "passed|failed|Error|FAIL" | tail -30 ;;
+      UAKL_GPU_REPORT="$OUT/gpu-report.json" timeout 540 python -m pytest -q -s -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu-tests.log" | grep -E "passed|failed|Error|FAIL" | tail -30 ;;
     liger)
       timeout 150 python bench/bench_liger.py 2>&1 | tee "$OUT/bench-liger.log" | tail -25 ;;
     unsloth-bench)
