@@ -19,6 +19,7 @@
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PYTHON=${PYTHON:-python}
+case $PYTHON in */*) [ "${PYTHON#/}" = "$PYTHON" ] && PYTHON=$PWD/$PYTHON ;; esac  # the script cd-s below
 CACHE=${LIGER_SDIST_CACHE:-$ROOT/.cache/liger-sdist}
 SHARDS=1 CPU=0 TARGET=both OUTDIR="" TIMEOUT=0 KEXPR=""
 while [ $# -gt 0 ]; do
