@@ -49,6 +49,11 @@ class AdaptiveKL:
     def length_normalized(self) -> bool:
         return self.method.length_normalized
 
+    @property
+    def is_stock(self) -> bool:
+        """Method ``none`` with the ``k3`` estimator: the library's own KL term, unadapted."""
+        return self.method.is_none and self.estimator == "k3"
+
     def batch_statistic(self, ref_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
         """The estimator's batch-level statistic (e.g. bottom_q's threshold), or None. Call it
         on the whole batch before any chunking."""

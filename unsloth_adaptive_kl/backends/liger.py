@@ -528,7 +528,7 @@ def make_loss_module(trainer, loss_class):
     check_loss_class(loss_class)
     check_liger_version()
     adaptive = issubclass(loss_class, AdaptiveFusedLinearGRPOLoss)
-    if not adaptive and (not trainer._adaptive_kl.method.is_none or trainer._adaptive_kl.estimator != "k3"):
+    if not adaptive and not trainer._adaptive_kl.is_stock:
         raise ValueError(
             f"loss_class={loss_class.__name__} computes Liger's fixed k3 KL, so kl_adaptation_method="
             f"{trainer.args.kl_adaptation_method!r} with kl_estimator={trainer.args.kl_estimator!r} would be ignored; "

@@ -165,7 +165,7 @@ def _callback_classes():
                 "computes the library's own loss, without the adaptive KL and without the adaptive_kl metrics"
             )
             runtime = self.runtime
-            if not (runtime.method.is_none and runtime.estimator == "k3"):
+            if not runtime.is_stock:
                 raise PatchError(
                     f"{message}; kl_adaptation_method={trainer.args.kl_adaptation_method!r} with kl_estimator="
                     f"{trainer.args.kl_estimator!r} cannot be applied. Call unsloth_adaptive_kl.patch() again before "
@@ -401,7 +401,7 @@ def attach(trainer, loss_class=None, runtime_cls=None) -> TRLAdaptiveKL:
         return existing
     runtime_cls = runtime_cls or TRLAdaptiveKL
     runtime = runtime_cls(trainer)
-    _check_loss_path(trainer, runtime.method.is_none and runtime.estimator == "k3")
+    _check_loss_path(trainer, runtime.is_stock)
     args = trainer.args
     runtime.check_step_size(args.per_device_train_batch_size * args.gradient_accumulation_steps * trainer.accelerator.num_processes)
     trainer._adaptive_kl = runtime
