@@ -38,7 +38,9 @@ from __future__ import annotations
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the demo package next to this file
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:  # the demo package next to this file (already there when run as a script)
+    sys.path.insert(0, HERE)
 
 from demo.analysis import (  # noqa: E402
     CORRECT, T975, analyze, fmt_interval, ols_slope, paired_differences, read_rows, second_half_slope, t_interval,

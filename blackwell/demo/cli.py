@@ -16,7 +16,8 @@ from .analysis import analyze
 from .gpu import GpuCheck, choose_backend, probe_gpu
 from .plot import plot, plot_analysis
 from .scheduler import default_jobs, make_runs, run_all
-from .settings import ALL_METHODS, HUB, SMOKE, TASKS, Settings, default_tag, method_fields, seed_list, settings_from, validate_methods
+from .settings import (ALL_METHODS, HUB, SMOKE, TASKS, Settings, default_tag, method_fields, seed_list, settings_from,
+                       validate_methods)
 from .summary import markdown_table, read_metrics, table_notes
 from .tasks import starting_model
 from .worker import train_one
