@@ -67,14 +67,13 @@ def parse_target(name: str) -> Target | None:
 
 def runs_on(target: Target, capability: tuple[int, int]) -> bool:
     """Whether ``target``'s code runs on a device of ``capability`` (the rules of the module docstring)."""
-    if target.suffix == "a":
+    if target.suffix == "a":  # architecture-specific: this capability only
         return capability == target.capability
-    if target.ptx and not target.suffix:
+    if target.ptx and not target.suffix:  # plain PTX: any capability at or above it
         return capability >= target.capability
-    same_family = capability[0] == target.capability[0] and capability[1] >= target.capability[1]
     if not target.ptx and (capability in INTEGRATED or target.capability in INTEGRATED):
-        return capability == target.capability
-    return same_family
+        return capability == target.capability  # integrated GPUs: their own machine code only
+    return capability[0] == target.capability[0] and capability[1] >= target.capability[1]  # same major, later minor
 
 
 @dataclass(frozen=True)
