@@ -330,8 +330,20 @@ def format_report(args, report) -> str:
             f"| {method} | {tokens} | {r['max_metric_rel_error']:.1e} | {r['loss_ranks'][0]}, {r['loss_ranks'][1]} | "
             f"{r['loss_mean_of_ranks']:.8f} | {r['loss_one_process']:.8f} | {result} |"
         )
+    if report.get("setup_failure"):
+        lines += ["", "FAIL: " + report["setup_failure"]]
     lines += ["", "all checks passed" if report["passed"] else "SOME CHECKS FAILED"]
     return "\n".join(lines)
+
+
+def configured_type(config_path: str, cpu: bool) -> str:
+    """The config file's ``distributed_type`` (MULTI_GPU runs as MULTI_CPU with --cpu)."""
+    with open(config_path) as f:
+        line = next((line for line in f if line.startswith("distributed_type:")), None)
+    if line is None:
+        raise SystemExit(f"{config_path}: no distributed_type")
+    kind = line.split(":", 1)[1].strip()
+    return "MULTI_CPU" if cpu and kind == "MULTI_GPU" else kind
 
 
 def free_port() -> int:
@@ -384,6 +396,11 @@ def main(argv=None) -> int:
         raise SystemExit(f"expected 2 processes, got world sizes {[r['world_size'] for r in ranks]}")
     report = check(args, checkpoint, ranks)
     report.update(distributed_type=ranks[0].get("distributed_type"), wrapped_model=ranks[0].get("wrapped_model"))
+    expected = configured_type(args.config, args.cpu)
+    if not str(report["distributed_type"]).endswith("." + expected):
+        # e.g. accelerate runs an FSDP or DeepSpeed config as plain DDP (MULTI_CPU) when use_cpu is set
+        report["passed"] = False
+        report["setup_failure"] = f"the launcher set up {report['distributed_type']}, not the config's {expected}"
     text = format_report(args, report)
     print(text)
     with open(os.path.join(args.out, "report.md"), "w") as f:
