@@ -14,8 +14,8 @@ trains on the same fixed batch (``_common.fixed_batch``: no generation). A row i
    controllers of ``dynamic``/``target`` update β there, as in training).
 
 Rows: ``stock`` (TRL with ``unsloth_adaptive_kl.unpatch()``), each ``kl_adaptation_method``
-(patched), and ``beta -> 0`` (``dynamic`` whose β has reached 0: the reference forward and the KL
-are skipped). Timing, interleaving, statistics and tables: ``bench/_common.py`` and
+(patched), and ``beta -> 0`` (``dynamic`` with ``beta_min=0`` reaching 0 after its first, untimed
+step: the reference forward and the KL are skipped in every timed step). Timing, interleaving, statistics and tables: ``bench/_common.py`` and
 docs/benchmarks.md.
 
     python bench/bench_trl.py --out /tmp/bench-trl.md                 # ~1 B Llama, both modes
@@ -41,7 +41,7 @@ import _common  # noqa: E402
 
 METHODS = ["none", "clip", "sigmoid", "length_normalized", "dynamic", "target", "dynamic+length_normalized"]
 STOCK = "stock TRL (unpatched)"
-ZERO = "beta -> 0 (dynamic at beta 0)"
+ZERO = "beta -> 0 (dynamic, beta_min=0)"
 
 
 def parse_args(argv=None):
@@ -66,6 +66,8 @@ def parse_args(argv=None):
     if args.smoke:
         args.hidden, args.layers, args.vocab, args.prompt, args.min_completion, args.max_completion = 32, 2, 300, 4, 6, 12
         args.rounds, args.steps, args.warmup = min(args.rounds, 2), min(args.steps, 2), 1
+    if args.warmup < 1:
+        p.error("--warmup must be at least 1 (the beta -> 0 row reaches 0 in its first step, which is not timed)")
     for mode in args.modes.split(","):
         if mode not in ("lora", "full"):
             p.error(f"--modes: {mode!r} is not one of lora, full")
@@ -111,7 +113,7 @@ def reference_logps(trainer, model, inputs):
             return trainer._get_per_token_logps_and_entropies(model, ids, mask, keep, batch_size=ids.size(0))[0]
 
 
-def make_row(name, fields, *, patched, args, model, ref_model, optimizer, batch, checkpoint, tokenizer, zero=False):
+def make_row(name, fields, *, patched, args, model, ref_model, optimizer, batch, checkpoint, tokenizer):
     import unsloth_adaptive_kl
     from trl import GRPOConfig, GRPOTrainer
 
@@ -130,11 +132,13 @@ def make_row(name, fields, *, patched, args, model, ref_model, optimizer, batch,
     with shared_reference(ref_model) if ref_model is not None else contextlib.nullcontext():
         trainer = GRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=[lambda completions, **k: [0.0] * len(completions)], args=config, train_dataset=dataset)
     trainer.current_gradient_accumulation_steps = 1  # set by the training loop, which does not run here
-    if zero:
-        trainer.beta = 0.0  # where a dynamic controller with beta_min=0 ends; TRL then skips the reference and the KL
     model.train()
 
+    runtime = getattr(trainer, "_adaptive_kl", None)  # None for stock TRL
+
     def step():
+        if runtime is not None:
+            runtime.observe_reward(0.0)  # what generation reports (no generation here): the dynamic controller's input
         inputs = dict(batch)
         if trainer.beta != 0.0:
             inputs["ref_per_token_logps"] = reference_logps(trainer, model, inputs)
@@ -178,7 +182,9 @@ def run_mode(mode, args, checkpoint, report, deadline):
         if key == "stock":
             row, trainer = make_row(STOCK, {}, patched=False, **common)
         elif key == "zero":
-            row, trainer = make_row(ZERO, dict(kl_adaptation_method="dynamic"), patched=True, zero=True, **common)
+            # beta_min=0 reached by the schedule after 1 step: the first (untimed) warm-up step; every timed step has β = 0
+            zero = dict(kl_adaptation_method="dynamic", reward_threshold=1e9, beta_min=0.0, beta_schedule_steps=1)
+            row, trainer = make_row(ZERO, zero, patched=True, **common)
         else:
             fields = dict(kl_adaptation_method=key)
             if "dynamic" in key:

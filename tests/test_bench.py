@@ -81,4 +81,4 @@ def test_bench_trl_smoke_times_interleaved_rows_and_moves_beta_only_where_asked(
     assert rows["stock TRL (unpatched)"]["beta_now"] == rows["stock TRL (unpatched)"]["beta_start"] == 0.04
     # the dynamic controller ran at every step end: 0.04 * 0.9 ** (2 rounds x (1 warm-up + 2 timed))
     assert rows["dynamic"]["beta_now"] == pytest.approx(0.04 * 0.9**6)
-    assert rows["beta -> 0 (dynamic at beta 0)"]["beta_now"] == 0.0
+    assert rows["beta -> 0 (dynamic, beta_min=0)"]["beta_now"] == 0.0
