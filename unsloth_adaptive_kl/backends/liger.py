@@ -37,6 +37,7 @@ only; see ``examples/custom_kl_variant.py``.
 
 from __future__ import annotations
 
+import inspect
 import types
 import warnings
 
@@ -175,28 +176,6 @@ class AdaptiveFusedLinearGRPOLoss(nn.Module):
         return self.adaptive_kl.per_token(logp, ref_logp, mask, coef, statistic, estimator=self.per_token_kl)
 
     # -- Liger's forward ---------------------------------------------------------------------------------
-    def forward(
-        self,
-        _input,
-        lin_weight,
-        selected_token_ids,
-        attention_mask,
-        advantages,
-        bias=None,
-        ref_per_token_logps=None,
-        old_per_token_logps=None,
-        ref_input=None,
-        ref_weight=None,
-        ref_bias=None,
-        vllm_is_ratio=None,
-        num_items_in_batch=None,
-    ):
-        """Liger's arguments and return structure; ``_input`` is ``(B, T, H)``, ``lin_weight`` ``(V, H)``."""
-        return self.loss_and_kl(
-            _input, lin_weight, selected_token_ids, attention_mask, advantages, bias, ref_per_token_logps,
-            old_per_token_logps, ref_input, ref_weight, ref_bias, vllm_is_ratio, num_items_in_batch,
-        ).liger_output()  # fmt: skip
-
     def loss_and_kl(
         self,
         _input,
@@ -213,7 +192,8 @@ class AdaptiveFusedLinearGRPOLoss(nn.Module):
         vllm_is_ratio=None,
         num_items_in_batch=None,
     ) -> LossTerms:
-        """:meth:`forward`, returning :class:`LossTerms` (with the per-token KL the metrics need)."""
+        """:meth:`forward`, returning :class:`LossTerms` (with the per-token KL the metrics need).
+        Liger's arguments: ``_input`` is ``(B, T, H)``, ``lin_weight`` ``(V, H)``."""
         self._check_configuration()
         with_kl = _is_nonzero(self.beta)
         if with_kl and self.use_ref_model and ref_per_token_logps is None and ref_input is None:
@@ -228,6 +208,12 @@ class AdaptiveFusedLinearGRPOLoss(nn.Module):
             logps, attention_mask, advantages, ref_per_token_logps=ref, old_per_token_logps=old_per_token_logps,
             vllm_is_ratio=vllm_is_ratio, num_items_in_batch=num_items_in_batch,
         )  # fmt: skip
+
+    def forward(self, *args, **kwargs):
+        """Liger's arguments (shown: those of :meth:`loss_and_kl`) and return structure."""
+        return self.loss_and_kl(*args, **kwargs).liger_output()
+
+    forward.__signature__ = inspect.signature(loss_and_kl).replace(return_annotation=inspect.Signature.empty)
 
     def _reference_logps(self, logps, token_ids, rows, ref_per_token_logps, ref_input, ref_weight, ref_bias):
         """As Liger: no reference model means the policy itself (KL 0); given log-probs win over ``ref_input``."""
