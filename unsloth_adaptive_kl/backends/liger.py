@@ -87,8 +87,8 @@ class AdaptiveFusedLinearGRPOLoss(nn.Module):
 
     The arguments before ``kl_adaptation_method`` are Liger 0.8.5's, with its defaults
     (``chunk_size`` has no effect here). The keyword-only ones are this package's fields of the
-    same names (README, "Fields"). ``self.adaptive_kl`` holds the method and estimator; under
-    ``GRPOTrainer(loss_class=...)`` it is the trainer's.
+    same names (README, "Fields"), or ``adaptive_kl=``: an :class:`AdaptiveKL` whose β controller
+    the caller runs (``GRPOTrainer(loss_class=...)`` passes the trainer's).
     """
 
     def __init__(
@@ -117,7 +117,7 @@ class AdaptiveFusedLinearGRPOLoss(nn.Module):
         kl_clip_threshold: float = DEFAULTS["kl_clip_threshold"],
         kl_target: float = DEFAULTS["kl_target"],
         kl_bottom_q: float = DEFAULTS["kl_bottom_q"],
-        _trainer_state: AdaptiveKL | None = None,
+        adaptive_kl: AdaptiveKL | None = None,
     ):
         super().__init__()
         check_liger_version()
@@ -147,7 +147,7 @@ class AdaptiveFusedLinearGRPOLoss(nn.Module):
             kl_target=kl_target,
             kl_bottom_q=kl_bottom_q,
         )
-        if _trainer_state is None:
+        if adaptive_kl is None:
             config = types.SimpleNamespace(**{**DEFAULTS, **fields}, beta=float(beta))  # the other fields: defaults
             self.adaptive_kl = AdaptiveKL(config)
             if self.adaptive_kl.method.controller != "fixed":
@@ -155,10 +155,14 @@ class AdaptiveFusedLinearGRPOLoss(nn.Module):
                     f"kl_adaptation_method={kl_adaptation_method!r} is not valid for a standalone "
                     f"{type(self).__name__}: its β controller ({self.adaptive_kl.method.controller!r}) updates β once per "
                     "optimizer step, which a loss module does not see; allowed: a method without 'dynamic' or 'target' "
-                    "(set module.beta yourself), or GRPOTrainer(loss_class=...), whose trainer runs the controller"
+                    "(set module.beta yourself), adaptive_kl= (an AdaptiveKL whose controller you run), or "
+                    "GRPOTrainer(loss_class=...), whose trainer runs the controller"
                 )
-        else:  # built by GRPOTrainer(loss_class=...): the trainer's state, with its controller
-            self.adaptive_kl = _trainer_state
+        else:  # the caller's state (GRPOTrainer(loss_class=...) passes its own), with its controller
+            changed = [name for name, value in fields.items() if value != DEFAULTS[name]]
+            if changed:
+                raise ValueError(f"{changed} given together with adaptive_kl=; allowed: the KL settings in one place (adaptive_kl's)")
+            self.adaptive_kl = adaptive_kl
         self._compiled_terms = None
 
     # -- the override point ----------------------------------------------------------------------------
