@@ -233,6 +233,15 @@ def test_resume_from_checkpoint_continues_the_beta_series(tiny_checkpoint, tmp_p
     assert after[0] != 0.04  # the controller's state came back, not the configured beta
 
 
+def test_the_trainer_signature_shows_the_loss_class_keyword_it_accepts():
+    import inspect
+
+    shown = inspect.signature(GRPOTrainer.__init__).parameters
+    own = inspect.signature(trl_backend.original(GRPOTrainer, "__init__")).parameters
+    assert shown["loss_class"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert [name for name in shown if name != "loss_class"] == list(own)
+
+
 def test_patch_is_idempotent_and_unpatch_restores_identity():
     patched_loss = GRPOTrainer._compute_loss
     unsloth_adaptive_kl.patch()
@@ -257,7 +266,7 @@ def test_a_missing_anchor_raises_naming_trl_and_its_version(monkeypatch):
         return 0
 
     with pytest.raises(unsloth_adaptive_kl.PatchError, match=r"trl 1\.15\.\d+.*anchor"):
-        trl_backend.rewrite_function(_compute_loss, trl_backend.COMPUTE_LOSS_REWRITES, library="trl")
+        trl_backend.rewrite_function(_compute_loss, [(r.anchor, r.replacement) for r in trl_backend.PLAN.anchor_sets[0].rewrites], library="trl")
 
 
 def test_untested_trl_version_is_refused_unless_overridden(monkeypatch):
