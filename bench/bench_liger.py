@@ -156,9 +156,21 @@ def paths(args):
     yield "materialised logits", materialised_logits
     for index, tile in enumerate(args.tiles):
         for method in args.methods.split(","):
-            module = AdaptiveFusedLinearGRPOLoss(compiled=compiled, kl_adaptation_method=method, kl_estimator=args.estimator, **common)
+            module = AdaptiveFusedLinearGRPOLoss(compiled=compiled, adaptive_kl=adaptive_state(method, args), **common)
             suffix = "" if index == 0 else f", tile {tile[0]}x{tile[1]}"
             yield f"AdaptiveFusedLinearGRPOLoss ({method}{suffix})", with_tile(tile, module_path(module))
+
+
+def adaptive_state(method, args):
+    """The module's KL state for ``method``, as ``GRPOTrainer(loss_class=...)`` passes it: a standalone module refuses
+    a β controller (``dynamic``, ``target``), which only a trainer runs; within one loss call it changes nothing."""
+    import types
+
+    from unsloth_adaptive_kl.adaptation import AdaptiveKL
+    from unsloth_adaptive_kl.config import DEFAULTS
+
+    fields = {**DEFAULTS, "kl_adaptation_method": method, "kl_estimator": args.estimator, "beta": args.beta}
+    return AdaptiveKL(types.SimpleNamespace(**fields))
 
 
 def with_tile(tile, run):
@@ -177,14 +189,14 @@ def tiled(tile):
         return
     from trl.kernels import chunked_logprob
 
-    from unsloth_adaptive_kl.backends import liger
+    from unsloth_adaptive_kl.backends import _liger_parts
 
-    saved = chunked_logprob.TOKEN_CHUNK_SIZE, liger.VOCAB_TILE
-    chunked_logprob.TOKEN_CHUNK_SIZE, liger.VOCAB_TILE = tile
+    saved = chunked_logprob.TOKEN_CHUNK_SIZE, _liger_parts.VOCAB_TILE
+    chunked_logprob.TOKEN_CHUNK_SIZE, _liger_parts.VOCAB_TILE = tile
     try:
         yield
     finally:
-        chunked_logprob.TOKEN_CHUNK_SIZE, liger.VOCAB_TILE = saved
+        chunked_logprob.TOKEN_CHUNK_SIZE, _liger_parts.VOCAB_TILE = saved
 
 
 # -- measuring ------------------------------------------------------------------------------------------------
