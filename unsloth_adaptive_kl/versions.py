@@ -49,3 +49,57 @@ PYTHON = ">=3.10"
 def is_supported(distribution: str, version: str) -> bool:
     """Whether ``version`` (as ``_source_patch.version_of`` gives it; "not installed" is not) is in range."""
     return SUPPORTED[distribution].contains(version)
+
+
+# -- the version matrix ---------------------------------------------------------------------------
+# One stack per tested combination, each installed exactly by scripts/compat.sh (which reads this
+# table) next to the CPU torch 2.13. Unsloth's full dependency set pulls a CUDA torch, so its two
+# distributions are installed with --no-deps there, as scripts/_venv.sh does.
+@dataclass(frozen=True)
+class Stack:
+    """One tested combination of the guarded libraries, pinned exactly."""
+
+    name: str
+    pins: tuple[str, ...]
+    no_deps: tuple[str, ...] = ()
+
+    def pin(self, distribution: str) -> str | None:
+        for requirement in (*self.pins, *self.no_deps):
+            name, _, version = requirement.partition("==")
+            if name == distribution:
+                return version
+        return None
+
+
+_TRANSFORMERS_4 = "transformers==4.57.6"  # the last 4.x: TRL 0.2x lines and Unsloth 2026.8/9 were released on it
+_TRANSFORMERS_5 = "transformers==5.17.0"  # the newest that Unsloth 2026.10 allows
+_LIGER = "liger-kernel==0.8.5"
+#: The latest patch release of every TRL minor line from 0.24 on.
+TRL_LINES = (
+    "0.24.0", "0.25.1", "0.26.2", "0.27.2", "0.28.0", "0.29.1",
+    "1.0.0", "1.1.0", "1.2.0", "1.3.0", "1.4.0", "1.5.1", "1.6.0", "1.7.1", "1.8.0", "1.9.2",
+    "1.10.0", "1.11.0", "1.12.0", "1.13.0", "1.14.2", "1.15.0", "1.16.0",
+)  # fmt: skip
+STACKS: dict[str, Stack] = {
+    s.name: s
+    for s in (
+        *(
+            Stack(f"trl-{v.rsplit('.', 1)[0]}", (f"trl=={v}", _TRANSFORMERS_4 if v.startswith("0.") else _TRANSFORMERS_5, _LIGER))
+            for v in TRL_LINES
+        ),
+        # Unsloth 2026.8 and 2026.9 cap trl at 0.24.0 (and datasets below 4.4); 2026.10 at 1.15.0.
+        Stack("unsloth-2026.8", ("trl==0.24.0", _TRANSFORMERS_4, _LIGER, "datasets==4.3.0"), ("unsloth==2026.8.22", "unsloth_zoo==2026.8.17")),
+        Stack("unsloth-2026.9", ("trl==0.24.0", _TRANSFORMERS_4, _LIGER, "datasets==4.3.0"), ("unsloth==2026.9.14", "unsloth_zoo==2026.9.9")),
+        Stack("unsloth-2026.10", ("trl==1.15.0", _TRANSFORMERS_5, _LIGER), ("unsloth==2026.10.9", "unsloth_zoo==2026.10.9")),
+    )
+}
+#: What CI runs (.ci/run): the oldest and newest TRL, the oldest and newest Unsloth line.
+CI_STACKS = ("trl-0.24", "trl-1.16", "unsloth-2026.8", "unsloth-2026.10")
+
+
+if __name__ == "__main__":  # scripts/compat.sh: `python versions.py STACK` prints its pip arguments
+    import sys
+
+    stack = STACKS[sys.argv[1]]
+    print(" ".join(stack.pins))
+    print(" ".join(stack.no_deps))
