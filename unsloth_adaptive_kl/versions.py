@@ -46,6 +46,22 @@ SUPPORTED: dict[str, Supported] = {
 PYTHON = ">=3.10"
 
 
+#: The ``loss_type`` values of each TRL line (TRL itself checks none of them before its first loss).
+ALL_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+TRL_LOSS_TYPES = (
+    (">=1.0", ALL_LOSS_TYPES),
+    (">=0.28", ALL_LOSS_TYPES[:7]),  # vespo came in 1.0
+    (">=0.26", ALL_LOSS_TYPES[:6]),  # luspo in 0.28
+    (">=0.0", ALL_LOSS_TYPES[:4]),  # cispo and sapo in 0.26
+)
+
+
+def trl_loss_types(version: str) -> tuple[str, ...]:
+    """The ``loss_type`` values TRL ``version`` has."""
+    release = Version(Version(version).base_version)
+    return next(types for specifier, types in TRL_LOSS_TYPES if release in SpecifierSet(specifier))
+
+
 def is_supported(distribution: str, version: str) -> bool:
     """Whether ``version`` (as ``_source_patch.version_of`` gives it; "not installed" is not) is in range."""
     return SUPPORTED[distribution].contains(version)
