@@ -1,10 +1,11 @@
 """The library versions this package is tested with: one table, read by the version guards of
-every backend and by ``python -m unsloth_adaptive_kl doctor``.
+every backend, by ``python -m unsloth_adaptive_kl doctor``, by scripts/compat.sh (the stacks of
+the version matrix) and rendered as the README's "Supported versions" table.
 
-The specifiers are those of ``pyproject.toml`` (tests/test_doctor.py checks they agree; the
-``unsloth`` extra pins one release of the range). A guarded library outside its range is refused
-when its backend is patched or built, unless ``UNSLOTH_ADAPTIVE_KL_ALLOW_UNTESTED=1``; even then
-every source anchor is checked and a missing one raises.
+The specifiers are those of ``pyproject.toml``; tests/test_versions.py checks that pyproject and
+the README agree with this file. A guarded library outside its range is refused when its backend
+is patched or built, unless ``UNSLOTH_ADAPTIVE_KL_ALLOW_UNTESTED=1``; even then every source
+anchor is checked and a missing one raises.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
+
 @dataclass(frozen=True)
 class Supported:
     """A distribution's tested range: ``specifier`` as in pyproject.toml, ``label`` for people."""
@@ -22,6 +24,7 @@ class Supported:
     specifier: str
     label: str
     guarded: bool  # refused outside the range at patch time (others are only reported by doctor)
+    tested: str = ""  # the releases the version matrix runs (docs/compatibility.md)
 
     def contains(self, version: str) -> bool:
         """Whether ``version`` is in the range; local tags (``2.13.0+cpu``) and pre-releases count as their release."""
@@ -35,12 +38,12 @@ class Supported:
 SUPPORTED: dict[str, Supported] = {
     s.distribution: s
     for s in (
-        Supported("torch", ">=2.6", ">= 2.6", guarded=False),
-        Supported("trl", ">=1.15.0,<1.16", "1.15.x", guarded=True),
-        Supported("transformers", ">=5.0,<=5.17.0", "5.0 to 5.17.0", guarded=False),
-        Supported("liger-kernel", ">=0.8.0,<0.9", "0.8.x", guarded=True),
-        Supported("unsloth", ">=2026.10.0,<2026.11", "2026.10.x", guarded=True),
-        Supported("unsloth_zoo", ">=2026.10.0,<2026.11", "2026.10.x", guarded=True),
+        Supported("torch", ">=2.6", ">= 2.6", guarded=False, tested="2.13.0 (CPU)"),
+        Supported("trl", ">=0.24.0,<1.17", "0.24 to 1.16.x", guarded=True, tested="the latest release of every minor line, 0.24.0 to 1.16.0"),
+        Supported("transformers", ">=4.57.6,<=5.17.0", "4.57.6 to 5.17.0", guarded=False, tested="4.57.6 (TRL 0.2x), 5.17.0 (TRL 1.x)"),
+        Supported("liger-kernel", ">=0.8.0,<0.9", "0.8.x", guarded=True, tested="0.8.5"),
+        Supported("unsloth", ">=2026.8.0,<2026.11", "2026.8.x to 2026.10.x", guarded=True, tested="2026.8.22, 2026.9.14, 2026.10.9"),
+        Supported("unsloth_zoo", ">=2026.8.0,<2026.11", "2026.8.x to 2026.10.x", guarded=True, tested="2026.8.17, 2026.9.9, 2026.10.9"),
     )
 }
 PYTHON = ">=3.10"
@@ -60,6 +63,13 @@ def trl_loss_types(version: str) -> tuple[str, ...]:
     """The ``loss_type`` values TRL ``version`` has."""
     release = Version(Version(version).base_version)
     return next(types for specifier, types in TRL_LOSS_TYPES if release in SpecifierSet(specifier))
+
+
+def supported_versions_table() -> str:
+    """The README's "Supported versions" table (tests/test_versions.py checks the README has it)."""
+    rows = ["| library | range | tested |", "|---|---|---|", f"| Python | {PYTHON} | 3.11 (CPU), 3.12 (GPU) |"]
+    rows += [f"| {s.distribution} | `{s.specifier}` ({s.label}) | {s.tested} |" for s in SUPPORTED.values()]
+    return "\n".join(rows)
 
 
 def is_supported(distribution: str, version: str) -> bool:
@@ -107,6 +117,9 @@ STACKS: dict[str, Stack] = {
         Stack("unsloth-2026.8", ("trl==0.24.0", _TRANSFORMERS_4, _LIGER, "datasets==4.3.0"), ("unsloth==2026.8.22", "unsloth_zoo==2026.8.17")),
         Stack("unsloth-2026.9", ("trl==0.24.0", _TRANSFORMERS_4, _LIGER, "datasets==4.3.0"), ("unsloth==2026.9.14", "unsloth_zoo==2026.9.9")),
         Stack("unsloth-2026.10", ("trl==1.15.0", _TRANSFORMERS_5, _LIGER), ("unsloth==2026.10.9", "unsloth_zoo==2026.10.9")),
+        # The transformers range admits either major with any TRL line: its two ends, crossed.
+        Stack("trl-0.24-transformers-5", ("trl==0.24.0", _TRANSFORMERS_5, _LIGER)),
+        Stack("trl-1.16-transformers-4", ("trl==1.16.0", _TRANSFORMERS_4, _LIGER)),
     )
 }
 #: What CI runs (.ci/run): the oldest and newest TRL, the oldest and newest Unsloth line.
