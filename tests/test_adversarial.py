@@ -8,6 +8,7 @@ backend also keeps Unsloth's [-10, 10] on the corrected KL)."""
 
 import types
 
+import decimal
 import math
 
 import pytest
@@ -17,7 +18,7 @@ import reference
 from unsloth_adaptive_kl import metrics, toy
 from unsloth_adaptive_kl.adaptation import AdaptiveKL
 from unsloth_adaptive_kl.config import FIELDS
-from unsloth_adaptive_kl.shaping import parse_method
+from unsloth_adaptive_kl.shaping import length_normalized_term, parse_method
 
 BUILTINS = ["k1", "k2", "k3", "abs", "k1+", "k3+", "bottom_q"]
 SHAPINGS = ["none", "clip", "sigmoid", "clip+sigmoid+length_normalized"]
@@ -51,7 +52,8 @@ def float64_kl(name, logp, ref, *, q=0.2, mask=None):
     k3 = torch.exp(c) - c - 1
     if name == "bottom_q":
         valid = ref.double()[mask.bool()]
-        threshold = valid.sort().values[max(1, -(-int(q * valid.numel() * 1e6) // int(1e6))) - 1] if valid.numel() else -float("inf")
+        count = max(1, math.floor(decimal.Decimal(str(q)) * valid.numel()))  # the seed's floor(q * N), at least 1
+        threshold = valid.sort().values[count - 1] if valid.numel() else -float("inf")
         return torch.where(ref.double() <= threshold, k3 / q, torch.zeros_like(k3))
     return {"k1": -r, "k2": 0.5 * r**2, "k3": k3, "abs": r.abs(), "k1+": -r, "k3+": k3}[name]
 
@@ -68,7 +70,7 @@ def float64_shaped(method, kl):
 def kl_loss(state, raw, adapted, mask):
     """What a backend adds: β × the token sum of the adapted KL, or its length-normalised mean."""
     if state.length_normalized:
-        return state.beta * state.length_normalized_term(adapted, mask, max(mask.shape[0], 1))
+        return state.beta * length_normalized_term(adapted, mask, max(mask.shape[0], 1))
     return state.beta * torch.where(mask.bool(), adapted, 0.0).sum()
 
 
@@ -263,30 +265,32 @@ def test_trl_loss_at_log_ratios_of_1e4_is_finite_and_matches_float64(trl_trainer
     assert (loss.double() - policy_only.double()).item() == pytest.approx(expected.item(), rel=1e-5)
 
 
-# -- Unsloth: the fused loss's KL lines, FusedKL called with plain tensors ------------------------------
-def unsloth_fused_kl(fused, new, ref, old, mask, beta=0.1):
+# -- Unsloth: the fused loss's KL lines, FusedKLInputs called with plain tensors ------------------------------
+def unsloth_fused_kl(term, new, ref, old, mask, beta=0.1):
     """The KL lines of unsloth_zoo 2026.10.9's grpo_compute_loss as patched (padding zeroed first, as
     Unsloth does), then ``finish``: returns the loss's KL part and the 6-vector of statistics."""
+    from unsloth_adaptive_kl.backends.unsloth import FusedKLInputs
+
+    fused = FusedKLInputs(term, torch.tensor(beta), torch.tensor(float(max(mask.shape[0], 1))), None)
     keep = mask.bool()
     new, ref, old = torch.where(keep, new, 0.0), torch.where(keep, ref, 0.0), torch.where(keep, old, 0.0)
     kl_log_ratio = torch.clamp(ref - new, min=-20.0, max=20.0)
     kl_i = torch.expm1(kl_log_ratio) - kl_log_ratio
-    kl_i = fused.estimate(kl_i, new, kl_log_ratio, mask, None)
+    kl_i = fused.estimate(kl_i, new, ref, kl_log_ratio, mask)
     kl_i = kl_i * torch.exp(new - old)
     kl_i = torch.clamp(kl_i, min=-10.0, max=10.0)
-    adapted = fused.shape(kl_i)
+    adapted = term.shape(kl_i)
     loss = torch.zeros(())
-    if not fused.length_normalized:
+    if not term.length_normalized:
         loss = beta * (adapted * mask).sum() / mask.sum().clamp(min=1)
-    kwargs = {"adaptive_kl_beta": torch.tensor(beta), "adaptive_kl_rows": torch.tensor(float(max(mask.shape[0], 1)))}
-    return fused.finish(loss, torch.zeros(()), kl_i, adapted, mask, None, kwargs)
+    return fused.finish(loss, torch.zeros(()), kl_i, adapted, mask, None, 1)
 
 
 @pytest.mark.parametrize("batch", list(BATCHES))
 @pytest.mark.parametrize("method", SHAPINGS)
 @pytest.mark.parametrize("estimator", ["k1", "k2", "k3", "abs", "k3+"])
 def test_unsloth_fused_kl_is_finite_and_matches_float64_with_unsloths_clamps(estimator, method, batch):
-    from unsloth_adaptive_kl.backends.unsloth import FusedKL
+    from unsloth_adaptive_kl.kl_term import KLTerm
 
     lengths, width = BATCHES[batch]
     mask = ragged_mask(lengths, width)
@@ -297,7 +301,7 @@ def test_unsloth_fused_kl_is_finite_and_matches_float64_with_unsloths_clamps(est
         ref[0, 0], ref[0, 2] = new[0, 0] + 1e4, new[0, 2] - 1e4  # r = ±1e4 on valid tokens
     for garbage in GARBAGE:
         new, ref, old = (t.masked_fill(mask == 0, garbage) for t in (new, ref, old))
-    fused = FusedKL(parse_method(method), estimator, 0.5, 0.2, 0.2)
+    fused = KLTerm(parse_method(method), estimator, 0.5, 0.2, 0.2)
     leaf = new.clone().requires_grad_(True)
     loss, stats = unsloth_fused_kl(fused, leaf, ref, old, mask)
     loss.backward()

@@ -4,6 +4,7 @@ Missing anchors, out-of-range versions, missing libraries and GPUs are simulated
 monkeypatch; one subprocess runs the real command, and one runs it in an environment with
 Unsloth (skipped where Unsloth is not installed)."""
 
+import dataclasses
 import importlib.util
 import io
 import os
@@ -19,10 +20,18 @@ from packaging.specifiers import SpecifierSet
 
 from unsloth_adaptive_kl import doctor, versions
 from unsloth_adaptive_kl.__main__ import main as cli_main
+from unsloth_adaptive_kl._source_patch import Rewrite
 from unsloth_adaptive_kl.backends import trl as trl_backend
 
 ROOT = Path(__file__).resolve().parents[1]
 ALLOW = "UNSLOTH_ADAPTIVE_KL_ALLOW_UNTESTED"
+
+
+def trl_plan_with(rewrites):
+    """TRL's plan with its one anchor set's rewrites replaced (``(anchor, replacement)`` pairs or Rewrites)."""
+    as_rewrites = [r if isinstance(r, Rewrite) else Rewrite("GRPOTrainer._compute_loss", "trl", r[0], r[1], "test") for r in rewrites]
+    anchor_set = dataclasses.replace(trl_backend.PLAN.anchor_sets[0], rewrites=tuple(as_rewrites))
+    return dataclasses.replace(trl_backend.PLAN, anchor_sets=(anchor_set,))
 
 
 def report(*backends):
@@ -55,8 +64,8 @@ def test_reports_versions_and_finds_every_trl_anchor():
 
 
 def test_a_missing_trl_anchor_fails_naming_the_anchor(monkeypatch):
-    broken = [*trl_backend.COMPUTE_LOSS_REWRITES[:2], ("        if self._a_future_trl_line:\n", "")]
-    monkeypatch.setattr(trl_backend, "COMPUTE_LOSS_REWRITES", broken)
+    broken = [*trl_backend.PLAN.anchor_sets[0].rewrites[:2], ("        if self._a_future_trl_line:\n", "")]
+    monkeypatch.setattr(trl_backend, "PLAN", trl_plan_with(broken))
     status, text = report("trl")
     assert status == 1
     line = next(line for line in text.splitlines() if "_compute_loss" in line and "FAIL" in line)
@@ -65,7 +74,7 @@ def test_a_missing_trl_anchor_fails_naming_the_anchor(monkeypatch):
 
 def test_a_missing_anchor_fails_even_with_the_override(monkeypatch):
     monkeypatch.setenv(ALLOW, "1")
-    monkeypatch.setattr(trl_backend, "COMPUTE_LOSS_REWRITES", [("        nothing like this\n", "")])
+    monkeypatch.setattr(trl_backend, "PLAN", trl_plan_with([("        nothing like this\n", "")]))
     assert report("trl")[0] == 1
 
 

@@ -1,5 +1,6 @@
 """Each estimator against float64 formulas written from Schulman's definitions, values and gradients."""
 
+import decimal
 import math
 
 import pytest
@@ -63,11 +64,16 @@ def test_k3_is_bitwise_trl_form():
     assert torch.equal(estimate_kl("k3", logp, ref), trl_form)
 
 
+def seed_bottom_q_count(q, n):
+    """The seed's count: floor(q * N) tokens, at least 1, with q taken as the decimal it is written as."""
+    return max(1, math.floor(decimal.Decimal(str(q)) * n))
+
+
 def _bottom_q_reference(logp, ref, mask, q):
-    """Float64: k3/q on the valid tokens whose ref log-prob is among the lowest ceil(q*N) valid ones."""
+    """Float64: k3/q on the valid tokens whose ref log-prob is among the lowest floor(q*N) (>= 1) valid ones."""
     valid = [(i, j) for i in range(mask.shape[0]) for j in range(mask.shape[1]) if mask[i, j]]
     ordered = sorted(valid, key=lambda ij: float(ref[ij]))
-    k = max(1, math.ceil(q * len(valid)))
+    k = seed_bottom_q_count(q, len(valid))
     threshold = float(ref[ordered[k - 1]])
     out = torch.zeros_like(logp, dtype=torch.float64)
     for i, j in valid:
@@ -77,7 +83,17 @@ def _bottom_q_reference(logp, ref, mask, q):
     return out
 
 
-@pytest.mark.parametrize("q", [0.1, 0.2, 0.5, 1.0])
+@pytest.mark.parametrize(("q", "n", "count"), [(0.2, 9, 1), (0.28, 25, 7), (0.57, 100, 57), (0.2, 10, 2), (0.01, 50, 1), (0.3, 10, 3), (1.0, 7, 7), (0.15, 20, 3)])
+def test_bottom_q_selects_floor_q_n_tokens_at_least_one_whatever_float_rounding(q, n, count):
+    assert seed_bottom_q_count(q, n) == count  # the reference itself, on the cases the issue names
+    ref = -torch.arange(1, n + 1, dtype=torch.float64).flip(0).view(1, n)  # distinct values: no ties
+    logp = ref - 0.5
+    out = estimate_kl("bottom_q", logp, ref, mask=torch.ones(1, n, dtype=torch.bool), bottom_q=q)
+    assert int((out != 0).sum()) == count
+    assert estimators.bottom_q_count(q, n) == count
+
+
+@pytest.mark.parametrize("q", [0.1, 0.2, 0.5, 1.0, 0.28, 0.3])
 def test_bottom_q_uses_valid_tokens_only_and_scales_by_one_over_q(q):
     logp, ref = _pair(3, shape=(4, 9))
     mask = torch.ones(4, 9, dtype=torch.bool)

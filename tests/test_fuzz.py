@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from test_adversarial import BUILTINS, adaptive, float64_kl
+from unsloth_adaptive_kl.shaping import length_normalized_term
 from unsloth_adaptive_kl.controllers import ControllerConfig, make_controller
 
 FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -64,7 +65,7 @@ def test_per_token_and_length_normalised_term_match_float64(config, batch, with_
     adapted64 = torch.where(valid, shaped64(raw64, config["method"].split("+"), config["clip"], config["target"]), 0.0)
     torch.testing.assert_close(raw.double(), raw64, rtol=2e-5, atol=1e-4)
     torch.testing.assert_close(adapted.double(), adapted64, rtol=2e-5, atol=1e-4)
-    term = state.length_normalized_term(adapted, mask, mask.shape[0])
+    term = length_normalized_term(adapted, mask, mask.shape[0])
     expected = (adapted64.sum(-1) / valid.sum(-1).clamp(min=1)).sum() / mask.shape[0]
     assert term.item() == pytest.approx(expected.item(), rel=2e-5, abs=1e-4)
 

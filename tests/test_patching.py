@@ -8,6 +8,7 @@ from trl.trainer.grpo_config import GRPOConfig
 from trl.trainer.grpo_trainer import GRPOTrainer
 
 import unsloth_adaptive_kl
+from unsloth_adaptive_kl import _source_patch
 from unsloth_adaptive_kl.backends import trl as trl_backend
 from unsloth_adaptive_kl.config import FIELD_NAMES
 
@@ -61,11 +62,11 @@ def test_patch_replaces_every_target_and_unpatch_restores_each_by_identity(prist
 
 def test_patching_twice_is_a_no_op(pristine):
     unsloth_adaptive_kl.patch()
-    first, ledger = own_attributes(), list(trl_backend._ORIGINALS)
+    first, ledger = own_attributes(), list(_source_patch._ORIGINALS)
     unsloth_adaptive_kl.patch()
     second = own_attributes()
     assert all(second[key] is first[key] for key in first)
-    assert trl_backend._ORIGINALS == ledger
+    assert _source_patch._ORIGINALS == ledger
     assert [f.name for f in dataclasses.fields(GRPOConfig)].count("kl_adaptation_method") == 1
 
 

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from unsloth_adaptive_kl.shaping import Method, clip, length_normalized_sum, parse_method, sequence_mean, shape_per_token, sigmoid
+from unsloth_adaptive_kl.shaping import Method, clip, length_normalized_term, parse_method, sequence_mean, shape_per_token, sigmoid
 
 
 def test_clip_value_and_gradient_match_definition():
@@ -34,7 +34,7 @@ def test_sequence_mean_and_length_normalized_sum_match_definition():
     kl = torch.tensor([[1.0, 2.0, 3.0, float("nan")], [4.0, float("inf"), 0.0, 0.0], [5.0, 5.0, 5.0, 5.0]], dtype=torch.float64)
     mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]])
     assert sequence_mean(kl, mask).tolist() == [2.0, 4.0, 0.0]
-    assert length_normalized_sum(kl, mask).item() == 6.0
+    assert length_normalized_term(kl, mask, 1).item() == 6.0
 
 
 @pytest.mark.parametrize(
@@ -96,7 +96,7 @@ def test_length_normalized_is_invariant_to_padding_with_masked_tokens(rows, leng
         mask[i, : lengths[i]] = True
     padded_kl = torch.cat([kl, torch.full((kl.shape[0], pad), 123.0, dtype=torch.float64)], dim=1)
     padded_mask = torch.cat([mask, torch.zeros(kl.shape[0], pad, dtype=torch.bool)], dim=1)
-    assert length_normalized_sum(padded_kl, padded_mask).item() == pytest.approx(length_normalized_sum(kl, mask).item(), rel=1e-12, abs=0)
+    assert length_normalized_term(padded_kl, padded_mask, 1).item() == pytest.approx(length_normalized_term(kl, mask, 1).item(), rel=1e-12, abs=0)
 
 
 @settings(max_examples=100, deadline=None)
@@ -105,7 +105,7 @@ def test_masked_tokens_contribute_exactly_zero(rows, data):
     kl = torch.tensor(rows, dtype=torch.float64, requires_grad=True)
     mask = torch.tensor(data.draw(st.lists(st.lists(st.booleans(), min_size=4, max_size=4), min_size=len(rows), max_size=len(rows))))
     poisoned = torch.where(mask, kl, torch.full_like(kl, float("nan")))
-    total = length_normalized_sum(poisoned, mask)
+    total = length_normalized_term(poisoned, mask, 1)
     total.backward()
     assert math.isfinite(total.item())
     assert (kl.grad[~mask] == 0).all()

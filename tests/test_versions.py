@@ -71,7 +71,9 @@ def test_untested_trl_is_refused_naming_version_and_range_then_overridable(insta
 def test_a_missing_trl_anchor_raises_even_with_the_override(installed, monkeypatch, unpatched):
     installed(trl="1.17.0")
     monkeypatch.setenv(ALLOW, "1")
-    monkeypatch.setattr(trl_backend, "COMPUTE_LOSS_REWRITES", [*trl_backend.COMPUTE_LOSS_REWRITES, ("        not in trl\n", "")])
+    from test_doctor import trl_plan_with
+
+    monkeypatch.setattr(trl_backend, "PLAN", trl_plan_with([*trl_backend.PLAN.anchor_sets[0].rewrites, ("        not in trl\n", "")]))
     from trl.trainer.grpo_trainer import GRPOTrainer
 
     pristine = GRPOTrainer._compute_loss

@@ -12,6 +12,7 @@ import sys
 from .adaptation import AdaptiveKL
 from .config import FIELDS, validate
 from .controllers import BetaController, DynamicBeta, FixedBeta, TargetKLBeta
+from .kl_term import KLTerm
 from .estimators import estimate_kl, estimator_names, get_estimator, register_estimator, unregister_estimator
 from .metrics import ADAPTED_KL, CURRENT_BETA, RAW_KL
 from .shaping import parse_method
@@ -22,16 +23,16 @@ __version__ = "0.1.0"
 
 def patch() -> None:
     """Apply the patches (done on import; calling again is a no-op)."""
-    from .backends import trl as _trl
+    from . import backends
 
-    _trl.patch()
+    backends.patch()
 
 
 def unpatch() -> None:
     """Undo every patch, restoring the original functions and classes."""
-    from .backends import trl as _trl
+    from . import backends
 
-    _trl.unpatch()
+    backends.unpatch()
 
 
 def _started_as_doctor() -> bool:
@@ -60,6 +61,7 @@ __all__ = [
     "DynamicBeta",
     "FIELDS",
     "FixedBeta",
+    "KLTerm",
     "PatchError",
     "RAW_KL",
     "TargetKLBeta",

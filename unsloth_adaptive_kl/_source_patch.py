@@ -1,4 +1,10 @@
-"""Rewrite an installed library's function at anchors that must each match exactly once.
+"""Rewrite an installed library's function at anchors that must each match exactly once, and the
+ledger of everything this package patched.
+
+Each backend declares one :class:`Plan`: a table of :class:`Rewrite` (target, anchor, replacement,
+why) per version family (:class:`AnchorSet`). ``patch()`` builds from it and ``doctor`` dry-runs
+the same table. Every attribute set on a library goes through :func:`set_attribute` and is
+restored exactly by :func:`undo_all`.
 
 Only the installed function's own source is rewritten, with literal replacements written in
 this package; no string from a user's config is ever compiled. If an anchor is missing or
@@ -11,7 +17,10 @@ import importlib.metadata
 import inspect
 import os
 import textwrap
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+from .versions import Supported
 
 ALLOW_UNTESTED_ENV = "UNSLOTH_ADAPTIVE_KL_ALLOW_UNTESTED"
 
@@ -82,3 +91,160 @@ def rewrite_function(
     target.__wrapped_original__ = func
     target.__wrapped__ = func  # inspect.getsource/signature see the installed original (Unsloth reads them)
     return new
+
+
+# -- the patch ledger ---------------------------------------------------------------------------------
+# Every attribute this package sets on a library's class or module goes through set_attribute, which
+# records what was there, so that undo_all() restores it exactly (the same object, or no attribute).
+_ORIGINALS: list[tuple[object, str, object, bool]] = []
+
+
+def set_attribute(owner, name: str, value) -> None:
+    """``setattr(owner, name, value)``, recorded in the ledger."""
+    _ORIGINALS.append((owner, name, owner.__dict__.get(name), name in owner.__dict__))
+    setattr(owner, name, value)
+
+
+def is_patched() -> bool:
+    return bool(_ORIGINALS)
+
+
+def undo_all() -> None:
+    """Restore every recorded attribute exactly (identity), in reverse order."""
+    while _ORIGINALS:
+        owner, name, original_value, had_own = _ORIGINALS.pop()
+        if had_own:
+            setattr(owner, name, original_value)
+        else:
+            delattr(owner, name)
+
+
+def original(owner, name: str):
+    """The attribute ``owner.name`` had before this package patched it (the library's own)."""
+    for patched_owner, patched_name, value, had_own in _ORIGINALS:
+        if patched_owner is owner and patched_name == name:
+            return value if had_own else getattr(super(owner, owner), name, None)
+    return getattr(owner, name)
+
+
+# -- patch plans ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Rewrite:
+    """One source rewrite: in ``target`` (``"Owner.attribute"``, or ``"function"`` of the backend's
+    module), the ``anchor`` (which must occur exactly once) becomes ``replacement``."""
+
+    target: str
+    library: str  # the distribution whose source holds the anchor (named in errors and by doctor)
+    anchor: str
+    replacement: str
+    why: str
+
+
+@dataclass(frozen=True)
+class AnchorSet:
+    """The rewrites for one version family of the patched libraries.
+
+    ``versions`` maps a distribution to the specifier this family covers (``{"trl": ">=1.15,<1.17"}``);
+    an empty mapping covers every supported version. Where several families cover the installed
+    versions, the one whose anchors all match exactly once is used (exactly one must).
+    """
+
+    family: str
+    versions: Mapping[str, str]
+    rewrites: tuple[Rewrite, ...]
+
+    def covers(self, installed: Callable[[str], str]) -> bool:
+        return all(
+            Supported(distribution, specifier, specifier, guarded=True).contains(installed(distribution))
+            for distribution, specifier in self.versions.items()
+        )
+
+    def targets(self) -> dict[str, list[Rewrite]]:
+        """The rewrites grouped by target, in table order."""
+        grouped: dict[str, list[Rewrite]] = {}
+        for rewrite in self.rewrites:
+            grouped.setdefault(rewrite.target, []).append(rewrite)
+        return grouped
+
+
+def split_target(target: str) -> tuple[str, str]:
+    """``"Owner.attribute"`` -> ``("Owner", "attribute")``; ``"function"`` -> ``("", "function")`` (the module)."""
+    owner, _, name = target.rpartition(".")
+    return owner, name
+
+
+def _libraries(rewrites) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(r.library for r in rewrites))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything one backend rewrites: a table of :class:`Rewrite` per version family.
+
+    ``patch()`` builds the rewritten functions from it and ``doctor`` dry-runs it; ``owners`` maps
+    each owner name of a target (``""`` for the module itself) to the live object.
+    """
+
+    backend: str
+    anchor_sets: tuple[AnchorSet, ...]
+
+    def select(self, owners: Mapping[str, object], installed: Callable[[str], str] = version_of) -> AnchorSet:
+        """The anchor set for the installed versions; PatchError naming the library and version otherwise."""
+        covering = [s for s in self.anchor_sets if s.covers(installed)]
+        if not covering and os.environ.get(ALLOW_UNTESTED_ENV) == "1":
+            covering = list(self.anchor_sets)  # an untested version: whichever family's anchors all match
+        elif not covering:
+            libraries = _libraries(r for s in self.anchor_sets for r in s.rewrites)
+            shown = " / ".join(f"{name} {installed(name)}" for name in libraries)
+            families = ", ".join(s.family for s in self.anchor_sets)
+            raise PatchError(
+                f"{shown}: no anchor set of the {self.backend} backend covers this version (it has: {families}); "
+                f"install a supported version, or set {ALLOW_UNTESTED_ENV}=1 to try anyway"
+            )
+        if len(covering) == 1:
+            return covering[0]
+        matching = [s for s in covering if self.mismatches(s, owners) == []]
+        if len(matching) == 1 or (matching and os.environ.get(ALLOW_UNTESTED_ENV) == "1"):
+            return matching[0]
+        if not matching:
+            return covering[0]  # building it raises the error that names its first missing anchor
+        raise PatchError(
+            f"the anchors of several {self.backend} families match ({', '.join(s.family for s in matching)}); "
+            "narrow their version ranges"
+        )
+
+    def mismatches(self, anchor_set: AnchorSet, owners: Mapping[str, object]) -> list[str]:
+        """The targets of ``anchor_set`` whose anchors do not all match exactly once (a dry run)."""
+        failed = []
+        for target, rewrites in anchor_set.targets().items():
+            try:
+                source = inspect.getsource(resolve(owners, target))
+            except (OSError, TypeError, KeyError, AttributeError):
+                failed.append(target)
+                continue
+            if any(source.count(r.anchor) != 1 for r in rewrites):
+                failed.append(target)
+        return failed
+
+    def build(self, owners: Mapping[str, object], *, namespace: dict | None = None, anchor_set: AnchorSet | None = None) -> dict[str, Callable]:
+        """Compile every rewritten target (installed nowhere); ``{target: new function}``.
+
+        Each target is rewritten from the library's own function (never from one already patched).
+        With ``namespace``, all rewrites run in it and so call each other's new versions.
+        """
+        anchor_set = anchor_set or self.select(owners)
+        return {
+            target: rewrite_function(
+                resolve(owners, target),
+                [(r.anchor, r.replacement) for r in rewrites],
+                library=_libraries(rewrites),
+                namespace=namespace,
+            )
+            for target, rewrites in anchor_set.targets().items()
+        }
+
+
+def resolve(owners: Mapping[str, object], target: str):
+    """The library's own function at ``target`` (the pristine one, also after patching)."""
+    owner, name = split_target(target)
+    return original(owners[owner], name)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .controllers import ControllerConfig
 from .estimators import get_estimator
 from .shaping import Method, parse_method
 
@@ -95,6 +94,8 @@ FIELDS: tuple[FieldSpec, ...] = (
 )
 
 FIELD_NAMES = tuple(f.name for f in FIELDS)
+#: Each field's default, declared once (above): the controllers, the Liger module and the docs read it here.
+DEFAULTS = {f.name: f.default for f in FIELDS}
 
 
 #: The smallest ``kl_bottom_q``: ``bottom_q`` scales the selected tokens' KL by 1 / q, at most 100x.
@@ -167,16 +168,3 @@ def validate(config) -> Method:
             "the KL term, which beta=0 removes; allowed: beta > 0, or kl_adaptation_method='none'"
         )
     return method
-
-
-def controller_config(config) -> ControllerConfig:
-    return ControllerConfig(
-        beta=float(config.beta),
-        beta_min=float(config.beta_min),
-        dynamic_beta_decay=float(config.dynamic_beta_decay),
-        reward_threshold=float(config.reward_threshold),
-        reward_window=int(config.reward_window),
-        beta_schedule_steps=int(config.beta_schedule_steps),
-        kl_target=float(config.kl_target),
-        kl_horizon=float(config.kl_horizon),
-    )

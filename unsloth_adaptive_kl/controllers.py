@@ -22,6 +22,8 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
+from .config import DEFAULTS
+
 logger = logging.getLogger("unsloth_adaptive_kl")
 
 
@@ -37,13 +39,27 @@ def _finite(value) -> bool:
 @dataclass(frozen=True)
 class ControllerConfig:
     beta: float
-    beta_min: float = 0.0
-    dynamic_beta_decay: float = 0.9
-    reward_threshold: float = 0.8
-    reward_window: int = 10
-    beta_schedule_steps: int = 1000
-    kl_target: float = 0.1
-    kl_horizon: float = 10000.0
+    beta_min: float = DEFAULTS["beta_min"]
+    dynamic_beta_decay: float = DEFAULTS["dynamic_beta_decay"]
+    reward_threshold: float = DEFAULTS["reward_threshold"]
+    reward_window: int = DEFAULTS["reward_window"]
+    beta_schedule_steps: int = DEFAULTS["beta_schedule_steps"]
+    kl_target: float = DEFAULTS["kl_target"]
+    kl_horizon: float = DEFAULTS["kl_horizon"]
+
+    @classmethod
+    def from_config(cls, config) -> "ControllerConfig":
+        """From any object with ``beta`` and the controller fields (a ``GRPOConfig``)."""
+        return cls(
+            beta=float(config.beta),
+            beta_min=float(config.beta_min),
+            dynamic_beta_decay=float(config.dynamic_beta_decay),
+            reward_threshold=float(config.reward_threshold),
+            reward_window=int(config.reward_window),
+            beta_schedule_steps=int(config.beta_schedule_steps),
+            kl_target=float(config.kl_target),
+            kl_horizon=float(config.kl_horizon),
+        )
 
     def __post_init__(self):
         if not (_finite(self.beta) and self.beta >= 0):

@@ -21,7 +21,7 @@ import platform
 import sys
 from dataclasses import dataclass
 
-from ._source_patch import ALLOW_UNTESTED_ENV, PatchError, rewrite_function, version_of
+from ._source_patch import ALLOW_UNTESTED_ENV, PatchError, resolve, rewrite_function, version_of
 from .versions import PYTHON, SUPPORTED
 
 BACKENDS = ("trl", "unsloth", "liger")
@@ -103,13 +103,25 @@ def version_finding(distribution: str, version: str | None = None) -> Finding:
 
 
 # -- backends ---------------------------------------------------------------------------------------
-def dry_run(topic: str, func, rewrites, *, library: str, namespace: dict | None = None) -> Finding:
-    """Compile ``func`` with ``rewrites`` applied (not installed anywhere); FAIL names the missing anchor."""
+def plan_findings(plan, owners: dict, *, namespace: dict | None = None) -> list[Finding]:
+    """Dry-run a backend's plan: compile each target with its rewrites (installed nowhere), one
+    finding per target, named after the library that holds the anchors. FAIL names the missing anchor."""
     try:
-        rewrite_function(func, rewrites, library=library, namespace=namespace)
+        anchor_set = plan.select(owners)
     except PatchError as error:
-        return Finding(topic, FAIL, str(error))
-    return Finding(topic, OK, f"{len(rewrites)} anchor(s) found")
+        return [Finding(f"{plan.backend} anchors", FAIL, str(error))]
+    findings = []
+    for target, rewrites in anchor_set.targets().items():
+        topic = f"{' / '.join(dict.fromkeys(r.library for r in rewrites))} {target}"
+        try:
+            rewrite_function(
+                resolve(owners, target), [(r.anchor, r.replacement) for r in rewrites], library=rewrites[0].library, namespace=namespace
+            )
+        except PatchError as error:
+            findings.append(Finding(topic, FAIL, str(error)))
+        else:
+            findings.append(Finding(topic, OK, f"{len(rewrites)} anchor(s) found"))
+    return findings
 
 
 def targets_exist(owner, names: tuple[str, ...], topic: str) -> Finding:
@@ -119,33 +131,18 @@ def targets_exist(owner, names: tuple[str, ...], topic: str) -> Finding:
     return Finding(topic, OK, ", ".join(names))
 
 
-def _pristine(owner, name: str):
-    """The attribute as the library defines it, even if this package already patched it."""
-    from .backends import trl as trl_backend
-
-    return trl_backend.original(owner, name)
-
-
 def trl_backend_findings() -> list[Finding]:
     findings = [version_finding("trl"), version_finding("transformers")]
     if findings[0].status == INFO:
         return [Finding("trl", FAIL, "not installed; pip install 'trl>=1.15.0,<1.16'")]
-    from trl.trainer import grpo_config, grpo_trainer
-
+    from .backends import _trainer
     from .backends import trl as trl_backend
 
-    config_cls, trainer_cls = grpo_config.GRPOConfig, grpo_trainer.GRPOTrainer
-    if trl_backend._is_unsloth_generated(trainer_cls):  # Unsloth rebound the names: TRL's own classes are its bases
-        config_cls, trainer_cls = config_cls.__mro__[1], trainer_cls.__mro__[1]
-    findings.append(targets_exist(config_cls, ("__init__", "__post_init__", "__dataclass_fields__"), "trl GRPOConfig"))
-    findings.append(
-        targets_exist(
-            trainer_cls, ("__init__", "_compute_loss", "_generate_and_score_completions", "_load_callback_state"), "trl GRPOTrainer"
-        )
-    )
+    owners = trl_backend.owners()  # TRL's own classes, also where Unsloth rebound the names
+    findings.append(targets_exist(owners["GRPOConfig"], _trainer.CONFIG_ATTRIBUTES, "trl GRPOConfig"))
+    findings.append(targets_exist(owners["GRPOTrainer"], _trainer.WRAPPED_TRAINER_METHODS, "trl GRPOTrainer"))
     if findings[-1].status == OK:
-        compute_loss = _pristine(trainer_cls, "_compute_loss")
-        findings.append(dry_run("trl GRPOTrainer._compute_loss", compute_loss, trl_backend.COMPUTE_LOSS_REWRITES, library="trl"))
+        findings.extend(plan_findings(trl_backend.PLAN, owners))
     findings.append(
         Finding("trl used when", INFO, "trl.GRPOTrainer is TRL's own class (Unsloth not active: see Backend unsloth) and no loss_class= is given")
     )
@@ -163,12 +160,7 @@ def _generated_unsloth_module():
 
     module = sys.modules.get(unsloth_backend.GENERATED_MODULE)
     active = module is not None and getattr(trl, "GRPOTrainer", None) is getattr(module, "UnslothGRPOTrainer", None)
-    if module is None:
-        from unsloth.models.rl import _patch_trl_rl_trainers
-
-        _patch_trl_rl_trainers("grpo_trainer")
-        module = sys.modules.get(unsloth_backend.GENERATED_MODULE)
-    return module, active
+    return unsloth_backend.generate_trainer_module(), active
 
 
 def unsloth_used_finding(active: bool, requested: bool) -> Finding:
@@ -203,15 +195,7 @@ def unsloth_backend_findings(requested: bool = False) -> list[Finding]:
     efficient = getattr(module, "UnslothEfficientGRPO", None)
     if trainer_cls is None or efficient is None or not hasattr(module, "grpo_compute_loss"):
         return findings + [Finding("unsloth GRPO trainer", FAIL, "the generated module lacks UnslothGRPOTrainer, UnslothEfficientGRPO or grpo_compute_loss")]
-    namespace = dict(module.__dict__)
-    for topic, owner, name, rewrites, library in (
-        ("unsloth_zoo grpo_compute_loss", module, "grpo_compute_loss", unsloth_backend.GRPO_COMPUTE_LOSS_REWRITES, "unsloth_zoo"),
-        ("unsloth_zoo UnslothEfficientGRPO.forward", efficient, "forward", unsloth_backend.EFFICIENT_FORWARD_REWRITES, "unsloth_zoo"),
-        ("unsloth grpo_accumulated_loss", module, "grpo_accumulated_loss", unsloth_backend.ACCUMULATED_LOSS_REWRITES, "unsloth"),
-        ("unsloth UnslothGRPOTrainer.compute_loss", trainer_cls, "compute_loss", unsloth_backend.TRAINER_COMPUTE_LOSS_REWRITES, "unsloth"),
-    ):
-        findings.append(dry_run(topic, _pristine(owner, name), rewrites, library=library, namespace=namespace))
-    return findings
+    return findings + plan_findings(unsloth_backend.PLAN, unsloth_backend.owners(module), namespace=dict(module.__dict__))
 
 
 def liger_backend_findings() -> list[Finding]:

@@ -162,13 +162,27 @@ def k3_plus(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 
 
 def bottom_q_threshold(ref_logp: torch.Tensor, mask: torch.Tensor, *, q: float) -> torch.Tensor:
-    """The q-quantile of the reference log-probs over the valid tokens of the whole batch (detached)."""
+    """The :func:`bottom_q_count`-th smallest reference log-prob over the valid tokens of the whole
+    batch (detached): the tokens at or below it get the KL."""
     valid = ref_logp.detach()[mask.bool()]
     if valid.numel() == 0:
         return torch.tensor(float("-inf"), dtype=ref_logp.dtype, device=ref_logp.device)
-    # The ceil(q * N)-th smallest value; torch.quantile refuses inputs above 2**24 elements, kthvalue does not.
-    k = max(1, min(valid.numel(), math.ceil(q * valid.numel())))
-    return valid.kthvalue(k).values
+    # torch.quantile refuses inputs above 2**24 elements, kthvalue does not.
+    return valid.kthvalue(bottom_q_count(q, valid.numel())).values
+
+
+def bottom_q_count(q: float, num_tokens: int) -> int:
+    """How many of ``num_tokens`` valid tokens ``bottom_q`` selects: ``floor(q * N)``, at least 1.
+
+    The seed project's variant 1. The product is taken on ``q`` as written in decimal (its shortest
+    repr, ``0.28``), exactly: ``0.28 * 25`` is 7, not ``7.000000000000001`` (nor ``0.57 * 100``
+    ``56.99999999999999``), so a whole product is never moved by float rounding.
+    """
+    mantissa, _, exponent = repr(float(q)).partition("e")  # q = digits / 10**scale, exactly
+    whole, _, decimals = mantissa.partition(".")
+    digits, scale = int(whole + decimals), len(decimals) - int(exponent or 0)
+    count = digits * num_tokens // 10**scale if scale >= 0 else digits * num_tokens * 10**-scale
+    return max(1, min(num_tokens, count))
 
 
 def bottom_q(logp: torch.Tensor, ref_logp: torch.Tensor, *, statistic: torch.Tensor, q: float) -> torch.Tensor:
@@ -192,7 +206,7 @@ def estimate_kl(
     *,
     mask: torch.Tensor | None = None,
     statistic: torch.Tensor | None = None,
-    bottom_q: float = 0.2,
+    bottom_q: float | None = None,
     check: bool = True,
 ) -> torch.Tensor:
     """Run the estimator ``name``; user-registered estimators are checked and fail loudly.
@@ -212,6 +226,8 @@ def estimate_kl(
             # bit. k3's log-ratio clamp does the same job: its backward is 0 wherever r is NaN or ±inf.
             logp = torch.where(valid, logp, 0.0)
     if spec.batch_statistic is not None:
+        if bottom_q is None:
+            raise ValueError(f"KL estimator {spec.name!r} needs bottom_q= (the kl_bottom_q field)")
         if statistic is None:
             if mask is None:
                 raise ValueError(f"KL estimator {spec.name!r} needs the completion mask for its batch statistic")

@@ -46,15 +46,34 @@ def local_kl_sums(raw: torch.Tensor, adapted: torch.Tensor, mask: torch.Tensor) 
         )
 
 
-def metric_values(totals: torch.Tensor, *, length_normalized: bool) -> dict[str, float]:
-    """Global metric values from summed :func:`local_kl_sums`.
+def token_mean(total: float, tokens: float) -> float:
+    """A token-weighted mean from a sum and a token count (both already summed over processes);
+    NaN when there is no token: no value was observed (the trainer logs NaN as missing), not 0."""
+    return math.nan if tokens == 0 else total / tokens
+
+
+def global_token_mean(local_mean: torch.Tensor, mask: torch.Tensor, reduce) -> float:
+    """A local masked mean made global across processes, token-weighted (TRL's ``global_masked_mean``),
+    for a metric the loss reports only as a local mean (Liger's clip ratio, its own ``kl_mean``);
+    ``reduce`` sums a tensor across processes."""
+    tokens = mask.sum().float()
+    totals = reduce(torch.stack([local_mean.float() * tokens.clamp(min=1.0), tokens]))
+    return (totals[0] / totals[1].clamp(min=1.0)).item()  # 0 with no token, as TRL's own metric
+
+
+def metric_values(totals: torch.Tensor | None, *, length_normalized: bool) -> dict[str, float]:
+    """Global metric values from summed :func:`local_kl_sums`; NaN for both when ``totals`` is None
+    (β is 0: no KL was computed) or no token was valid.
 
     ``adapted_kl`` is the value β multiplies: the token-weighted mean of the shaped KL, or, under
     ``length_normalized``, the mean over completions of each completion's mean shaped KL.
     """
-    t = totals.tolist()
-    if t[TOKENS] == 0:  # no valid token anywhere: no KL was observed (NaN, which the trainer logs as missing), not 0
+    if totals is None:
         return {RAW_KL: math.nan, ADAPTED_KL: math.nan}
+    t = totals.tolist()
     tokens = t[TOKENS]
-    adapted = t[ADAPTED_SEQ_MEAN_SUM] / max(t[COMPLETIONS], 1.0) if length_normalized else t[ADAPTED_SUM] / tokens
-    return {RAW_KL: t[RAW_SUM] / tokens, ADAPTED_KL: adapted}
+    if length_normalized:
+        adapted = math.nan if tokens == 0 else t[ADAPTED_SEQ_MEAN_SUM] / max(t[COMPLETIONS], 1.0)
+    else:
+        adapted = token_mean(t[ADAPTED_SUM], tokens)
+    return {RAW_KL: token_mean(t[RAW_SUM], tokens), ADAPTED_KL: adapted}

@@ -90,11 +90,10 @@ def sequence_mean(kl: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return summed / valid.sum(-1).clamp(min=1).to(kl.dtype)
 
 
-def length_normalized_sum(kl: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Sum over completions of each completion's mean per-token KL.
-
-    Divided by the number of completions in the *whole* batch, this is the length-normalised KL
-    term. Backends that see a batch in chunks sum this over chunks and divide once, so the
-    result does not depend on the chunk size.
+def length_normalized_term(kl: torch.Tensor, mask: torch.Tensor, num_completions: int | float | torch.Tensor) -> torch.Tensor:
+    """The length-normalised KL term ``mean_i(mean_t kl_it)``, or this shard's share of it: the sum
+    over these completions of each one's mean per-token KL, divided by ``num_completions``, the
+    number of completions in the *whole* batch. Backends that see a batch in chunks add the chunks'
+    shares, so the result does not depend on the chunk size.
     """
-    return sequence_mean(kl, mask).sum()
+    return sequence_mean(kl, mask).sum() / num_completions

@@ -59,6 +59,11 @@ TRL_LOSS_TYPES = (
 )
 
 
+#: ``GRPOTrainer(loss_class=...)`` and the Liger drop-in compute log-probs with TRL's chunked log-prob
+#: kernel (``trl.kernels``), which TRL has from 1.15 on.
+LOSS_CLASS_TRL = ">=1.15"
+
+
 def trl_loss_types(version: str) -> tuple[str, ...]:
     """The ``loss_type`` values TRL ``version`` has."""
     release = Version(Version(version).base_version)

@@ -2,6 +2,7 @@
 compiled), the KL part against float64 references, batch-level statistics, β without
 recompiling, and ``GRPOTrainer(loss_class=...)`` against TRL's own loss and end to end."""
 
+import decimal
 import functools
 import itertools
 import math
@@ -212,7 +213,8 @@ def reference_kl_part(batch, logps, *, beta, estimator, method="none", loss_type
     k3 = torch.exp(r) - r - 1
     if estimator == "bottom_q":
         if threshold is None:
-            threshold = ref[mask].kthvalue(math.ceil(q * int(mask.sum()))).values
+            count = max(1, math.floor(decimal.Decimal(str(q)) * int(mask.sum())))  # the seed's floor(q * N), at least 1
+            threshold = ref[mask].kthvalue(count).values
         kl = torch.where(ref <= threshold, k3 / q, torch.zeros_like(k3))
     else:
         kl = {"k3": k3, "k3+": k3, "k1": -r, "k1+": -r, "k2": 0.5 * r**2, "squared": 0.5 * r**2}[estimator]
@@ -349,7 +351,7 @@ def loss_class_trainer(tiny_checkpoint, tmp_path_factory):
 
 def configure(trainer, loss_type, method, loss_class=AdaptiveFusedLinearGRPOLoss, **fields):
     """Point the trainer at another loss type / method and rebuild its runtime and loss module."""
-    from unsloth_adaptive_kl.backends import liger
+    from unsloth_adaptive_kl.backends import loss_class as liger
 
     for name, value in dict(loss_type=loss_type, kl_adaptation_method=method, **fields).items():
         setattr(trainer.args, name, value)
@@ -409,7 +411,7 @@ def test_liger_own_class_as_loss_class_matches_trl(loss_class_trainer):
 
 
 def test_invalid_loss_class_raises_a_clear_type_error(loss_class_trainer):
-    from unsloth_adaptive_kl.backends import liger
+    from unsloth_adaptive_kl.backends import loss_class as liger
 
     class NoLigerForward(torch.nn.Module):
         def __init__(self, **kwargs):
@@ -478,3 +480,14 @@ def test_bench_smoke_runs_on_cpu():
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_liger.py"), "--smoke"], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "| path |" in out.stdout and "AdaptiveFusedLinearGRPOLoss (dynamic+length_normalized)" in out.stdout
+
+
+@pytest.mark.parametrize("method", ["dynamic", "target", "dynamic+clip", "target+length_normalized", "sigmoid+dynamic"])
+def test_a_standalone_module_refuses_a_beta_controller_it_could_not_run(method):
+    with pytest.raises(ValueError, match=r"kl_adaptation_method='.*' is not valid for a standalone AdaptiveFusedLinearGRPOLoss.*allowed"):
+        AdaptiveFusedLinearGRPOLoss(beta=0.1, compiled=False, kl_adaptation_method=method)
+
+
+@pytest.mark.parametrize("method", ["none", "clip", "sigmoid+length_normalized"])
+def test_a_standalone_module_accepts_methods_without_a_controller(method):
+    assert AdaptiveFusedLinearGRPOLoss(beta=0.1, compiled=False, kl_adaptation_method=method).adaptive_kl.controller.name == "fixed"

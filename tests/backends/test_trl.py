@@ -248,6 +248,15 @@ def test_resume_from_checkpoint_continues_the_beta_series(tiny_checkpoint, tmp_p
     assert after[0] != 0.04  # the controller's state came back, not the configured beta
 
 
+def test_the_trainer_signature_shows_the_loss_class_keyword_it_accepts():
+    import inspect
+
+    shown = inspect.signature(GRPOTrainer.__init__).parameters
+    own = inspect.signature(trl_backend.original(GRPOTrainer, "__init__")).parameters
+    assert shown["loss_class"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert [name for name in shown if name != "loss_class"] == list(own)
+
+
 def test_patch_is_idempotent_and_unpatch_restores_identity():
     patched_loss = GRPOTrainer._compute_loss
     unsloth_adaptive_kl.patch()
@@ -272,7 +281,8 @@ def test_a_missing_anchor_raises_naming_trl_and_its_version(monkeypatch):
         return 0
 
     with pytest.raises(unsloth_adaptive_kl.PatchError, match=rf"trl {re.escape(TRL_VERSION)}.*anchor"):
-        trl_backend.rewrite_function(_compute_loss, trl_backend.COMPUTE_LOSS_REWRITES, library="trl")
+        rewrites = trl_backend.PLAN.select(trl_backend.owners()).rewrites
+        trl_backend.rewrite_function(_compute_loss, [(r.anchor, r.replacement) for r in rewrites], library="trl")
 
 
 def test_untested_trl_version_is_refused_unless_overridden(monkeypatch):
@@ -396,12 +406,29 @@ def test_the_trainer_logs_which_backend_computes_its_kl(tiny_checkpoint, tmp_pat
         make_trainer(tiny_checkpoint, tmp_path, kl_adaptation_method="clip")
     assert "backend: TRL eager loss (GRPOTrainer._compute_loss)" in caplog.text
     caplog.clear()
-    with caplog.at_level("INFO", logger="unsloth_adaptive_kl"):
-        GRPOTrainer(
+
+    def with_loss_class():
+        return GRPOTrainer(
             model=tiny_checkpoint, reward_funcs=[toy.format_reward], args=grpo_config(tmp_path), train_dataset=toy.prompt_dataset(8),
             loss_class=AdaptiveFusedLinearGRPOLoss,
         )
+
+    if not versions.Supported("trl", versions.LOSS_CLASS_TRL, "", guarded=True).contains(TRL_VERSION):
+        with pytest.raises(unsloth_adaptive_kl.PatchError, match=rf"trl\.kernels.*trl {re.escape(TRL_VERSION)} is installed"):
+            with_loss_class()  # this TRL has no chunked log-prob kernel: the feature is not offered
+        return
+    with caplog.at_level("INFO", logger="unsloth_adaptive_kl"):
+        with_loss_class()
     assert "backend: loss_class=unsloth_adaptive_kl.backends.liger.AdaptiveFusedLinearGRPOLoss" in caplog.text
+
+
+@pytest.mark.parametrize("loss_type", ["cispo", "sapo", "luspo", "vespo"])
+def test_a_loss_type_the_installed_trl_lacks_is_refused_when_the_trainer_is_created(tiny_checkpoint, tmp_path, loss_type):
+    if loss_type in TRL_LOSS_TYPES:
+        pytest.skip(f"trl {TRL_VERSION} has loss_type {loss_type!r}")
+    overrides = {"importance_sampling_level": "sequence"} if loss_type == "luspo" else {}
+    with pytest.raises(ValueError, match=rf"loss_type='{loss_type}' is not a loss type of the installed trl {re.escape(TRL_VERSION)}; allowed: grpo"):
+        make_trainer(tiny_checkpoint, tmp_path, loss_type=loss_type, **overrides)
 
 
 @pytest.mark.parametrize("method", ["clip", "none"])

@@ -1,0 +1,145 @@
+"""The shape of the package, checked on its source (ast): no import cycle, no backend reaching into
+another module's private names or into another backend, and backend files that stay short."""
+
+import ast
+import pathlib
+
+import unsloth_adaptive_kl
+
+PACKAGE = pathlib.Path(unsloth_adaptive_kl.__file__).parent
+NAME = "unsloth_adaptive_kl"
+BACKENDS = ("trl", "unsloth", "liger")  # each patches or supplies one library's loss
+MAX_BACKEND_LINES = 350
+
+
+def module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def is_package(name: str) -> bool:
+    return MODULES[name].name == "__init__.py"
+
+
+def imports(name: str):
+    """Every import of a package module in ``name`` (function-local ones too), as
+    ``(imported module, imported names or None, node)``. ``from . import x`` is the module ``x``
+    where one exists."""
+    tree = ast.parse(MODULES[name].read_text())
+    here = name if is_package(name) else name.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == NAME:
+                    yield alias.name, None, node
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = here.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                source = ".".join(base + ([node.module] if node.module else []))
+            elif node.module and node.module.split(".")[0] == NAME:
+                source = node.module
+            else:
+                continue
+            plain = []
+            for alias in node.names:
+                if f"{source}.{alias.name}" in MODULES:
+                    yield f"{source}.{alias.name}", None, node
+                else:
+                    plain.append(alias.name)
+            if plain:
+                yield source, plain, node
+
+
+def graph() -> dict[str, set[str]]:
+    return {name: {target for target, _, _ in imports(name) if target in MODULES and target != name} for name in MODULES}
+
+
+def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of ``edges`` (a depth-first search), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node):
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(edges):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_the_package_has_no_import_cycle():
+    cycle = find_cycle(graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_cycle_check_sees_relative_and_lazy_imports_and_finds_a_cycle():
+    edges = graph()
+    assert f"{NAME}.backends._trainer" in edges[f"{NAME}.backends.trl"]  # `from . import _trainer`
+    assert f"{NAME}.backends.loss_class" in edges[f"{NAME}.backends._trainer"]  # imported inside attach()
+    # The circle this package had: trl.py imported unsloth.py lazily, and unsloth.py imported trl.py.
+    old = {**edges, f"{NAME}.backends.trl": edges[f"{NAME}.backends.trl"] | {f"{NAME}.backends.unsloth"}}
+    old[f"{NAME}.backends.unsloth"] = old[f"{NAME}.backends.unsloth"] | {f"{NAME}.backends.trl"}
+    assert find_cycle(old) is not None
+
+
+def checked_modules():
+    return [name for name in MODULES if name.startswith(f"{NAME}.backends.") or name == f"{NAME}.doctor"]
+
+
+def test_no_backend_or_doctor_imports_a_private_name_of_another_module():
+    for name in checked_modules():
+        module_aliases = {}
+        for target, names, node in imports(name):
+            if names is None:
+                for alias in node.names:
+                    module_aliases[alias.asname or alias.name] = target
+                continue
+            private = [n for n in names if n.startswith("_") and not n.endswith("__")]
+            assert not private, f"{name} imports private {private} from {target}"
+        tree = ast.parse(MODULES[name].read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.attr.startswith("_"):
+                if node.value.id in module_aliases and not node.attr.startswith("__"):
+                    raise AssertionError(f"{name} reads {node.value.id}.{node.attr} (private) of {module_aliases[node.value.id]}")
+
+
+def test_no_backend_imports_another_backend():
+    for backend in BACKENDS:
+        name = f"{NAME}.backends.{backend}"
+        others = {f"{NAME}.backends.{other}" for other in BACKENDS if other != backend}
+        assert not graph()[name] & others, f"{name} imports {graph()[name] & others}"
+
+
+def test_backend_files_stay_short():
+    for path in (PACKAGE / "backends").glob("*.py"):
+        lines = len(path.read_text().splitlines())
+        assert lines <= MAX_BACKEND_LINES, f"backends/{path.name} has {lines} lines (at most {MAX_BACKEND_LINES})"
+
+
+def test_the_trainer_side_state_is_the_kl_term_and_the_controller():
+    """``AdaptiveKL`` holds the KL term and the controller, and no copy of a setting it never reads
+    (it had ``use_bias_correction_kl``: the importance ratio is the backend's ``coef`` argument)."""
+    import types
+
+    from unsloth_adaptive_kl import AdaptiveKL, KLTerm
+    from unsloth_adaptive_kl.config import DEFAULTS
+
+    state = AdaptiveKL(types.SimpleNamespace(**DEFAULTS, beta=0.1, use_bias_correction_kl=True))
+    assert isinstance(state.term, KLTerm) and state.controller.beta == 0.1
+    assert not hasattr(state, "use_bias_correction_kl")
+    own = set(vars(state)) - {"reduce", "_step_sums"}  # the cross-process sum and the step's sums
+    assert own == {"term", "controller"}, own

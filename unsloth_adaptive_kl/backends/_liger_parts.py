@@ -1,0 +1,133 @@
+"""The parts of the Liger loss module (``liger.py``) around its loss: Liger's argument checks and
+version check, its return structure, and what the loss gets: the per-token log-probs from the
+final hidden states and the LM head, padding made neutral, and the importance weights.
+
+The log-probs come from TRL 1.15's chunked log-prob kernel (``trl.kernels.ChunkedLogProbFunction``:
+cuBLAS tiles of tokens × vocabulary and an online logsumexp in Triton, with a recomputing
+backward), so logits are never materialised. Liger's own engine (``fused_linear_ppo.py``) gets the
+same memory bound with a Python loop of small matmuls and is several times slower; it is not used.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import torch
+
+from .._source_patch import PatchError, check_version, version_of
+from ..versions import LOSS_CLASS_TRL, SUPPORTED, Supported
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+TOKEN_LEVEL_ONLY = ("cispo", "sapo", "vespo")  # Liger refuses sequence level for these
+
+
+def check_liger_version() -> None:
+    """Refuse an untested liger-kernel (its ``ppo_loss_fn`` and normalisers are called directly),
+    unless ``UNSLOTH_ADAPTIVE_KL_ALLOW_UNTESTED=1``."""
+    liger = SUPPORTED["liger-kernel"]
+    check_version(liger.distribution, liger.contains, liger.label)
+    trl_version = version_of("trl")
+    if not Supported("trl", LOSS_CLASS_TRL, LOSS_CLASS_TRL, guarded=True).contains(trl_version):
+        raise PatchError(
+            f"AdaptiveFusedLinearGRPOLoss and GRPOTrainer(loss_class=...) compute log-probs with TRL's chunked log-prob "
+            f"kernel (trl.kernels, trl {LOSS_CLASS_TRL}), but trl {trl_version} is installed: install trl {LOSS_CLASS_TRL}, "
+            "or train without loss_class= (the TRL or Unsloth backend)"
+        )
+
+
+def check_liger_arguments(sapo_temperature_pos, sapo_temperature_neg, delta, loss_type, importance_sampling_level) -> None:
+    """Liger's constructor checks."""
+    if sapo_temperature_pos <= 0 or sapo_temperature_neg <= 0:
+        raise ValueError(f"sapo temperatures must be > 0, got pos={sapo_temperature_pos}, neg={sapo_temperature_neg}")
+    if delta is not None and delta <= 0:
+        raise ValueError(f"delta must be > 0 or None, got {delta}")
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type={loss_type!r} is not valid; allowed: {list(LOSS_TYPES)}")
+    if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+        raise ValueError(f"importance_sampling_level={importance_sampling_level!r} is not valid; allowed: {list(IMPORTANCE_SAMPLING_LEVELS)}")
+
+
+def check_liger_configuration(loss_type, importance_sampling_level, max_completion_length) -> None:
+    """Liger's per-call checks (the module's attributes are mutable)."""
+    if importance_sampling_level == "sequence" and loss_type in TOKEN_LEVEL_ONLY:
+        raise ValueError(
+            f"Sequence-level importance sampling is not supported for loss_type='{loss_type}'. "
+            "Use importance_sampling_level='token' instead."
+        )
+    if loss_type == "dr_grpo" and max_completion_length is None:
+        raise ValueError("loss_type='dr_grpo' needs max_completion_length (its normaliser is B * max_completion_length)")
+
+
+class LossTerms(NamedTuple):
+    """What one call computes. ``raw_kl``/``adapted_kl`` are detached ``(B, T)`` tensors, None when β is 0."""
+
+    loss: torch.Tensor
+    raw_kl: torch.Tensor | None
+    adapted_kl: torch.Tensor | None
+    kl_mean: torch.Tensor | None
+    clip_ratio: torch.Tensor
+
+    def liger_output(self):
+        """Liger's return structure: ``(loss, (kl_mean, clip_ratio))``, or ``(loss, (clip_ratio,))`` when β is 0."""
+        if self.kl_mean is None:
+            return self.loss, (self.clip_ratio,)
+        return self.loss, (self.kl_mean, self.clip_ratio)
+
+VOCAB_TILE = 32768  # vocabulary tile width TRL 1.15 uses (trl/trainer/utils.py, _CHUNKED_LOGPROB_CHUNK_SIZE)
+
+
+def _chunked_log_prob_function():
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(
+            "AdaptiveFusedLinearGRPOLoss uses TRL's Triton log-prob kernel; with no GPU it only runs interpreted: "
+            "set TRITON_INTERPRET=1 in the environment before triton or trl is first imported."
+        )
+    from trl.kernels import ChunkedLogProbFunction
+
+    return ChunkedLogProbFunction
+
+
+def selected_token_logps(hidden, weight, bias, token_ids, rows, temperature: float) -> torch.Tensor:
+    """Log-probs (float32, ``(B, T)``) of ``token_ids`` under ``softmax((hidden @ weight.T + bias) / temperature)``.
+
+    Only the positions where ``rows`` is True are computed (all when ``rows`` is None); the others
+    are 0, as in TRL's fused LM head (``trl.trainer.utils.add_fused_lm_head``). Differentiable
+    with respect to ``hidden``, ``weight`` and ``bias``.
+    """
+    batch, length, width = hidden.shape
+    flat_hidden = hidden.reshape(batch * length, width)
+    flat_ids = token_ids.reshape(batch * length)
+    kernel = _chunked_log_prob_function()
+    if rows is None:
+        logps = kernel.apply(flat_hidden, weight, bias, flat_ids, temperature, VOCAB_TILE, None, 1.0, ())[0]
+        return logps.view(batch, length)
+    keep = rows.reshape(-1).bool()
+    logps = kernel.apply(flat_hidden[keep], weight, bias, flat_ids[keep], temperature, VOCAB_TILE, None, 1.0, ())[0]
+    # masked_scatter keeps an all-padding batch connected to the graph (as TRL does)
+    return logps.new_zeros(batch * length).masked_scatter(keep, logps).view(batch, length)
+
+
+def neutral_padding(mask, *per_token):
+    """Each ``(B, T)`` tensor (or None) with 0 where ``mask`` is 0: an importance ratio of 1 and a KL of 0 there.
+
+    Every aggregation but luspo's multiplies the per-token loss by the mask, so a padded position
+    never counts, unless its value is not finite: ``inf * 0`` is NaN. And it can be: the forward
+    computes no log-prob at padding (0 there), so the ratio ``exp(0 - old)`` overflows float32 for
+    any old log-prob below about -88, which a large vocabulary or sharp logits give (Liger's own
+    test grid does). Liger computes real log-probs everywhere, so its ratio there is finite.
+    """
+    keep = mask.bool()
+    return tuple(None if t is None else t.masked_fill(~keep, 0.0) for t in per_token)
+
+
+def log_importance_weights(logps, old_logps, mask, level: str) -> torch.Tensor:
+    """``log(pi / pi_old)`` per token ``(B, T)``, or its masked mean per sequence ``(B, 1)`` (GSPO).
+
+    As in Liger's ``ppo_loss_fn`` and TRL 1.15's ``_compute_loss``.
+    """
+    log_ratio = logps - old_logps
+    if level == "token":
+        return log_ratio
+    return ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)

@@ -1,0 +1,345 @@
+"""The trainer side every backend shares: the adaptive-KL state of a trainer, the wrappers every
+GRPO trainer class gets (``__init__``, ``_generate_and_score_completions``, ``_load_callback_state``),
+the config fields grafted onto a config class, the β callback that carries the controller in
+checkpoints, and how metrics reach the trainer's logs.
+
+A backend (``trl.py``, ``unsloth.py``) adds only what is its own: its rewrites (its ``PLAN``) and a
+subclass of :class:`TrainerAdaptiveKL` that its rewritten loss calls into. Every attribute set here
+goes through the ledger of :mod:`unsloth_adaptive_kl._source_patch`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import logging
+import sys
+
+from .. import metrics
+from .._source_patch import PatchError, set_attribute, version_of
+from ..adaptation import AdaptiveKL
+from ..config import FIELDS, validate
+from . import _callback
+
+logger = logging.getLogger("unsloth_adaptive_kl")
+
+
+class _WhenNothingElseLogs(logging.Filter):
+    """Let the package's own stderr handler print a record only while the root logger has no handler
+    (an application that configured logging, or pytest, gets the record there, exactly once)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not logging.getLogger().handlers
+
+
+def _default_handler() -> None:
+    """The one line per trainer that names its backend is INFO: show it by default, as transformers
+    shows its own messages. Silence it with ``logging.getLogger("unsloth_adaptive_kl").setLevel("WARNING")``."""
+    if any(getattr(h, "_unsloth_adaptive_kl", False) for h in logger.handlers):
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    handler.addFilter(_WhenNothingElseLogs())
+    handler._unsloth_adaptive_kl = True
+    logger.addHandler(handler)
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)
+
+
+_default_handler()
+
+
+class TrainerAdaptiveKL(AdaptiveKL):
+    """The :class:`AdaptiveKL` of one GRPO trainer: its KL term and β controller, reduced across the
+    trainer's processes, with the trainer's metrics as the sink. A backend subclasses it."""
+
+    #: A trainer created before ``import unsloth_adaptive_kl`` runs the library's own functions
+    #: (True), or gets this runtime for method ``none`` (False: its loss is rewritten in place).
+    stock_when_unattached = True
+
+    def __init__(self, trainer):
+        accelerator = trainer.accelerator
+        super().__init__(trainer.args, reduce=lambda t: accelerator.reduce(t, reduction="sum"))
+        self.trainer = trainer
+
+    def describe(self) -> str:
+        """Which loss computes this trainer's KL, in words (logged once when the trainer is created)."""
+        raise NotImplementedError
+
+    def still_patched(self) -> bool:
+        """Whether the trainer's class is still patched (false after ``unpatch()``)."""
+        return trainer_is_patched(self.trainer)
+
+    def after_attach(self, loss_class) -> None:
+        """A backend's last check once the trainer is set up."""
+
+    def log_metrics(self, values: dict[str, float], mode: str) -> dict[str, float]:
+        """Hand the adaptive_kl/* values to the trainer's metrics, which its ``log()`` averages over the
+        logging window: the KL values are appended (one per micro-batch); ``current_beta`` and
+        ``skipped_updates`` keep only their latest value, so the log shows the β of the window's last
+        step and the running count, never an average of them."""
+        for name, value in values.items():
+            if name in metrics.LATEST_VALUE_METRICS:
+                self.trainer._metrics[mode][name][:] = [value]
+            else:
+                self.trainer._metrics[mode][name].append(value)
+        return values
+
+
+# -- the trainer classes and the config class ------------------------------------------------------------
+#: For each patched trainer class, the loss methods that must stay ours for the adaptation to act.
+_LOSS_PATH: dict[type, tuple[str, ...]] = {}
+
+
+def forget() -> None:
+    """Called by unpatch(), after the ledger restored the attributes."""
+    _LOSS_PATH.clear()
+
+
+def trainer_is_patched(trainer) -> bool:
+    """Whether ``trainer``'s class is currently patched (false after :func:`unpatch`)."""
+    return any(isinstance(trainer, cls) for cls in _LOSS_PATH)
+
+
+def patch_config_class(config_cls, after_post_init=None) -> None:
+    """Graft the adaptive-KL fields onto a dataclass config class, in place; ``after_post_init()``
+    runs after each config's validation (the moment to patch a trainer Unsloth generated late)."""
+    if "kl_adaptation_method" in config_cls.__dataclass_fields__:
+        return
+    extended = dataclasses.make_dataclass(
+        config_cls.__name__,
+        [(f.name, f.type, dataclasses.field(default=f.default, metadata={"help": f.help})) for f in FIELDS],
+        bases=(config_cls,),
+    )
+    annotations = dict(config_cls.__dict__.get("__annotations__", {}))
+    annotations.update({f.name: f.type for f in FIELDS})
+    original_post_init = config_cls.__post_init__
+
+    @functools.wraps(original_post_init)
+    def __post_init__(self):
+        original_post_init(self)
+        validate(self)
+        if after_post_init is not None:
+            after_post_init()
+
+    set_attribute(config_cls, "__init__", extended.__init__)
+    set_attribute(config_cls, "__dataclass_fields__", extended.__dataclass_fields__)
+    set_attribute(config_cls, "__annotations__", annotations)
+    set_attribute(config_cls, "__post_init__", __post_init__)
+
+
+# Every wrapper keeps the original's signature and source (functools.wraps sets __wrapped__):
+# Unsloth generates its trainer from TRL's signatures and sources, and must see TRL's own.
+def fill_missing_fields(config) -> None:
+    """A config made before ``import unsloth_adaptive_kl`` lacks the fields its (now patched) class
+    has: give it their defaults (method ``none``). A config whose class was never patched is left
+    alone, for :func:`validate` to refuse with its hint."""
+    missing = [f for f in FIELDS if not hasattr(config, f.name)]
+    class_fields = getattr(type(config), "__dataclass_fields__", {})
+    if not missing or not all(f.name in class_fields for f in missing):
+        return
+    for f in missing:
+        setattr(config, f.name, f.default)
+    logger.info(
+        "unsloth_adaptive_kl: this %s was created before `import unsloth_adaptive_kl`; its adaptive-KL fields take "
+        "their defaults (kl_adaptation_method='none'). To set them, create the config after the import.",
+        type(config).__name__,
+    )
+
+
+def _config_argument(args, kwargs):
+    """The ``args=`` of a GRPO trainer call, given by keyword or as the third positional argument."""
+    if "args" in kwargs:
+        return kwargs["args"]
+    return args[2] if len(args) > 2 else None
+
+
+class _OwnLoss:
+    """The default of ``loss_class=``: the trainer's own loss. Not ``None`` on purpose: Unsloth generates
+    its trainer's ``__init__`` from this signature and copies the parameters whose default is a plain
+    literal; ``loss_class`` is handled by our wrapper and must not be passed on to TRL's ``__init__``."""
+
+    def __repr__(self) -> str:
+        return "OWN_LOSS"
+
+
+OWN_LOSS = _OwnLoss()
+
+
+def _signature_with_loss_class(original) -> inspect.Signature:
+    """``original``'s signature plus the keyword-only ``loss_class`` the wrapper accepts."""
+    signature = inspect.signature(original)
+    parameters = list(signature.parameters.values())
+    extra = inspect.Parameter("loss_class", inspect.Parameter.KEYWORD_ONLY, default=OWN_LOSS)
+    at = next((i for i, p in enumerate(parameters) if p.kind is p.VAR_KEYWORD), len(parameters))
+    return signature.replace(parameters=[*parameters[:at], extra, *parameters[at:]])
+
+
+def _wrap_init(original, runtime_cls):
+    @functools.wraps(original)
+    def __init__(self, *args, loss_class=OWN_LOSS, **kwargs):
+        config = _config_argument(args, kwargs)
+        if config is not None:
+            fill_missing_fields(config)
+        original(self, *args, **kwargs)
+        attach(self, loss_class=None if loss_class is OWN_LOSS else loss_class, runtime_cls=runtime_cls)
+
+    __init__.__signature__ = _signature_with_loss_class(original)  # shown by help() and inspect.signature
+    return __init__
+
+
+def unattached_runtime(trainer, runtime_cls):
+    """The runtime of a trainer created before ``import unsloth_adaptive_kl`` (it has none).
+
+    Such a trainer cannot have asked for an adaptation through its config (the fields did not exist):
+    if one is set on it anyway, raise. Otherwise a TRL trainer trains as stock TRL (``None``: the
+    callers run TRL's own functions), and an Unsloth trainer, whose generated loss is rewritten in
+    place, gets the runtime for ``none`` + ``k3`` now (stock Unsloth's loss, tested identical).
+    """
+    method = getattr(trainer.args, "kl_adaptation_method", "none")
+    estimator = getattr(trainer.args, "kl_estimator", "k3")
+    if method != "none" or estimator != "k3":
+        raise PatchError(
+            f"this {type(trainer).__qualname__} was created before `import unsloth_adaptive_kl`, so "
+            f"kl_adaptation_method={method!r} with kl_estimator={estimator!r} cannot be applied to it: create the "
+            "trainer (and its GRPOConfig) after the import"
+        )
+    if not getattr(trainer, "_adaptive_kl_unattached_warned", False):
+        trainer._adaptive_kl_unattached_warned = True
+        logger.warning(
+            "unsloth_adaptive_kl: this %s was created before `import unsloth_adaptive_kl`; it trains %s, without the "
+            "adaptive_kl metrics. Create the trainer after the import to use the package.",
+            type(trainer).__qualname__,
+            "as stock TRL" if runtime_cls.stock_when_unattached else "with the library's own KL (method 'none')",
+        )
+    if runtime_cls.stock_when_unattached:
+        return None
+    fill_missing_fields(trainer.args)
+    return attach(trainer, runtime_cls=runtime_cls)
+
+
+def runtime_of(trainer, runtime_cls):
+    """The trainer's runtime; for a trainer created before the import, see :func:`unattached_runtime`."""
+    runtime = getattr(trainer, "_adaptive_kl", None)
+    return runtime if runtime is not None else unattached_runtime(trainer, runtime_cls)
+
+
+def _wrap_generate(original, runtime_cls):
+    @functools.wraps(original)
+    def _generate_and_score_completions(self, *args, **kwargs):
+        if runtime_of(self, runtime_cls) is None:  # created before the import: stock TRL
+            return original(self, *args, **kwargs)
+        mode = "train" if self.model.training else "eval"
+        rewards = self._metrics[mode]["reward"]
+        before = len(rewards)
+        output = original(self, *args, **kwargs)
+        if mode == "train":
+            rewards = self._metrics["train"]["reward"]
+            if len(rewards) != before + 1:
+                raise PatchError(
+                    f"trl {version_of('trl')}: _generate_and_score_completions did not log exactly one 'reward' "
+                    "value; the dynamic β controller cannot see the reward."
+                )
+            self._adaptive_kl.observe_reward(rewards[-1])
+        return output
+
+    return _generate_and_score_completions
+
+
+def _wrap_load_callback_state(original, runtime_cls):
+    @functools.wraps(original)
+    def _load_callback_state(self):
+        original(self)
+        runtime = runtime_of(self, runtime_cls)
+        if runtime is None:  # created before the import: stock TRL, nothing of ours to restore
+            return
+        stored = self.state.stateful_callbacks.get(_callback.AdaptiveKLCallback.__name__)
+        if stored is not None:
+            stored = stored[0] if isinstance(stored, list) else stored
+            runtime.load_state_dict(stored["attributes"]["adaptive_kl_state"])
+            self.beta = runtime.beta
+        # With restore_callback_states_from_checkpoint=True the Trainer rebuilt our callback without
+        # its runtime: drop such copies and keep exactly one bound callback.
+        for callback in list(self.callback_handler.callbacks):
+            if isinstance(callback, _callback.AdaptiveKLCallback) and callback.runtime is not runtime:
+                self.callback_handler.remove_callback(callback)
+        if not any(isinstance(cb, _callback.AdaptiveKLCallback) for cb in self.callback_handler.callbacks):
+            self.callback_handler.add_callback(_callback.AdaptiveKLCallback(runtime))
+
+    return _load_callback_state
+
+
+def _check_loss_path(trainer, method_is_none: bool) -> None:
+    """A subclass that overrides the patched loss would train without the adaptation: refuse it."""
+    for base, names in _LOSS_PATH.items():
+        if not isinstance(trainer, base):
+            continue
+        overridden = [name for name in names if getattr(type(trainer), name) is not getattr(base, name)]
+        if not overridden:
+            return
+        message = (
+            f"{type(trainer).__qualname__} overrides {', '.join(overridden)} of {base.__qualname__}, the loss path "
+            "unsloth_adaptive_kl patches: the adaptive KL would not reach its loss"
+        )
+        if not method_is_none:
+            raise PatchError(message + f"; kl_adaptation_method={trainer.args.kl_adaptation_method!r} cannot be applied")
+        logger.warning("%s (no adaptation requested, so training goes on; the adaptive_kl metrics may be missing)", message)
+        return
+
+
+def attach(trainer, loss_class=None, runtime_cls=None) -> TrainerAdaptiveKL:
+    """Give ``trainer`` its adaptive-KL state (and, with ``loss_class``, its loss module); idempotent."""
+    existing = getattr(trainer, "_adaptive_kl", None)
+    if existing is not None:
+        return existing
+    runtime = runtime_cls(trainer)
+    _check_loss_path(trainer, runtime.is_stock)
+    args = trainer.args
+    runtime.check_step_size(args.per_device_train_batch_size * args.gradient_accumulation_steps * trainer.accelerator.num_processes)
+    trainer._adaptive_kl = runtime
+    trainer.beta = runtime.beta
+    trainer._adaptive_loss_module = None
+    if loss_class is not None:
+        from . import loss_class as loss_class_path
+
+        trainer._adaptive_loss_module = loss_class_path.make_loss_module(trainer, loss_class)
+    trainer.add_callback(_callback.AdaptiveKLCallback(runtime))
+    logger.info(
+        "unsloth_adaptive_kl: %s; kl_adaptation_method=%r, kl_estimator=%r, beta=%s (logged as %s)",
+        backend_description(trainer),
+        args.kl_adaptation_method,
+        runtime.estimator,
+        runtime.beta,
+        ", ".join(metrics.METRIC_NAMES),
+    )
+    runtime.after_attach(loss_class)
+    return runtime
+
+
+def backend_description(trainer) -> str:
+    """Which loss computes the KL of this trainer, in words (logged once when the trainer is created)."""
+    module = getattr(trainer, "_adaptive_loss_module", None)
+    if module is not None:
+        cls = type(module)
+        return f"backend: loss_class={cls.__module__}.{cls.__qualname__} (fused-linear loss from the LM head's hidden states)"
+    return trainer._adaptive_kl.describe()
+
+
+
+
+#: What :func:`patch_trainer_class` wraps, and :func:`patch_config_class` replaces (doctor checks they exist).
+WRAPPED_TRAINER_METHODS = ("__init__", "_generate_and_score_completions", "_load_callback_state")
+CONFIG_ATTRIBUTES = ("__init__", "__post_init__", "__dataclass_fields__")
+
+
+def patch_trainer_class(trainer_cls, runtime_cls, loss_path: tuple[str, ...]) -> None:
+    """The wrappers every GRPO trainer class gets, whichever backend computes its loss.
+
+    ``loss_path`` names the methods the loss goes through; a subclass that overrides one of them
+    is refused when an adaptation is on (see :func:`_check_loss_path`).
+    """
+    _callback.make_callback_class()
+    _LOSS_PATH[trainer_cls] = loss_path
+    for name, wrap in zip(WRAPPED_TRAINER_METHODS, (_wrap_init, _wrap_generate, _wrap_load_callback_state)):
+        set_attribute(trainer_cls, name, wrap(getattr(trainer_cls, name), runtime_cls))

@@ -1,0 +1,98 @@
+"""``KLTerm``: the per-token KL term β multiplies, as one immutable object every backend calls.
+
+It holds the settings of the term (the parsed method, the estimator's name, the shaping
+thresholds and ``kl_bottom_q``) and nothing that changes during training, so a compiled region
+(Unsloth's fused loss, the Liger module's ``torch.compile``) can take it as a constant. The
+order of the math is fixed (see :mod:`unsloth_adaptive_kl.shaping`): estimator, × importance
+ratio, clip, sigmoid; length normalisation acts at aggregation (:meth:`KLTerm.length_normalized_loss`).
+Pure torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .config import validate
+from .estimators import estimate_kl, get_estimator
+from .shaping import Method, length_normalized_term, shape_per_token
+
+
+@dataclass(frozen=True)
+class KLTerm:
+    method: Method
+    estimator: str
+    clip_threshold: float
+    kl_target: float
+    bottom_q: float
+
+    @classmethod
+    def from_config(cls, config) -> "KLTerm":
+        """From any object with the adaptive-KL fields (a ``GRPOConfig``); validated."""
+        return cls(
+            method=validate(config),
+            estimator=get_estimator(config.kl_estimator).name,
+            clip_threshold=float(config.kl_clip_threshold),
+            kl_target=float(config.kl_target),
+            bottom_q=float(config.kl_bottom_q),
+        )
+
+    @property
+    def length_normalized(self) -> bool:
+        return self.method.length_normalized
+
+    @property
+    def is_stock(self) -> bool:
+        """Method ``none`` with the ``k3`` estimator: the library's own KL term, unadapted."""
+        return self.method.is_none and self.estimator == "k3"
+
+    def batch_statistic(self, ref_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
+        """The estimator's batch-level statistic (e.g. bottom_q's threshold), or None. Call it on the
+        whole batch before any chunking."""
+        spec = get_estimator(self.estimator)
+        if spec.batch_statistic is None:
+            return None
+        return spec.batch_statistic(ref_logp, mask, q=self.bottom_q)
+
+    def estimate(self, logp, ref_logp, mask, statistic=None, *, check: bool = True) -> torch.Tensor:
+        """The configured estimator per token (0 on masked positions); ``check=False`` inside a compiled region."""
+        return estimate_kl(self.estimator, logp, ref_logp, mask=mask, statistic=statistic, bottom_q=self.bottom_q, check=check)
+
+    def shape(self, kl: torch.Tensor) -> torch.Tensor:
+        """The per-token shaping of the method (clip, then sigmoid)."""
+        return shape_per_token(kl, self.method, clip_threshold=self.clip_threshold, target=self.kl_target)
+
+    def per_token(
+        self,
+        logp: torch.Tensor,
+        ref_logp: torch.Tensor,
+        mask: torch.Tensor,
+        coef: torch.Tensor | None = None,
+        statistic: torch.Tensor | None = None,
+        estimator: Callable[..., torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return ``(raw, adapted)`` per-token KL.
+
+        ``raw`` is the estimator times ``coef`` (the importance ratio when the backend applies
+        ``use_bias_correction_kl``); ``adapted`` is ``raw`` after clip and sigmoid. ``estimator``
+        (``fn(logp, ref_logp, *, mask, statistic)``) replaces the configured one, e.g. a loss
+        module's overridden KL function.
+        """
+        if estimator is None:
+            raw = self.estimate(logp, ref_logp, mask, statistic)
+        else:
+            raw = estimator(logp, ref_logp, mask=mask, statistic=statistic)
+        if coef is not None:
+            raw = raw * coef
+        return raw, self.shape(raw)
+
+    @staticmethod
+    def length_normalized_loss(adapted, mask, *, beta, num_completions, accumulation=1) -> torch.Tensor:
+        """The KL part of the loss under ``length_normalized``, for this shard (or chunk):
+        ``beta * mean_i(mean_t adapted_it) / accumulation`` over ``num_completions`` completions.
+
+        ``accumulation`` is the gradient-accumulation divisor the backend applies to its own loss
+        (1 where the backend divides the whole loss afterwards)."""
+        return beta * length_normalized_term(adapted, mask, num_completions) / accumulation
