@@ -29,7 +29,7 @@ COMMON="peft>=0.17 accelerate>=1.10 datasets>=3.0,<5 pillow"
 # (The pure core - estimators, shaping, controllers - does not depend on these libraries and is
 # covered by the main suite.)
 TESTS_TRL=(tests/backends/test_trl.py tests/test_versions.py tests/test_patching.py tests/test_lifecycle.py)
-TESTS_UNSLOTH=(tests/backends/test_unsloth.py)
+TESTS_UNSLOTH=(tests/backends/test_unsloth.py tests/backends/test_unsloth_lines.py)
 K_EXPR=${UAKL_COMPAT_K:-}
 mkdir -p "$CACHE/logs"
 

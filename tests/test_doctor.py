@@ -27,10 +27,14 @@ ROOT = Path(__file__).resolve().parents[1]
 ALLOW = "UNSLOTH_ADAPTIVE_KL_ALLOW_UNTESTED"
 
 
+def installed_trl_anchor_set():
+    return trl_backend.PLAN.select(trl_backend.owners())
+
+
 def trl_plan_with(rewrites):
-    """TRL's plan with its one anchor set's rewrites replaced (``(anchor, replacement)`` pairs or Rewrites)."""
+    """TRL's plan with only the installed TRL's anchor set, its rewrites replaced (``(anchor, replacement)`` pairs or Rewrites)."""
     as_rewrites = [r if isinstance(r, Rewrite) else Rewrite("GRPOTrainer._compute_loss", "trl", r[0], r[1], "test") for r in rewrites]
-    anchor_set = dataclasses.replace(trl_backend.PLAN.anchor_sets[0], rewrites=tuple(as_rewrites))
+    anchor_set = dataclasses.replace(installed_trl_anchor_set(), rewrites=tuple(as_rewrites))
     return dataclasses.replace(trl_backend.PLAN, anchor_sets=(anchor_set,))
 
 
@@ -64,7 +68,7 @@ def test_reports_versions_and_finds_every_trl_anchor():
 
 
 def test_a_missing_trl_anchor_fails_naming_the_anchor(monkeypatch):
-    broken = [*trl_backend.PLAN.anchor_sets[0].rewrites[:2], ("        if self._a_future_trl_line:\n", "")]
+    broken = [*installed_trl_anchor_set().rewrites[:2], ("        if self._a_future_trl_line:\n", "")]
     monkeypatch.setattr(trl_backend, "PLAN", trl_plan_with(broken))
     status, text = report("trl")
     assert status == 1

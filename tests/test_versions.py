@@ -69,11 +69,12 @@ def test_untested_trl_is_refused_naming_version_and_range_then_overridable(insta
 
 
 def test_a_missing_trl_anchor_raises_even_with_the_override(installed, monkeypatch, unpatched):
-    installed(trl="1.17.0")
-    monkeypatch.setenv(ALLOW, "1")
     from test_doctor import trl_plan_with
 
-    monkeypatch.setattr(trl_backend, "PLAN", trl_plan_with([*trl_backend.PLAN.anchor_sets[0].rewrites, ("        not in trl\n", "")]))
+    # the installed TRL's anchors plus one that no TRL has; then a TRL version outside every family
+    monkeypatch.setattr(trl_backend, "PLAN", trl_plan_with([*trl_backend.PLAN.select(trl_backend.owners()).rewrites, ("        not in trl\n", "")]))
+    installed(trl="1.17.0")
+    monkeypatch.setenv(ALLOW, "1")
     from trl.trainer.grpo_trainer import GRPOTrainer
 
     pristine = GRPOTrainer._compute_loss
@@ -141,6 +142,10 @@ def test_untested_liger_is_refused_when_a_loss_module_is_created_then_overridabl
         AdaptiveFusedLinearGRPOLoss(compiled=False)
     assert "liger-kernel 0.9.0 is installed" in str(error.value) and "0.8.x" in str(error.value) and ALLOW in str(error.value)
     monkeypatch.setenv(ALLOW, "1")
+    if not versions.Supported("trl", versions.LOSS_CLASS_TRL, "", guarded=True).contains(_source_patch.version_of("trl")):
+        with pytest.raises(unsloth_adaptive_kl.PatchError, match=r"trl\.kernels"):  # not overridable: no kernel to call
+            AdaptiveFusedLinearGRPOLoss(compiled=False)
+        return
     assert AdaptiveFusedLinearGRPOLoss(compiled=False).beta == 0.04
 
 

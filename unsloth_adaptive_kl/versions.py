@@ -127,8 +127,9 @@ STACKS: dict[str, Stack] = {
         Stack("trl-1.16-transformers-4", ("trl==1.16.0", _TRANSFORMERS_4, _LIGER)),
     )
 }
-#: What CI runs (.ci/run): the oldest and newest TRL, the oldest and newest Unsloth line.
-CI_STACKS = ("trl-0.24", "trl-1.16", "unsloth-2026.8", "unsloth-2026.10")
+#: What CI runs (.ci/run) after the main suite: the oldest and newest TRL and the oldest Unsloth line.
+#: The newest Unsloth line (unsloth-2026.10) is the main suite's own stack (scripts/_venv.sh).
+CI_STACKS = ("trl-0.24", "trl-1.16", "unsloth-2026.8")
 
 
 if __name__ == "__main__":  # scripts/compat.sh: `python versions.py STACK` prints its pip arguments
