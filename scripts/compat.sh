@@ -119,6 +119,9 @@ for stack in "$@"; do
     continue
   fi
   [ -n "${UAKL_COMPAT_BUILD_ONLY:-}" ] && { echo "| $stack | built |"; continue; }
-  run_stack "$stack" || status=1
+  if ! run_stack "$stack"; then
+    status=1
+    grep -E "^(FAILED|ERROR)|^E  " "$CACHE/logs/$stack.log" | head -40 >&2  # why, for a CI log
+  fi
 done
 exit $status

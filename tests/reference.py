@@ -2,7 +2,6 @@
 definitions (Schulman's estimators, the shaping formulas, TRL 1.15's per-loss-type aggregation)."""
 
 import torch
-from packaging.version import Version
 
 MAX_COMPLETION = 6
 
@@ -69,11 +68,8 @@ def raw_and_shaped_kl(method, logp, ref, old, mask, *, estimator, clip_threshold
     return torch.where(mask, raw, torch.zeros_like(raw)), torch.where(mask, shaped, torch.zeros_like(shaped))
 
 
-def kl_part(method, logp, inputs, loss_type, *, beta, estimator, clip_threshold, kl_target, bias_correction=True, unsloth_clamps=False, ga=1, trl_version=None, **normaliser):
-    """Float64 KL part of the loss, ``beta * agg(shaped)``, or ``beta * mean_i(mean_t shaped)`` when length-normalised.
-
-    ``trl_version`` below 1.10: that TRL's luspo, ``(x * lengths).mean()`` over every position of the
-    (B, T) term, padding included (1.10 masks it)."""
+def kl_part(method, logp, inputs, loss_type, *, beta, estimator, clip_threshold, kl_target, bias_correction=True, unsloth_clamps=False, ga=1, **normaliser):
+    """Float64 KL part of the loss, ``beta * agg(shaped)``, or ``beta * mean_i(mean_t shaped)`` when length-normalised."""
     mask = inputs["completion_mask"].bool()
     raw, shaped = raw_and_shaped_kl(
         method, logp, inputs["ref_per_token_logps"], inputs["old_per_token_logps"], mask,
@@ -82,13 +78,6 @@ def kl_part(method, logp, inputs, loss_type, *, beta, estimator, clip_threshold,
     )
     if "length_normalized" in method.split("+"):
         return beta * (shaped.sum(-1) / mask.sum(-1).clamp(min=1)).mean() / ga, raw, shaped
-    if loss_type == "luspo" and trl_version is not None and Version(trl_version) < Version("1.10"):
-        _, unmasked = raw_and_shaped_kl(
-            method, logp, inputs["ref_per_token_logps"], inputs["old_per_token_logps"], torch.ones_like(mask),
-            estimator=estimator, clip_threshold=clip_threshold, kl_target=kl_target, bias_correction=bias_correction,
-            unsloth_clamps=unsloth_clamps,
-        )
-        return beta * (unmasked * mask.double().sum(-1, keepdim=True)).mean() / ga, raw, shaped
     num_items = float(inputs["num_items_in_batch"])
     return beta * aggregate(shaped, mask, loss_type, num_items=num_items, ga=ga, **normaliser), raw, shaped
 

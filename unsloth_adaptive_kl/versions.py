@@ -64,10 +64,28 @@ TRL_LOSS_TYPES = (
 LOSS_CLASS_TRL = ">=1.15"
 
 
+#: Loss types a TRL line has but this package does not offer there, and why.
+TRL_LOSS_TYPES_NOT_OFFERED = (
+    (
+        ">=0.28,<1.10",
+        "luspo",
+        "this TRL's luspo sums the KL of padding positions too ((x * lengths).mean() over every position; "
+        "TRL 1.10 masks them), which the adapted KL (0 on padding) cannot reproduce",
+    ),
+)
+
+
 def trl_loss_types(version: str) -> tuple[str, ...]:
     """The ``loss_type`` values TRL ``version`` has."""
     release = Version(Version(version).base_version)
     return next(types for specifier, types in TRL_LOSS_TYPES if release in SpecifierSet(specifier))
+
+
+def offered_loss_types(version: str) -> dict[str, str | None]:
+    """Each loss type of TRL ``version``: None where this package offers it, else why not."""
+    release = Version(Version(version).base_version)
+    reasons = {name: why for specifier, name, why in TRL_LOSS_TYPES_NOT_OFFERED if release in SpecifierSet(specifier)}
+    return {name: reasons.get(name) for name in trl_loss_types(version)}
 
 
 def supported_versions_table() -> str:

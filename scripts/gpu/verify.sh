@@ -41,7 +41,7 @@ for stage in "$@"; do
     unsloth-line)  # issue 9, point 6: a few methods as 16-bit LoRA and 4-bit QLoRA on the Unsloth stack whose site is on PYTHONPATH
       line=$(python -c "import importlib.metadata as m; print('-'.join(m.version(d) for d in ('unsloth', 'unsloth_zoo', 'trl', 'transformers')))")
       echo "unsloth-unsloth_zoo-trl-transformers: $line" | tee -a "$OUT/unsloth-line.txt"
-      UAKL_GPU_REPORT="$OUT/gpu-report-$line.json" timeout 290 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_unsloth_gpu.py \
+      UAKL_GPU_REPORT="$OUT/gpu-report-$line.json" timeout 330 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_unsloth_gpu.py \
         -k "run_on_gpu and (none or clip or target)" 2>&1 | tee "$OUT/gpu-tests-$line.log" | grep -E "passed|failed|Error|FAIL" | tail -30 ;;
     liger)
       timeout 150 python bench/bench_liger.py 2>&1 | tee "$OUT/bench-liger.log" | tail -25 ;;

@@ -21,7 +21,7 @@ import sys
 import torch
 
 from .._source_patch import AnchorSet, Plan, Rewrite, check_version, is_patched, original, rewrite_function, set_attribute, version_of  # noqa: F401
-from ..versions import SUPPORTED, trl_loss_types
+from ..versions import SUPPORTED, offered_loss_types
 from . import _trainer
 from . import loss_class as loss_class_path
 
@@ -151,12 +151,12 @@ class TRLAdaptiveKL(_trainer.TrainerAdaptiveKL):
         return f"backend: TRL eager loss ({type(self.trainer).__qualname__}._compute_loss)"
 
     def after_attach(self, loss_class) -> None:
-        version = version_of("trl")
-        if loss_class is None and self.trainer.loss_type not in trl_loss_types(version):
-            raise ValueError(
-                f"loss_type={self.trainer.loss_type!r} is not a loss type of the installed trl {version}; allowed: "
-                f"{', '.join(trl_loss_types(version))} (a newer TRL has the others)"
-            )
+        version, loss_type = version_of("trl"), self.trainer.loss_type
+        offered = offered_loss_types(version)
+        if loss_class is None and offered.get(loss_type, "") is not None:
+            allowed = ", ".join(name for name, why in offered.items() if why is None)
+            why = offered.get(loss_type) or "a newer TRL has it"
+            raise ValueError(f"loss_type={loss_type!r} is not offered with the installed trl {version} ({why}); allowed: {allowed}")
         if "unsloth" in sys.modules and loss_class is None:
             _trainer.logger.warning(
                 "unsloth_adaptive_kl: unsloth is imported, but this trainer is TRL's own %s (Unsloth did not patch TRL's "
