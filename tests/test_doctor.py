@@ -27,10 +27,14 @@ ROOT = Path(__file__).resolve().parents[1]
 ALLOW = "UNSLOTH_ADAPTIVE_KL_ALLOW_UNTESTED"
 
 
+def installed_trl_anchor_set():
+    return trl_backend.PLAN.select(trl_backend.owners())
+
+
 def trl_plan_with(rewrites):
-    """TRL's plan with its one anchor set's rewrites replaced (``(anchor, replacement)`` pairs or Rewrites)."""
+    """TRL's plan with only the installed TRL's anchor set, its rewrites replaced (``(anchor, replacement)`` pairs or Rewrites)."""
     as_rewrites = [r if isinstance(r, Rewrite) else Rewrite("GRPOTrainer._compute_loss", "trl", r[0], r[1], "test") for r in rewrites]
-    anchor_set = dataclasses.replace(trl_backend.PLAN.anchor_sets[0], rewrites=tuple(as_rewrites))
+    anchor_set = dataclasses.replace(installed_trl_anchor_set(), rewrites=tuple(as_rewrites))
     return dataclasses.replace(trl_backend.PLAN, anchor_sets=(anchor_set,))
 
 
@@ -56,15 +60,16 @@ def test_reports_versions_and_finds_every_trl_anchor():
     status, text = report("trl", "liger")
     assert status == 0, text
     assert f"torch: {torch.__version__}" in text
-    assert f"trl: {doctor.version_of('trl')} (supported 1.15.x)" in text
-    assert "[  ok] trl GRPOTrainer._compute_loss: 3 anchor(s) found" in text
+    assert f"trl: {doctor.version_of('trl')} (supported {versions.SUPPORTED['trl'].label})" in text
+    family = trl_backend.PLAN.select(trl_backend.owners()).family
+    assert f"[  ok] trl GRPOTrainer._compute_loss: 3 anchor(s) found (anchor set {family!r})" in text
     assert "_generate_and_score_completions" in text and "_load_callback_state" in text
     assert "[  ok] liger-kernel" in text
     assert text.rstrip().endswith("every checked backend can work")
 
 
 def test_a_missing_trl_anchor_fails_naming_the_anchor(monkeypatch):
-    broken = [*trl_backend.PLAN.anchor_sets[0].rewrites[:2], ("        if self._a_future_trl_line:\n", "")]
+    broken = [*installed_trl_anchor_set().rewrites[:2], ("        if self._a_future_trl_line:\n", "")]
     monkeypatch.setattr(trl_backend, "PLAN", trl_plan_with(broken))
     status, text = report("trl")
     assert status == 1
@@ -79,14 +84,14 @@ def test_a_missing_anchor_fails_even_with_the_override(monkeypatch):
 
 
 def test_an_out_of_range_trl_fails_naming_the_range_unless_overridden(monkeypatch):
-    fake_versions(monkeypatch, trl="1.16.0")
+    fake_versions(monkeypatch, trl="1.17.0")
     status, text = report("trl")
     assert status == 1
-    assert "[FAIL] trl: 1.16.0 is outside the tested range 1.15.x" in text and ALLOW in text
+    assert f"[FAIL] trl: 1.17.0 is outside the tested range {versions.SUPPORTED['trl'].label}" in text and ALLOW in text
     monkeypatch.setenv(ALLOW, "1")
     status, text = report("trl")
     assert status == 0, text
-    assert "[warn] trl: 1.16.0 is outside the tested range 1.15.x; allowed by" in text
+    assert f"[warn] trl: 1.17.0 is outside the tested range {versions.SUPPORTED['trl'].label}; allowed by" in text
 
 
 def test_an_out_of_range_transformers_only_warns(monkeypatch):
@@ -116,7 +121,7 @@ def test_an_out_of_range_unsloth_fails_naming_its_range(monkeypatch):
     monkeypatch.setattr(doctor, "_generated_unsloth_module", lambda: (None, False))  # do not import unsloth here
     status, text = report("unsloth")
     assert status == 1
-    assert "[FAIL] unsloth: 2026.11.1 is outside the tested range 2026.10.x" in text
+    assert f"[FAIL] unsloth: 2026.11.1 is outside the tested range {versions.SUPPORTED['unsloth'].label}" in text
     assert "[  ok] unsloth_zoo: 2026.10.9" in text
 
 
@@ -151,11 +156,8 @@ def test_an_unsupported_gpu_makes_the_doctor_fail(monkeypatch):
 def test_supported_ranges_agree_with_pyproject():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     declared = {r.name: r for r in map(Requirement, project["dependencies"] + project["optional-dependencies"]["unsloth"])}
-    for name in ("torch", "trl", "transformers", "liger-kernel"):
+    for name in ("torch", "trl", "transformers", "liger-kernel", "unsloth", "unsloth_zoo"):
         assert declared[name].specifier == SpecifierSet(versions.SUPPORTED[name].specifier), name
-    for name in ("unsloth", "unsloth_zoo"):  # the extra pins one release of the supported range
-        (pin,) = declared[name].specifier
-        assert versions.SUPPORTED[name].contains(pin.version), name
     assert project["requires-python"] == versions.PYTHON
 
 

@@ -3,6 +3,7 @@ the library, its version and the supported range; ``UNSLOTH_ADAPTIVE_KL_ALLOW_UN
 lets it through; a missing source anchor raises even then."""
 
 import types
+from pathlib import Path
 
 import pytest
 
@@ -42,10 +43,11 @@ def unpatched(monkeypatch):
 @pytest.mark.parametrize(
     "distribution, inside, outside",
     [
-        ("trl", ["1.15.0", "1.15.3", "1.15.0rc1"], ["1.14.9", "1.16.0", "2.0.0", "not installed"]),
+        ("trl", ["0.24.0", "0.29.1", "1.15.0", "1.16.0", "1.16.3", "1.16.0rc1"], ["0.23.1", "1.17.0", "2.0.0", "not installed"]),
         ("liger-kernel", ["0.8.0", "0.8.5", "0.8.10.dev0"], ["0.7.9", "0.9.0"]),
-        ("unsloth", ["2026.10.0", "2026.10.9"], ["2026.9.1", "2026.11.0"]),
-        ("transformers", ["5.0.0", "5.17.0"], ["4.57.0", "5.17.1"]),
+        ("unsloth", ["2026.8.0", "2026.8.22", "2026.9.14", "2026.10.9"], ["2026.7.6", "2026.11.0"]),
+        ("unsloth_zoo", ["2026.8.17", "2026.10.9"], ["2026.7.1", "2026.11.0"]),
+        ("transformers", ["4.57.6", "5.0.0", "5.17.0"], ["4.56.2", "5.17.1"]),
         ("torch", ["2.6.0", "2.13.0+cpu"], ["2.5.1"]),
     ],
 )
@@ -56,10 +58,10 @@ def test_supported_ranges(distribution, inside, outside):
 
 
 def test_untested_trl_is_refused_naming_version_and_range_then_overridable(installed, monkeypatch, unpatched):
-    installed(trl="1.16.0")
+    installed(trl="1.17.0")
     with pytest.raises(unsloth_adaptive_kl.PatchError) as error:
         unsloth_adaptive_kl.patch()
-    assert "trl 1.16.0 is installed" in str(error.value) and "supports trl 1.15.x" in str(error.value) and ALLOW in str(error.value)
+    assert "trl 1.17.0 is installed" in str(error.value) and f"supports trl {versions.SUPPORTED['trl'].label}" in str(error.value) and ALLOW in str(error.value)
     assert not trl_backend.is_patched()
     monkeypatch.setenv(ALLOW, "1")
     unsloth_adaptive_kl.patch()
@@ -67,11 +69,12 @@ def test_untested_trl_is_refused_naming_version_and_range_then_overridable(insta
 
 
 def test_a_missing_trl_anchor_raises_even_with_the_override(installed, monkeypatch, unpatched):
-    installed(trl="1.16.0")
-    monkeypatch.setenv(ALLOW, "1")
     from test_doctor import trl_plan_with
 
-    monkeypatch.setattr(trl_backend, "PLAN", trl_plan_with([*trl_backend.PLAN.anchor_sets[0].rewrites, ("        not in trl\n", "")]))
+    # the installed TRL's anchors plus one that no TRL has; then a TRL version outside every family
+    monkeypatch.setattr(trl_backend, "PLAN", trl_plan_with([*trl_backend.PLAN.select(trl_backend.owners()).rewrites, ("        not in trl\n", "")]))
+    installed(trl="1.17.0")
+    monkeypatch.setenv(ALLOW, "1")
     from trl.trainer.grpo_trainer import GRPOTrainer
 
     pristine = GRPOTrainer._compute_loss
@@ -117,7 +120,7 @@ def test_untested_unsloth_is_refused_before_anything_is_touched(installed, bad):
     before = dict(vars(module))
     with pytest.raises(unsloth_adaptive_kl.PatchError) as error:
         unsloth_backend.patch_generated_module(module)
-    assert f"{bad} 2026.11.2 is installed" in str(error.value) and "2026.10.x" in str(error.value)
+    assert f"{bad} 2026.11.2 is installed" in str(error.value) and versions.SUPPORTED[bad].label in str(error.value)
     assert vars(module) == before
 
 
@@ -139,4 +142,25 @@ def test_untested_liger_is_refused_when_a_loss_module_is_created_then_overridabl
         AdaptiveFusedLinearGRPOLoss(compiled=False)
     assert "liger-kernel 0.9.0 is installed" in str(error.value) and "0.8.x" in str(error.value) and ALLOW in str(error.value)
     monkeypatch.setenv(ALLOW, "1")
+    if not versions.Supported("trl", versions.LOSS_CLASS_TRL, "", guarded=True).contains(_source_patch.version_of("trl")):
+        with pytest.raises(unsloth_adaptive_kl.PatchError, match=r"trl\.kernels"):  # not overridable: no kernel to call
+            AdaptiveFusedLinearGRPOLoss(compiled=False)
+        return
     assert AdaptiveFusedLinearGRPOLoss(compiled=False).beta == 0.04
+
+
+def test_the_readme_supported_versions_table_is_the_one_of_versions_py():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert versions.supported_versions_table() in readme
+
+
+def test_the_loss_types_offered_are_those_the_installed_trl_computes():
+    """versions.trl_loss_types against the installed TRL's own _compute_loss (run on every stack)."""
+    import inspect
+    import re
+
+    from trl.trainer.grpo_trainer import GRPOTrainer
+
+    source = inspect.getsource(GRPOTrainer._compute_loss)  # the installed one: the patch keeps __wrapped__
+    in_source = {t for t in versions.ALL_LOSS_TYPES if re.search(rf'"{t}"', source)}
+    assert set(versions.trl_loss_types(_source_patch.version_of("trl"))) == in_source

@@ -118,7 +118,7 @@ def plan_findings(plan, owners: dict, *, namespace: dict | None = None) -> list[
         except PatchError as error:
             findings.append(Finding(topic, FAIL, str(error)))
         else:
-            findings.append(Finding(topic, OK, f"{len(rewrites)} anchor(s) found"))
+            findings.append(Finding(topic, OK, f"{len(rewrites)} anchor(s) found (anchor set {anchor_set.family!r})"))
     return findings
 
 

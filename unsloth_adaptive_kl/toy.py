@@ -23,6 +23,11 @@ def arithmetic_problems(n: int, *, seed: int = 0, max_operand: int = 9) -> list[
     return rows
 
 
+# A Llama tokenizer's inputs. transformers 4.x gives a bare PreTrainedTokenizerFast token_type_ids
+# too, which TRL 0.2x passes on to generate() and a Llama refuses.
+MODEL_INPUT_NAMES = ["input_ids", "attention_mask"]
+
+
 def build_tokenizer(*, seed: int = 0, vocab_size: int = 64):
     """A BPE tokenizer trained with ``tokenizers`` on a synthetic arithmetic corpus."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -40,6 +45,7 @@ def build_tokenizer(*, seed: int = 0, vocab_size: int = 64):
         bos_token="<bos>",
         unk_token="<unk>",
         padding_side="left",
+        model_input_names=MODEL_INPUT_NAMES,
     )
 
 
@@ -158,7 +164,8 @@ def build_scratchpad_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
     tok.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>", unk_token="<unk>", padding_side="left"
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>", unk_token="<unk>", padding_side="left",
+        model_input_names=MODEL_INPUT_NAMES,
     )
 
 

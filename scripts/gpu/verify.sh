@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU verification, run on the GPU machine from the repo root (see docs/gpu-verification.md):
 #   export PYTHONPATH=$PWD/.gpu-site:$PWD; bash scripts/gpu/verify.sh "$OUT" STAGE...
-# Stages: machine, tests (Unsloth backend, every method as 16-bit LoRA and 4-bit QLoRA; dynamic
+# Stages: machine, unsloth-line (issue 9: a few methods of the Unsloth GPU test on the stack of the site on
+# PYTHONPATH; see docs/compatibility.md), tests (Unsloth backend, every method as 16-bit LoRA and 4-bit QLoRA; dynamic
 # beta over 32 steps), liger (bench), liger-conformance (Liger's upstream GRPO tests against the
 # drop-in, and GRPOTrainer(loss_class=) against TRL's loss), unsloth-bench, demo-check (a short demo run), demo-3seeds,
 # evidence:NAME (the demo invocations listed in scripts/gpu/evidence/NAME.txt, all at once; see
@@ -42,6 +43,11 @@ for stage in "$@"; do
       python -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(), torch.cuda.get_device_capability())" | tee -a "$OUT/machine.txt" ;;
     tests)
       UAKL_GPU_REPORT="$OUT/gpu-report.json" timeout 540 python -m pytest -q -s -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu-tests.log" | grep -E "passed|failed|Error|FAIL" | tail -30 ;;
+    unsloth-line)  # issue 9, point 6: a few methods as 16-bit LoRA and 4-bit QLoRA on the Unsloth stack whose site is on PYTHONPATH
+      line=$(python -c "import importlib.metadata as m; print('-'.join(m.version(d) for d in ('unsloth', 'unsloth_zoo', 'trl', 'transformers')))")
+      echo "unsloth-unsloth_zoo-trl-transformers: $line" | tee -a "$OUT/unsloth-line.txt"
+      UAKL_GPU_REPORT="$OUT/gpu-report-$line.json" timeout 330 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_unsloth_gpu.py \
+        -k "run_on_gpu and (none or clip or target)" 2>&1 | tee "$OUT/gpu-tests-$line.log" | grep -E "passed|failed|Error|FAIL" | tail -30 ;;
     liger)
       timeout 150 python bench/bench_liger.py 2>&1 | tee "$OUT/bench-liger.log" | tail -25 ;;
     unsloth-bench)

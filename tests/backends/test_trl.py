@@ -2,6 +2,7 @@
 references for every loss type and method, metrics, end-to-end runs, resume and β -> 0."""
 
 import math
+import re
 import sys
 import types
 
@@ -10,13 +11,17 @@ import torch
 
 import reference
 import unsloth_adaptive_kl
-from unsloth_adaptive_kl import toy
+from unsloth_adaptive_kl import toy, versions
+from unsloth_adaptive_kl._source_patch import version_of
 from unsloth_adaptive_kl.backends import trl as trl_backend
 from trl import GRPOConfig, GRPOTrainer
 
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
 METHODS = ["none", "clip", "sigmoid", "length_normalized", "dynamic", "target", "dynamic+length_normalized", "target+clip+sigmoid"]
 MAX_COMPLETION = reference.MAX_COMPLETION
+TRL_VERSION = version_of("trl")
+OFFERED = versions.offered_loss_types(TRL_VERSION)  # loss type -> None where offered, else why not
+BIAS_CORRECTION = "use_bias_correction_kl" in GRPOConfig.__dataclass_fields__  # TRL >= 0.26
 
 
 def grpo_config(tmp_path, **overrides):
@@ -62,6 +67,10 @@ def loss_inputs(trainer, seed=0):
 
 def set_method(trainer, method, loss_type="dapo", importance_sampling_level="token", **fields):
     """Point the trainer's adaptive-KL runtime at another method (fresh runtime, same trainer)."""
+    if OFFERED.get(loss_type, "") is not None:
+        pytest.skip(f"loss_type {loss_type!r} is not offered with trl {TRL_VERSION}: {OFFERED.get(loss_type) or 'TRL lacks it'}")
+    if not BIAS_CORRECTION and fields.pop("use_bias_correction_kl", False):
+        pytest.skip(f"trl {TRL_VERSION} has no use_bias_correction_kl (its KL is never importance-weighted)")
     args = trainer.args
     for name, value in dict(kl_adaptation_method=method, loss_type=loss_type, importance_sampling_level=importance_sampling_level, **fields).items():
         setattr(args, name, value)
@@ -126,7 +135,7 @@ SHAPING_CASES = [
 @pytest.mark.parametrize("method, estimator", SHAPING_CASES)
 def test_kl_part_of_the_loss_matches_float64_reference(trainer, monkeypatch, loss_type, method, estimator):
     beta, clip_threshold, kl_target = 0.3, 0.4, 0.2
-    set_method(trainer, method, loss_type, kl_estimator=estimator, beta=beta, kl_clip_threshold=clip_threshold, kl_target=kl_target, use_bias_correction_kl=True)
+    set_method(trainer, method, loss_type, kl_estimator=estimator, beta=beta, kl_clip_threshold=clip_threshold, kl_target=kl_target, use_bias_correction_kl=BIAS_CORRECTION)
     inputs = loss_inputs(trainer, seed=1)
     seen = _capture_logps(trainer, monkeypatch)
     with torch.no_grad():
@@ -134,27 +143,28 @@ def test_kl_part_of_the_loss_matches_float64_reference(trainer, monkeypatch, los
         trainer.beta = 0.0
         loss_without_kl = GRPOTrainer._compute_loss(trainer, trainer.model, inputs)
     expected, _, _ = reference.kl_part(
-        method, seen["logp"], inputs, loss_type, beta=beta, estimator=estimator, clip_threshold=clip_threshold, kl_target=kl_target
+        method, seen["logp"], inputs, loss_type, beta=beta, estimator=estimator, clip_threshold=clip_threshold, kl_target=kl_target,
+        bias_correction=BIAS_CORRECTION,
     )
     got = (loss_with_kl.double() - loss_without_kl.double()).item()
     assert got == pytest.approx(expected.item(), rel=2e-4, abs=1e-6)
     sequence_mean_loss = loss_type in ("grpo", "sapo")  # length normalisation is what these already do
     if method != "none" and not (method == "length_normalized" and sequence_mean_loss):
         # the shaping reached the loss, not only a metric
-        unshaped, _, _ = reference.kl_part("none", seen["logp"], inputs, loss_type, beta=beta, estimator=estimator, clip_threshold=clip_threshold, kl_target=kl_target)
+        unshaped, _, _ = reference.kl_part("none", seen["logp"], inputs, loss_type, beta=beta, estimator=estimator, clip_threshold=clip_threshold, kl_target=kl_target, bias_correction=BIAS_CORRECTION)
         assert abs(unshaped.item() - got) > 1e-4
 
 
 @pytest.mark.parametrize("method", ["none", "clip+sigmoid", "length_normalized"])
 def test_metrics_match_float64_reference_on_the_same_logps(trainer, monkeypatch, method):
-    set_method(trainer, method, "dapo", kl_estimator="k3", beta=0.25, kl_clip_threshold=0.5, kl_target=0.3, use_bias_correction_kl=True)
+    set_method(trainer, method, "dapo", kl_estimator="k3", beta=0.25, kl_clip_threshold=0.5, kl_target=0.3, use_bias_correction_kl=BIAS_CORRECTION)
     inputs = loss_inputs(trainer, seed=2)
     seen = _capture_logps(trainer, monkeypatch)
     metrics = trainer._metrics["train"]
     metrics.clear()
     with torch.no_grad():
         GRPOTrainer._compute_loss(trainer, trainer.model, inputs)
-    _, raw, shaped = reference.kl_part(method, seen["logp"], inputs, "dapo", beta=0.25, estimator="k3", clip_threshold=0.5, kl_target=0.3)
+    _, raw, shaped = reference.kl_part(method, seen["logp"], inputs, "dapo", beta=0.25, estimator="k3", clip_threshold=0.5, kl_target=0.3, bias_correction=BIAS_CORRECTION)
     raw_mean, adapted_mean = reference.metric_reference(method, raw, shaped, inputs["completion_mask"])
     assert metrics[unsloth_adaptive_kl.RAW_KL] == [pytest.approx(raw_mean, rel=1e-5)]
     assert metrics[unsloth_adaptive_kl.ADAPTED_KL] == [pytest.approx(adapted_mean, rel=1e-5)]
@@ -174,6 +184,11 @@ def test_length_normalized_changes_nothing_under_grpo_but_reweights_under_dapo(t
 
 
 # -- end to end ------------------------------------------------------------------------------------
+def missing(value) -> bool:
+    """A metric with no value in the log: TRL >= 1.0 logs it as None, TRL 0.2x as the NaN itself."""
+    return value is None or math.isnan(value)
+
+
 def _run(checkpoint, tmp_path, **overrides):
     trainer = make_trainer(checkpoint, tmp_path, **overrides)
     trainer.train()
@@ -214,8 +229,8 @@ def test_beta_reaching_zero_skips_kl_and_reference_forward_with_reused_generatio
     logs = [h for h in trainer.state.log_history if "adaptive_kl/current_beta" in h]
     assert [h["adaptive_kl/current_beta"] for h in logs] == [0.04, 0.04, 0.0, 0.0, 0.0, 0.0]
     assert ref_calls and max(ref_calls) < 2  # no reference forward once beta is 0
-    assert all(h["adaptive_kl/raw_kl"] is None and "kl" not in h for h in logs[2:])
-    assert all(h["adaptive_kl/raw_kl"] is not None for h in logs[:2])
+    assert all(missing(h["adaptive_kl/raw_kl"]) and "kl" not in h for h in logs[2:])
+    assert all(not missing(h["adaptive_kl/raw_kl"]) for h in logs[:2])
 
 
 @pytest.mark.parametrize("method", ["dynamic", "target"])
@@ -265,15 +280,16 @@ def test_a_missing_anchor_raises_naming_trl_and_its_version(monkeypatch):
     def _compute_loss(self, model, inputs):  # a "future TRL" whose loss no longer matches
         return 0
 
-    with pytest.raises(unsloth_adaptive_kl.PatchError, match=r"trl 1\.15\.\d+.*anchor"):
-        trl_backend.rewrite_function(_compute_loss, [(r.anchor, r.replacement) for r in trl_backend.PLAN.anchor_sets[0].rewrites], library="trl")
+    with pytest.raises(unsloth_adaptive_kl.PatchError, match=rf"trl {re.escape(TRL_VERSION)}.*anchor"):
+        rewrites = trl_backend.PLAN.select(trl_backend.owners()).rewrites
+        trl_backend.rewrite_function(_compute_loss, [(r.anchor, r.replacement) for r in rewrites], library="trl")
 
 
 def test_untested_trl_version_is_refused_unless_overridden(monkeypatch):
     monkeypatch.setattr(trl_backend, "_trl_supported", lambda v: False)
     unsloth_adaptive_kl.unpatch()
     try:
-        with pytest.raises(unsloth_adaptive_kl.PatchError, match="trl 1.15.x"):
+        with pytest.raises(unsloth_adaptive_kl.PatchError, match=f"supports trl {re.escape(versions.SUPPORTED['trl'].label)}"):
             unsloth_adaptive_kl.patch()
         assert not trl_backend.is_patched()
         monkeypatch.setenv("UNSLOTH_ADAPTIVE_KL_ALLOW_UNTESTED", "1")
@@ -351,7 +367,7 @@ def test_target_ignores_steps_whose_completions_are_all_masked(tiny_checkpoint, 
     trainer = AllTruncated(model=tiny_checkpoint, reward_funcs=[toy.format_reward], args=args, train_dataset=toy.prompt_dataset(64))
     trainer.train()
     logs = [h for h in trainer.state.log_history if "adaptive_kl/current_beta" in h]
-    assert len(logs) == 3 and all(h["adaptive_kl/raw_kl"] is None for h in logs)  # no KL observed: missing, not 0
+    assert len(logs) == 3 and all(missing(h["adaptive_kl/raw_kl"]) for h in logs)  # no KL observed: missing, not 0
     assert _betas(trainer) == [0.04, 0.04, 0.04] and trainer.beta == 0.04  # read as KL = 0, β would fall by 0.9 per step
 
 
@@ -371,7 +387,7 @@ def test_a_nan_kl_leaves_beta_where_it_was_and_is_counted(tiny_checkpoint, tmp_p
     with caplog.at_level("WARNING", logger="unsloth_adaptive_kl"):
         trainer.train()
     logs = [h for h in trainer.state.log_history if "adaptive_kl/current_beta" in h]
-    assert logs[2]["adaptive_kl/raw_kl"] is None  # the NaN step's KL (NaN) is logged as missing...
+    assert missing(logs[2]["adaptive_kl/raw_kl"])  # the NaN step's KL (NaN) is logged as missing...
     assert trainer.beta == logs[2]["adaptive_kl/current_beta"] > 0  # ...and did not move β (was beta_min = 0)
     assert [h["adaptive_kl/skipped_updates"] for h in logs] == [0.0, 0.0, 1.0]
     assert "non-finite KL" in caplog.text
@@ -390,12 +406,29 @@ def test_the_trainer_logs_which_backend_computes_its_kl(tiny_checkpoint, tmp_pat
         make_trainer(tiny_checkpoint, tmp_path, kl_adaptation_method="clip")
     assert "backend: TRL eager loss (GRPOTrainer._compute_loss)" in caplog.text
     caplog.clear()
-    with caplog.at_level("INFO", logger="unsloth_adaptive_kl"):
-        GRPOTrainer(
+
+    def with_loss_class():
+        return GRPOTrainer(
             model=tiny_checkpoint, reward_funcs=[toy.format_reward], args=grpo_config(tmp_path), train_dataset=toy.prompt_dataset(8),
             loss_class=AdaptiveFusedLinearGRPOLoss,
         )
+
+    if not versions.Supported("trl", versions.LOSS_CLASS_TRL, "", guarded=True).contains(TRL_VERSION):
+        with pytest.raises(unsloth_adaptive_kl.PatchError, match=rf"trl\.kernels.*trl {re.escape(TRL_VERSION)} is installed"):
+            with_loss_class()  # this TRL has no chunked log-prob kernel: the feature is not offered
+        return
+    with caplog.at_level("INFO", logger="unsloth_adaptive_kl"):
+        with_loss_class()
     assert "backend: loss_class=unsloth_adaptive_kl.backends.liger.AdaptiveFusedLinearGRPOLoss" in caplog.text
+
+
+@pytest.mark.parametrize("loss_type", ["cispo", "sapo", "luspo", "vespo"])
+def test_a_loss_type_not_offered_with_the_installed_trl_is_refused_when_the_trainer_is_created(tiny_checkpoint, tmp_path, loss_type):
+    if OFFERED.get(loss_type, "") is None:
+        pytest.skip(f"loss_type {loss_type!r} is offered with trl {TRL_VERSION}")
+    overrides = {"importance_sampling_level": "sequence"} if loss_type == "luspo" else {}
+    with pytest.raises(ValueError, match=rf"loss_type='{loss_type}' is not offered with the installed trl {re.escape(TRL_VERSION)} \(.*\); allowed: grpo"):
+        make_trainer(tiny_checkpoint, tmp_path, loss_type=loss_type, **overrides)
 
 
 @pytest.mark.parametrize("method", ["clip", "none"])

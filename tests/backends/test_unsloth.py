@@ -14,7 +14,26 @@ import sys
 import pytest
 import reference
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("unsloth") is None, reason="unsloth is not installed")
+
+
+def _generates_on_this_machine() -> bool:
+    """Unsloth before 2026.10 has no CPU backend: without CUDA it cannot generate its GRPO trainer
+    (test_unsloth_lines.py checks those lines' fused loss on CPU; tests/gpu their trainer)."""
+    import torch
+    from packaging.version import Version
+
+    from unsloth_adaptive_kl._source_patch import version_of
+
+    return torch.cuda.is_available() or Version(version_of("unsloth_zoo")) >= Version("2026.10")
+
+
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("unsloth") is None, reason="unsloth is not installed"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("unsloth") is not None and not _generates_on_this_machine(),
+        reason="this Unsloth line cannot generate its GRPO trainer without CUDA (no CPU backend before 2026.10)",
+    ),
+]
 WORKER = os.path.join(os.path.dirname(__file__), "unsloth_worker.py")
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
 _cache = {}

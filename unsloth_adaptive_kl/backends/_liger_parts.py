@@ -15,8 +15,8 @@ from typing import NamedTuple
 
 import torch
 
-from .._source_patch import check_version
-from ..versions import SUPPORTED
+from .._source_patch import PatchError, check_version, version_of
+from ..versions import LOSS_CLASS_TRL, SUPPORTED, Supported
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
@@ -28,6 +28,13 @@ def check_liger_version() -> None:
     unless ``UNSLOTH_ADAPTIVE_KL_ALLOW_UNTESTED=1``."""
     liger = SUPPORTED["liger-kernel"]
     check_version(liger.distribution, liger.contains, liger.label)
+    trl_version = version_of("trl")
+    if not Supported("trl", LOSS_CLASS_TRL, LOSS_CLASS_TRL, guarded=True).contains(trl_version):
+        raise PatchError(
+            f"AdaptiveFusedLinearGRPOLoss and GRPOTrainer(loss_class=...) compute log-probs with TRL's chunked log-prob "
+            f"kernel (trl.kernels, trl {LOSS_CLASS_TRL}), but trl {trl_version} is installed: install trl {LOSS_CLASS_TRL}, "
+            "or train without loss_class= (the TRL or Unsloth backend)"
+        )
 
 
 def check_liger_arguments(sapo_temperature_pos, sapo_temperature_neg, delta, loss_type, importance_sampling_level) -> None:

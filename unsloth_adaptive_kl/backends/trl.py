@@ -20,66 +20,106 @@ import sys
 
 import torch
 
-from .._source_patch import AnchorSet, Plan, Rewrite, check_version, is_patched, original, rewrite_function, set_attribute  # noqa: F401
-from ..versions import SUPPORTED
+from .._source_patch import AnchorSet, Plan, Rewrite, check_version, is_patched, original, rewrite_function, set_attribute, version_of  # noqa: F401
+from ..versions import SUPPORTED, offered_loss_types
 from . import _trainer
 from . import loss_class as loss_class_path
 
 SUPPORTED_TRL = SUPPORTED["trl"].label  # the range lives in versions.py
 
 # -- the plan: what is rewritten in TRL, per version family ----------------------------------------------
+# Four families of TRL's _compute_loss (docs/compatibility.md has the differences): 1.8+ (the anchors
+# were written on 1.15), 0.27-1.7 (no entropy bonus: the term goes before the metrics block), 0.26
+# (`mask` is defined only after the KL block) and 0.24-0.25 (no use_bias_correction_kl, no `mask`).
 _COMPUTE_LOSS = "GRPOTrainer._compute_loss"
-TRL_1_15 = AnchorSet(
-    family="trl 1.15",
-    versions={},  # every version in versions.py's range
-    rewrites=(
-        Rewrite(
-            target=_COMPUTE_LOSS,
-            library="trl",
-            anchor="""        if self.beta != 0.0:
+_KL_BLOCK = """        if self.beta != 0.0:
             ref_per_token_logps = inputs["ref_per_token_logps"]
             per_token_kl = (
                 torch.exp(ref_per_token_logps - per_token_logps) - (ref_per_token_logps - per_token_logps) - 1
             )
-            # Importance sampling correction for the KL divergence
+"""
+_BIAS_CORRECTION = """            # Importance sampling correction for the KL divergence
             if self.args.use_bias_correction_kl:
                 per_token_kl = per_token_kl * coef_1
-""",
-            replacement="""        adaptive_kl_adapted = None
+"""
+_CORRECTED = "coef_1 if self.args.use_bias_correction_kl else None"
+_TOOL_MASK = 'completion_mask if not self.tools else completion_mask * inputs["tool_mask"]'  # TRL 0.26's own mask
+_LOG_METRICS = "        # Log the metrics\n"
+_MODE = '"train" if self.model.training else "eval"'
+
+
+def _kl(anchor: str, mask: str, coef: str, tail: str = "") -> Rewrite:
+    return Rewrite(
+        target=_COMPUTE_LOSS,
+        library="trl",
+        anchor=anchor + tail,
+        replacement=f"""        adaptive_kl_adapted = None
         if self.beta != 0.0:
             ref_per_token_logps = self._adaptive_kl.reference_logps(inputs)
             per_token_kl, adaptive_kl_adapted = self._adaptive_kl.per_token(
-                per_token_logps, ref_per_token_logps, mask, coef_1 if self.args.use_bias_correction_kl else None
+                per_token_logps, ref_per_token_logps, {mask}, {coef}
             )
-""",
-            why="the per-token KL (raw, for TRL's kl metric) and its adapted form come from the KL term",
-        ),
-        Rewrite(
-            target=_COMPUTE_LOSS,
-            library="trl",
-            anchor="""        if self.beta != 0.0:
+{tail}""",
+        why="the per-token KL (raw, for TRL's kl metric) and its adapted form come from the KL term",
+    )
+
+
+_ADD = Rewrite(
+    target=_COMPUTE_LOSS,
+    library="trl",
+    anchor="""        if self.beta != 0.0:
             per_token_loss = per_token_loss + self.beta * per_token_kl
 """,
-            replacement="""        if self.beta != 0.0 and not self._adaptive_kl.length_normalized:
+    replacement="""        if self.beta != 0.0 and not self._adaptive_kl.length_normalized:
             per_token_loss = per_token_loss + self.beta * adaptive_kl_adapted
 """,
-            why="β times the adapted KL enters the per-token loss (length_normalized adds it after aggregation)",
-        ),
-        Rewrite(
-            target=_COMPUTE_LOSS,
-            library="trl",
-            anchor="""        if self._entropy_bonus_enabled:
-""",
-            replacement="""        loss = self._adaptive_kl.after_aggregation(
-            loss, per_token_kl if self.beta != 0.0 else None, adaptive_kl_adapted, mask, mode
+    why="β times the adapted KL enters the per-token loss (length_normalized adds it after aggregation)",
+)
+
+
+def _after_aggregation(anchor: str, mask: str, mode: str) -> Rewrite:
+    return Rewrite(
+        target=_COMPUTE_LOSS,
+        library="trl",
+        anchor=anchor,
+        replacement=f"""        loss = self._adaptive_kl.after_aggregation(
+            loss, per_token_kl if self.beta != 0.0 else None, adaptive_kl_adapted, {mask}, {mode}
         )
-        if self._entropy_bonus_enabled:
-""",
-            why="after aggregation: the length-normalised term, and the adaptive_kl/* metrics",
-        ),
+""" + anchor,
+        why="after aggregation: the length-normalised term, and the adaptive_kl/* metrics",
+    )
+
+
+TRL_1_8 = AnchorSet(
+    family="trl 1.8",
+    versions={"trl": ">=1.8"},
+    rewrites=(
+        _kl(_KL_BLOCK + _BIAS_CORRECTION, "mask", _CORRECTED),
+        _ADD,
+        _after_aggregation("        if self._entropy_bonus_enabled:\n", "mask", "mode"),
     ),
 )
-PLAN = Plan(backend="trl", anchor_sets=(TRL_1_15,))
+TRL_0_27 = AnchorSet(
+    family="trl 0.27",
+    versions={"trl": ">=0.27,<1.8"},
+    rewrites=(_kl(_KL_BLOCK + _BIAS_CORRECTION, "mask", _CORRECTED), _ADD, _after_aggregation(_LOG_METRICS, "mask", _MODE)),
+)
+TRL_0_26 = AnchorSet(
+    family="trl 0.26",
+    versions={"trl": ">=0.26,<0.27"},
+    rewrites=(_kl(_KL_BLOCK + _BIAS_CORRECTION, _TOOL_MASK, _CORRECTED), _ADD, _after_aggregation(_LOG_METRICS, "mask", _MODE)),
+)
+TRL_0_24 = AnchorSet(
+    family="trl 0.24",
+    versions={"trl": "<0.26"},
+    rewrites=(
+        # The line after the block is part of the anchor: without it, this block also matches 0.26+.
+        _kl(_KL_BLOCK, "completion_mask", "None", tail="\n        # Compute the loss\n"),
+        _ADD,
+        _after_aggregation(_LOG_METRICS, "completion_mask", _MODE),
+    ),
+)
+PLAN = Plan(backend="trl", anchor_sets=(TRL_1_8, TRL_0_27, TRL_0_26, TRL_0_24))  # newest first
 
 
 def _trl_supported(version: str) -> bool:
@@ -111,6 +151,12 @@ class TRLAdaptiveKL(_trainer.TrainerAdaptiveKL):
         return f"backend: TRL eager loss ({type(self.trainer).__qualname__}._compute_loss)"
 
     def after_attach(self, loss_class) -> None:
+        version, loss_type = version_of("trl"), self.trainer.loss_type
+        offered = offered_loss_types(version)
+        if loss_class is None and offered.get(loss_type, "") is not None:
+            allowed = ", ".join(name for name, why in offered.items() if why is None)
+            why = offered.get(loss_type) or "a newer TRL has it"
+            raise ValueError(f"loss_type={loss_type!r} is not offered with the installed trl {version} ({why}); allowed: {allowed}")
         if "unsloth" in sys.modules and loss_class is None:
             _trainer.logger.warning(
                 "unsloth_adaptive_kl: unsloth is imported, but this trainer is TRL's own %s (Unsloth did not patch TRL's "

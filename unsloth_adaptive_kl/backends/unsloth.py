@@ -53,7 +53,7 @@ STATS_SIZE = 1 + metrics.NUM_SUMS  # Unsloth's mean_kl, then metrics.local_kl_su
 # -- the plan --------------------------------------------------------------------------------------------
 UNSLOTH_2026_10 = AnchorSet(
     family="unsloth 2026.10",
-    versions={},  # every version in versions.py's range
+    versions={"unsloth_zoo": ">=2026.10"},
     rewrites=(
         Rewrite(
             "grpo_compute_loss",
@@ -113,7 +113,68 @@ UNSLOTH_2026_10 = AnchorSet(
         ),
     ),
 )
-PLAN = Plan(backend="unsloth", anchor_sets=(UNSLOTH_2026_10,))
+_KL, _SHAPE, _ADD, _FINISH, _FORWARD, _GATE, _TRAINER_KL = UNSLOTH_2026_10.rewrites
+# Older unsloth_zoo lines (docs/compatibility.md): 2026.9 clamps k3 in one line, before the bias
+# correction; 2026.8 neither clamps nor corrects. Neither has kl_metric or rollout rejection (rs_keep).
+_FINISH_BEFORE_2026_10 = Rewrite(
+    "grpo_compute_loss",
+    "unsloth_zoo",
+    "    completion_length, mean_kl = masked_batch_mean(kl_i)\n",
+    "    completion_length, mean_kl = masked_batch_mean(kl_i)\n"
+    '    loss, mean_kl = kwargs["adaptive_kl"].finish(\n'
+    "        loss, mean_kl, kl_i, adaptive_kl_i if beta != 0.0 else None, mask, None, current_gradient_accumulation_steps\n"
+    "    )\n",
+    _FINISH.why,
+)
+UNSLOTH_2026_9 = AnchorSet(
+    "unsloth 2026.9",
+    {"unsloth_zoo": ">=2026.9,<2026.10"},
+    (
+        Rewrite(
+            "grpo_compute_loss",
+            "unsloth_zoo",
+            "        kl_i = torch.clamp(torch.expm1(kl_log_ratio) - kl_log_ratio, min = -10.0, max = 10.0)\n",
+            "        kl_i = torch.clamp(torch.expm1(kl_log_ratio) - kl_log_ratio, min = -10.0, max = 10.0)\n"
+            '        kl_i = kwargs["adaptive_kl"].estimate(kl_i, new, ref, kl_log_ratio, mask)\n',
+            _KL.why + " (the [-10, 10] clamp is Unsloth's k3's own here)",
+        ),
+        Rewrite(
+            "grpo_compute_loss",
+            "unsloth_zoo",
+            "        if use_bias_correction_kl:\n            kl_i = kl_i * coef_1\n",
+            "        if use_bias_correction_kl:\n            kl_i = kl_i * coef_1\n"
+            '        adaptive_kl_i = kwargs["adaptive_kl"].term.shape(kl_i)\n',
+            "the shaping, after Unsloth's bias correction",
+        ),
+        _ADD, _FINISH_BEFORE_2026_10, _FORWARD, _GATE, _TRAINER_KL,
+    ),
+)  # fmt: skip
+UNSLOTH_2026_8 = AnchorSet(
+    "unsloth 2026.8",
+    {"unsloth_zoo": "<2026.9"},
+    (
+        Rewrite(
+            "grpo_compute_loss",
+            "unsloth_zoo",
+            "        kl_i = torch.exp(ref - new) - (ref - new) - 1.0\n",
+            "        kl_i = torch.exp(ref - new) - (ref - new) - 1.0\n"
+            '        kl_i = kwargs["adaptive_kl"].estimate(kl_i, new, ref, ref - new, mask)\n'
+            '        adaptive_kl_i = kwargs["adaptive_kl"].term.shape(kl_i)\n',
+            "the configured estimator (this Unsloth's k3 is unclamped, with no bias correction) and the shaping",
+        ),
+        _ADD, _FINISH_BEFORE_2026_10, _FORWARD,
+        Rewrite(
+            "grpo_accumulated_loss",
+            "unsloth_zoo",
+            "            trainer.beta,\n            trainer.accelerator.scaler,\n            1,\n",
+            "            trainer._adaptive_kl.fused_beta_gate(kwargs, ref_logps, completion_mask),\n"
+            "            trainer.accelerator.scaler,\n            1,\n",
+            _GATE.why,
+        ),
+        _TRAINER_KL,
+    ),
+)  # fmt: skip
+PLAN = Plan(backend="unsloth", anchor_sets=(UNSLOTH_2026_10, UNSLOTH_2026_9, UNSLOTH_2026_8))  # newest first
 
 
 class FusedKLInputs(NamedTuple):

@@ -1,0 +1,43 @@
+"""The installed Unsloth line's fused loss on CPU, also where Unsloth cannot generate its trainer
+without CUDA (2026.8, 2026.9): every anchor of this package's set for that line matches its
+unsloth_zoo functions exactly once, ``none`` + k3 is bit-identical to the stock loss and its
+gradient, and ``clip`` shapes the KL part as the float64 reference says. The trainer-level tests
+are test_unsloth.py (CPU, from 2026.10) and tests/gpu (every line, on a GPU)."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("unsloth") is None, reason="unsloth is not installed")
+WORKER = os.path.join(os.path.dirname(__file__), "unsloth_lines_worker.py")
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    out = tmp_path_factory.mktemp("unsloth-lines") / "out.json"
+    proc = subprocess.run([sys.executable, WORKER, str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return json.loads(out.read_text())
+
+
+def test_every_anchor_of_the_installed_lines_set_matches_its_functions_once(measured):
+    from unsloth_adaptive_kl._source_patch import version_of
+
+    line = ".".join(version_of("unsloth_zoo").split(".")[:2])
+    assert measured["family"] == f"unsloth {line}"
+    assert measured["mismatches"] == []
+    assert measured["built"] == ["UnslothEfficientGRPO.forward", "grpo_accumulated_loss", "grpo_compute_loss"]
+    assert measured["template_anchor_counts"] == [1]  # UnslothGRPOTrainer.compute_loss, from Unsloth's template
+
+
+def test_method_none_with_k3_is_bit_identical_to_the_lines_stock_loss_and_gradient(measured):
+    assert measured["none_identical"]
+
+
+def test_clip_shapes_the_kl_part_as_the_float64_reference(measured):
+    assert measured["clip_kl_part"] == pytest.approx(measured["clip_reference"], rel=2e-4, abs=1e-7)
+    assert abs(measured["clip_reference"] - measured["none_reference"]) > 1e-4  # the clip changed the loss
