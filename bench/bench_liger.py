@@ -20,6 +20,7 @@ Markdown table with ratios to the TRL fused-head path; the targets for our modul
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import platform
 import statistics
@@ -48,11 +49,42 @@ def parse_args(argv=None):
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument(
+        "--tiles", default="4096x32768",
+        help="comma-separated TOKENSxVOCAB tile shapes for the adaptive module's log-prob kernel (TRL's "
+        "TOKEN_CHUNK_SIZE x this package's VOCAB_TILE); each adds rows 'AdaptiveFusedLinearGRPOLoss (METHOD, tile TxV)'. "
+        "The first is the default; e.g. 4096x32768,2048x65536,1024x131072 (same buffer, fewer kernel launches)",
+    )
+    parser.add_argument("--peak-tflops", type=float, help="bf16 dense peak of the GPU for the GEMM floor (default: from the device name)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on CPU, eager (compiled=False)")
     args = parser.parse_args(argv)
     if args.smoke:
         args.tokens, args.seq_len, args.hidden, args.vocab, args.dtype, args.iters, args.warmup = 64, 16, 32, 300, "fp32", 2, 1
+        if args.tiles == "4096x32768":
+            args.tiles = "4096x32768,16x128"
+    try:
+        args.tiles = [tuple(int(n) for n in t.split("x")) for t in args.tiles.split(",")]
+        assert all(len(t) == 2 and min(t) > 0 for t in args.tiles)
+    except (ValueError, AssertionError):
+        parser.error(f"--tiles: {args.tiles!r} is not a list of TOKENSxVOCAB with positive integers")
     return args
+
+
+# -- the LM-head GEMM floor -----------------------------------------------------------------------------------
+#: bf16 dense peak (TFLOP/s, no sparsity) by device-name substring; first match wins.
+BF16_PEAK_TFLOPS = [("H200", 989.0), ("H100 SXM", 989.0), ("H100 80GB HBM3", 989.0), ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("A100", 312.0)]
+
+
+def peak_tflops(device_name: str, override: float | None) -> float | None:
+    if override is not None:
+        return override
+    return next((tf for key, tf in BF16_PEAK_TFLOPS if key in device_name), None)
+
+
+def gemm_floor_ms(tokens: int, hidden: int, vocab: int, tflops: float) -> float:
+    """Time of the 3 LM-head GEMMs a forward+backward needs at least (logits, grad of hidden, grad of
+    weight), 2·N·H·V FLOP each, at the GPU's bf16 dense peak."""
+    return 3 * 2 * tokens * hidden * vocab / (tflops * 1e12) * 1e3
 
 
 # -- inputs ------------------------------------------------------------------------------------------------
@@ -122,9 +154,49 @@ def paths(args):
     yield "stock `LigerFusedLinearGRPOLoss` (defaults)", module_path(LigerFusedLinearGRPOLoss(compiled=compiled, **common))
     yield "TRL fused LM head + elementwise loss", trl_fused_head
     yield "materialised logits", materialised_logits
-    for method in args.methods.split(","):
-        module = AdaptiveFusedLinearGRPOLoss(compiled=compiled, kl_adaptation_method=method, kl_estimator=args.estimator, **common)
-        yield f"AdaptiveFusedLinearGRPOLoss ({method})", module_path(module)
+    for index, tile in enumerate(args.tiles):
+        for method in args.methods.split(","):
+            module = AdaptiveFusedLinearGRPOLoss(compiled=compiled, adaptive_kl=adaptive_state(method, args), **common)
+            suffix = "" if index == 0 else f", tile {tile[0]}x{tile[1]}"
+            yield f"AdaptiveFusedLinearGRPOLoss ({method}{suffix})", with_tile(tile, module_path(module))
+
+
+def adaptive_state(method, args):
+    """The module's KL state for ``method``, as ``GRPOTrainer(loss_class=...)`` passes it: a standalone module refuses
+    a β controller (``dynamic``, ``target``), which only a trainer runs; within one loss call it changes nothing."""
+    import types
+
+    from unsloth_adaptive_kl.adaptation import AdaptiveKL
+    from unsloth_adaptive_kl.config import DEFAULTS
+
+    fields = {**DEFAULTS, "kl_adaptation_method": method, "kl_estimator": args.estimator, "beta": args.beta}
+    return AdaptiveKL(types.SimpleNamespace(**fields))
+
+
+def with_tile(tile, run):
+    """``run``, marked to be measured (forward and backward) with the log-prob kernel tiled ``tile``."""
+    run.tile = tile
+    return run
+
+
+@contextlib.contextmanager
+def tiled(tile):
+    """The log-prob kernel tiled ``tokens x vocab`` inside (TRL's ``TOKEN_CHUNK_SIZE``, read by its forward and
+    backward, and this package's ``VOCAB_TILE``); None: unchanged. Results change only by float32 summation
+    order (the online logsumexp folds the same 1024-wide blocks)."""
+    if tile is None:
+        yield
+        return
+    from trl.kernels import chunked_logprob
+
+    from unsloth_adaptive_kl.backends import _liger_parts
+
+    saved = chunked_logprob.TOKEN_CHUNK_SIZE, _liger_parts.VOCAB_TILE
+    chunked_logprob.TOKEN_CHUNK_SIZE, _liger_parts.VOCAB_TILE = tile
+    try:
+        yield
+    finally:
+        chunked_logprob.TOKEN_CHUNK_SIZE, _liger_parts.VOCAB_TILE = saved
 
 
 # -- measuring ------------------------------------------------------------------------------------------------
@@ -133,7 +205,8 @@ def measure(fn, x, args, device):
 
     def step():
         x["hidden"].grad = x["weight"].grad = None
-        fn(x, args).backward()
+        with tiled(getattr(fn, "tile", None)):
+            fn(x, args).backward()
 
     for _ in range(args.warmup):
         step()
@@ -152,13 +225,17 @@ def measure(fn, x, args, device):
     return statistics.median(times) * 1e3, peak
 
 
-def table(rows, baseline_name) -> str:
+def table(rows, baseline_name, floor_ms=None) -> str:
     base_time, base_peak = next((t, p) for name, t, p in rows if name == baseline_name)
-    lines = ["| path | time (ms) | peak memory (GiB) | time / TRL fused head | memory / TRL fused head |", "|---|---|---|---|---|"]
+    lines = [
+        "| path | time (ms) | peak memory (GiB) | time / TRL fused head | memory / TRL fused head | time / GEMM floor |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, ms, peak in rows:
         peak_text = "n/a" if peak is None else f"{peak:.2f}"
         memory_ratio = "n/a" if peak is None else f"{peak / base_peak:.3f}"
-        lines.append(f"| {name} | {ms:.1f} | {peak_text} | {ms / base_time:.2f} | {memory_ratio} |")
+        floor_ratio = "n/a" if floor_ms is None else f"{ms / floor_ms:.2f}"
+        lines.append(f"| {name} | {ms:.1f} | {peak_text} | {ms / base_time:.2f} | {memory_ratio} | {floor_ratio} |")
     return "\n".join(lines)
 
 
@@ -175,7 +252,15 @@ def main(argv=None) -> int:
     print(f"machine: {machine}; torch {torch.__version__}; B·T={args.tokens} (T={args.seq_len}), H={args.hidden}, V={args.vocab}, {args.dtype}, {args.loss_type}, {args.estimator}")
     print(f"command: python bench/bench_liger.py {' '.join(argv if argv is not None else sys.argv[1:])}\n")
     baseline = "TRL fused LM head + elementwise loss"
-    print(table(rows, baseline))
+    floor_ms = None
+    if device.type == "cuda":
+        tflops = peak_tflops(machine, args.peak_tflops)
+        if tflops is None:
+            print(f"GEMM floor: no bf16 peak known for {machine!r}; pass --peak-tflops", file=sys.stderr)
+        else:
+            floor_ms = gemm_floor_ms(args.tokens, args.hidden, args.vocab, tflops)
+            print(f"GEMM floor: 3 x 2·N·H·V = {6 * args.tokens * args.hidden * args.vocab / 1e12:.2f} TFLOP at {tflops:.0f} TFLOP/s (bf16 dense) = {floor_ms:.1f} ms")
+    print(table(rows, baseline, floor_ms))
     if device.type == "cuda":
         base_time, base_peak = next((t, p) for name, t, p in rows if name == baseline)
         ours = [(name, t / base_time, p / base_peak) for name, t, p in rows if name.startswith("AdaptiveFused")]

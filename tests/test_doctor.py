@@ -130,9 +130,11 @@ def test_an_out_of_range_unsloth_fails_naming_its_range(monkeypatch):
     [
         ((12, 0), ["sm_80", "sm_90", "sm_100", "sm_120", "compute_120"], doctor.OK, ["compute capability 12.0 (Blackwell)", "has sm_120 kernels"]),
         ((10, 0), ["sm_80", "sm_90", "sm_100a"], doctor.OK, ["(Blackwell)", "has sm_100 kernels"]),
-        ((12, 0), ["sm_80", "sm_90"], doctor.FAIL, ["(Blackwell)", "no sm_120 kernels", "CUDA 12.8"]),
+        ((12, 0), ["sm_80", "sm_90"], doctor.FAIL, ["(Blackwell)", "no kernels for sm_120", "CUDA 12.8"]),
         ((9, 0), ["sm_80", "sm_90"], doctor.OK, ["compute capability 9.0 (not Blackwell)"]),
-        ((8, 6), ["sm_80", "sm_860"], doctor.FAIL, ["no sm_86 kernels"]),  # sm_860 is not sm_86
+        ((8, 6), ["sm_90", "sm_860"], doctor.FAIL, ["no kernels for sm_86"]),  # sm_860 is not sm_86
+        ((8, 6), ["sm_80", "sm_90"], doctor.OK, ["has sm_80 kernels, which run on 8.6"]),  # was FAIL (issue 14)
+        ((12, 1), ["sm_100", "sm_120"], doctor.OK, ["(Blackwell)", "has sm_120 kernels, which run on 12.1"]),
     ],
 )
 def test_gpu_capability_blackwell_and_torch_support(monkeypatch, capability, arch_list, status, words):

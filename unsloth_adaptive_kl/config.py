@@ -1,6 +1,6 @@
 """The adaptive-KL fields that ``trl.GRPOConfig`` gains, with defaults, help text and validation.
 
-This module does not import TRL: it describes the fields; ``backends/trl.py`` grafts them
+This module does not import TRL: it describes the fields; ``backends/_trainer.py`` grafts them
 onto the config class.
 """
 

@@ -1,8 +1,9 @@
 """``python -m unsloth_adaptive_kl doctor``: what is installed, and whether each backend can work.
 
 It prints Python, torch and CUDA; each GPU with its compute capability, whether it is a
-Blackwell part (compute capability 10.x or 12.x) and whether this torch build has kernels for
-it; the versions of TRL, transformers, Unsloth, unsloth_zoo and Liger against the ranges of
+Blackwell part (compute capability 10.x, 11.x or 12.x) and whether this torch build's kernels run
+on it (:mod:`unsloth_adaptive_kl.gpu_support`); the versions of TRL, transformers, Unsloth,
+unsloth_zoo and Liger against the ranges of
 :mod:`unsloth_adaptive_kl.versions`; and, per backend, whether every patch target exists and
 every source anchor matches. The rewrites are dry-run: compiled into a throwaway function, never
 installed.
@@ -22,6 +23,7 @@ import sys
 from dataclasses import dataclass
 
 from ._source_patch import ALLOW_UNTESTED_ENV, PatchError, resolve, rewrite_function, version_of
+from .gpu_support import BLACKWELL, kernel_support
 from .versions import PYTHON, SUPPORTED
 
 BACKENDS = ("trl", "unsloth", "liger")
@@ -54,7 +56,9 @@ def environment() -> list[Finding]:
 
 
 def gpus() -> list[Finding]:
-    """One finding per GPU: name, compute capability, Blackwell or not, and whether torch has kernels for it."""
+    """One finding per GPU: name, compute capability, Blackwell or not, and whether this torch build's
+    kernels run on it (:func:`~unsloth_adaptive_kl.gpu_support.kernel_support`): ok with machine code
+    for it, warn with only PTX the driver must JIT-compile, FAIL with neither."""
     import torch
 
     if not torch.cuda.is_available():
@@ -63,21 +67,15 @@ def gpus() -> list[Finding]:
     findings = []
     for index in range(torch.cuda.device_count()):
         major, minor = torch.cuda.get_device_capability(index)
-        blackwell = "Blackwell" if major in (10, 12) else "not Blackwell"
-        sm = f"sm_{major}{minor}"
+        blackwell = "Blackwell" if major in BLACKWELL else "not Blackwell"
         detail = f"{torch.cuda.get_device_name(index)}, compute capability {major}.{minor} ({blackwell})"
-        if any(arch == sm or arch.startswith(sm) and not arch[len(sm)].isdigit() for arch in arch_list):
-            findings.append(Finding(f"GPU {index}", OK, f"{detail}; this torch build has {sm} kernels"))
-        else:
-            findings.append(
-                Finding(
-                    f"GPU {index}",
-                    FAIL,
-                    f"{detail}; this torch build has no {sm} kernels (it has {', '.join(arch_list) or 'none'}). "
-                    f"Install a torch build whose torch.cuda.get_arch_list() includes {sm}"
-                    + (" (CUDA 12.8 or newer for Blackwell)." if major in (10, 12) else "."),
-                )
-            )
+        support = kernel_support((major, minor), arch_list)
+        if support.native:
+            findings.append(Finding(f"GPU {index}", OK, f"{detail}; {support.reason}"))
+            continue
+        fix = (f"Install a torch build whose torch.cuda.get_arch_list() has sm_{major}{minor} or an earlier "
+               f"sm_{major}x entry" + (" (CUDA 12.8 or newer for Blackwell)." if major in BLACKWELL else "."))
+        findings.append(Finding(f"GPU {index}", WARN if support.runs else FAIL, f"{detail}; {support.reason}. {fix}"))
     return findings
 
 

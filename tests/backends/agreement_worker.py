@@ -5,7 +5,7 @@ classes process-wide, so it must not happen inside the main test process.
 
 IN_PT (``torch.save``) holds the shared batch and the cases; for each case this script calls the
 rewritten ``grpo_compute_loss`` of Unsloth's generated module directly, with the kwargs a real
-call has (``UnslothAdaptiveKL.prepare_fused`` fills the adaptive ones), at β and at β = 0, and
+call has (``UnslothAdaptiveKL.fused_beta_gate`` fills the adaptive one), at β and at β = 0, and
 writes the KL part of the loss, its gradient w.r.t. the log-probs and the ``adaptive_kl/*``
 metrics that ``record_fused`` logs from the returned 6-vector.
 """
@@ -73,7 +73,7 @@ def fused_loss(t, loss_type):
         num_processes=1, max_completion_length=spec["max_completion_length"], importance_sampling_level="token",
         use_bias_correction_kl=True,
     )  # fmt: skip
-    gate = t._adaptive_kl.prepare_fused(kwargs, ref, mask)
+    gate = t._adaptive_kl.fused_beta_gate(kwargs, ref, mask)
     loss, _, stats, *_ = generated.grpo_compute_loss(
         ref, logps, batch["old"], None, batch["completion_ids"], mask, gate, batch["advantages"], **kwargs
     )

@@ -17,12 +17,14 @@ import itertools
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
 
 import reference
-from unsloth_adaptive_kl import metrics, toy
+from unsloth_adaptive_kl import AdaptiveKL, metrics, toy
+from unsloth_adaptive_kl.config import DEFAULTS
 from unsloth_adaptive_kl.backends import trl as trl_backend
 from unsloth_adaptive_kl.backends.liger import AdaptiveFusedLinearGRPOLoss
 from trl import GRPOConfig, GRPOTrainer
@@ -118,10 +120,10 @@ def trl_results(trainer, monkeypatch, loss_type, method, estimator):
 
 # -- Liger ------------------------------------------------------------------------------------------
 def liger_results(loss_type, method, estimator):
+    # The trainer's state, as GRPOTrainer(loss_class=...) passes it (a standalone module refuses a controller).
+    state = AdaptiveKL(types.SimpleNamespace(**{**DEFAULTS, **FIELDS, "kl_adaptation_method": method, "kl_estimator": estimator}))
     module = AdaptiveFusedLinearGRPOLoss(
-        beta=FIELDS["beta"], compiled=False, loss_type=loss_type, max_completion_length=T, use_bias_correction_kl=True,
-        kl_adaptation_method=method, kl_estimator=estimator, kl_clip_threshold=FIELDS["kl_clip_threshold"],
-        kl_target=FIELDS["kl_target"], kl_bottom_q=FIELDS["kl_bottom_q"],
+        beta=FIELDS["beta"], compiled=False, loss_type=loss_type, max_completion_length=T, use_bias_correction_kl=True, adaptive_kl=state,
     )  # fmt: skip
 
     def terms_and_grad():

@@ -491,3 +491,15 @@ def test_a_standalone_module_refuses_a_beta_controller_it_could_not_run(method):
 @pytest.mark.parametrize("method", ["none", "clip", "sigmoid+length_normalized"])
 def test_a_standalone_module_accepts_methods_without_a_controller(method):
     assert AdaptiveFusedLinearGRPOLoss(beta=0.1, compiled=False, kl_adaptation_method=method).adaptive_kl.controller.name == "fixed"
+
+
+def test_a_module_given_a_state_uses_its_controller_and_refuses_a_second_set_of_kl_settings():
+    import types
+
+    from unsloth_adaptive_kl.config import DEFAULTS
+
+    state = unsloth_adaptive_kl.AdaptiveKL(types.SimpleNamespace(**{**DEFAULTS, "kl_adaptation_method": "dynamic+clip", "beta": 0.1}))
+    module = AdaptiveFusedLinearGRPOLoss(beta=0.1, compiled=False, adaptive_kl=state)
+    assert module.adaptive_kl is state and state.controller.name == "dynamic"
+    with pytest.raises(ValueError, match=r"\['kl_target'\] given together with adaptive_kl="):
+        AdaptiveFusedLinearGRPOLoss(beta=0.1, compiled=False, adaptive_kl=state, kl_target=0.3)

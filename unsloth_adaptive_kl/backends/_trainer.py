@@ -288,7 +288,7 @@ def _check_loss_path(trainer, method_is_none: bool) -> None:
         return
 
 
-def attach(trainer, loss_class=None, runtime_cls=None) -> TrainerAdaptiveKL:
+def attach(trainer, runtime_cls, loss_class=None) -> TrainerAdaptiveKL:
     """Give ``trainer`` its adaptive-KL state (and, with ``loss_class``, its loss module); idempotent."""
     existing = getattr(trainer, "_adaptive_kl", None)
     if existing is not None:

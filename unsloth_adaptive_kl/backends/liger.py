@@ -37,6 +37,7 @@ only; see ``examples/custom_kl_variant.py``.
 
 from __future__ import annotations
 
+import inspect
 import types
 import warnings
 
@@ -86,8 +87,8 @@ class AdaptiveFusedLinearGRPOLoss(nn.Module):
 
     The arguments before ``kl_adaptation_method`` are Liger 0.8.5's, with its defaults
     (``chunk_size`` has no effect here). The keyword-only ones are this package's fields of the
-    same names (README, "Fields"). ``self.adaptive_kl`` holds the method and estimator; under
-    ``GRPOTrainer(loss_class=...)`` it is the trainer's.
+    same names (README, "Fields"), or ``adaptive_kl=``: an :class:`AdaptiveKL` whose β controller
+    the caller runs (``GRPOTrainer(loss_class=...)`` passes the trainer's).
     """
 
     def __init__(
@@ -116,7 +117,7 @@ class AdaptiveFusedLinearGRPOLoss(nn.Module):
         kl_clip_threshold: float = DEFAULTS["kl_clip_threshold"],
         kl_target: float = DEFAULTS["kl_target"],
         kl_bottom_q: float = DEFAULTS["kl_bottom_q"],
-        _trainer_state: AdaptiveKL | None = None,
+        adaptive_kl: AdaptiveKL | None = None,
     ):
         super().__init__()
         check_liger_version()
@@ -146,7 +147,7 @@ class AdaptiveFusedLinearGRPOLoss(nn.Module):
             kl_target=kl_target,
             kl_bottom_q=kl_bottom_q,
         )
-        if _trainer_state is None:
+        if adaptive_kl is None:
             config = types.SimpleNamespace(**{**DEFAULTS, **fields}, beta=float(beta))  # the other fields: defaults
             self.adaptive_kl = AdaptiveKL(config)
             if self.adaptive_kl.method.controller != "fixed":
@@ -154,10 +155,14 @@ class AdaptiveFusedLinearGRPOLoss(nn.Module):
                     f"kl_adaptation_method={kl_adaptation_method!r} is not valid for a standalone "
                     f"{type(self).__name__}: its β controller ({self.adaptive_kl.method.controller!r}) updates β once per "
                     "optimizer step, which a loss module does not see; allowed: a method without 'dynamic' or 'target' "
-                    "(set module.beta yourself), or GRPOTrainer(loss_class=...), whose trainer runs the controller"
+                    "(set module.beta yourself), adaptive_kl= (an AdaptiveKL whose controller you run), or "
+                    "GRPOTrainer(loss_class=...), whose trainer runs the controller"
                 )
-        else:  # built by GRPOTrainer(loss_class=...): the trainer's state, with its controller
-            self.adaptive_kl = _trainer_state
+        else:  # the caller's state (GRPOTrainer(loss_class=...) passes its own), with its controller
+            changed = [name for name, value in fields.items() if value != DEFAULTS[name]]
+            if changed:
+                raise ValueError(f"{changed} given together with adaptive_kl=; allowed: the KL settings in one place (adaptive_kl's)")
+            self.adaptive_kl = adaptive_kl
         self._compiled_terms = None
 
     # -- the override point ----------------------------------------------------------------------------
@@ -175,28 +180,6 @@ class AdaptiveFusedLinearGRPOLoss(nn.Module):
         return self.adaptive_kl.per_token(logp, ref_logp, mask, coef, statistic, estimator=self.per_token_kl)
 
     # -- Liger's forward ---------------------------------------------------------------------------------
-    def forward(
-        self,
-        _input,
-        lin_weight,
-        selected_token_ids,
-        attention_mask,
-        advantages,
-        bias=None,
-        ref_per_token_logps=None,
-        old_per_token_logps=None,
-        ref_input=None,
-        ref_weight=None,
-        ref_bias=None,
-        vllm_is_ratio=None,
-        num_items_in_batch=None,
-    ):
-        """Liger's arguments and return structure; ``_input`` is ``(B, T, H)``, ``lin_weight`` ``(V, H)``."""
-        return self.loss_and_kl(
-            _input, lin_weight, selected_token_ids, attention_mask, advantages, bias, ref_per_token_logps,
-            old_per_token_logps, ref_input, ref_weight, ref_bias, vllm_is_ratio, num_items_in_batch,
-        ).liger_output()  # fmt: skip
-
     def loss_and_kl(
         self,
         _input,
@@ -213,7 +196,8 @@ class AdaptiveFusedLinearGRPOLoss(nn.Module):
         vllm_is_ratio=None,
         num_items_in_batch=None,
     ) -> LossTerms:
-        """:meth:`forward`, returning :class:`LossTerms` (with the per-token KL the metrics need)."""
+        """:meth:`forward`, returning :class:`LossTerms` (with the per-token KL the metrics need).
+        Liger's arguments: ``_input`` is ``(B, T, H)``, ``lin_weight`` ``(V, H)``."""
         self._check_configuration()
         with_kl = _is_nonzero(self.beta)
         if with_kl and self.use_ref_model and ref_per_token_logps is None and ref_input is None:
@@ -228,6 +212,12 @@ class AdaptiveFusedLinearGRPOLoss(nn.Module):
             logps, attention_mask, advantages, ref_per_token_logps=ref, old_per_token_logps=old_per_token_logps,
             vllm_is_ratio=vllm_is_ratio, num_items_in_batch=num_items_in_batch,
         )  # fmt: skip
+
+    def forward(self, *args, **kwargs):
+        """Liger's arguments (shown: those of :meth:`loss_and_kl`) and return structure."""
+        return self.loss_and_kl(*args, **kwargs).liger_output()
+
+    forward.__signature__ = inspect.signature(loss_and_kl).replace(return_annotation=inspect.Signature.empty)
 
     def _reference_logps(self, logps, token_ids, rows, ref_per_token_logps, ref_input, ref_weight, ref_bias):
         """As Liger: no reference model means the policy itself (KL 0); given log-probs win over ``ref_input``."""

@@ -34,7 +34,6 @@ _LIGER_FORWARD_PARAMETERS = (
     "_input", "lin_weight", "selected_token_ids", "attention_mask", "advantages", "bias", "ref_per_token_logps",
     "old_per_token_logps", "ref_input", "ref_weight", "ref_bias", "vllm_is_ratio", "num_items_in_batch",
 )  # fmt: skip
-_ADAPTIVE_FIELDS = ("kl_adaptation_method", "kl_estimator", "kl_clip_threshold", "kl_target", "kl_bottom_q")
 
 
 def check_loss_class(loss_class) -> None:
@@ -94,9 +93,7 @@ def module_arguments(trainer, loss_class) -> dict:
         vespo_k_neg=args.vespo_k_neg,
         vespo_lambda_neg=args.vespo_lambda_neg,
     )
-    if issubclass(loss_class, AdaptiveFusedLinearGRPOLoss):
-        kwargs.update({name: getattr(args, name) for name in _ADAPTIVE_FIELDS})
-    return kwargs
+    return kwargs  # the adaptive-KL fields reach the module as the trainer's state (make_loss_module)
 
 
 def make_loss_module(trainer, loss_class):
@@ -113,7 +110,7 @@ def make_loss_module(trainer, loss_class):
     _check_trainer_supported(trainer)
     arguments = module_arguments(trainer, loss_class)
     if adaptive:  # the trainer's state: its controller sets β (a standalone module refuses one)
-        arguments["_trainer_state"] = trainer._adaptive_kl
+        arguments["adaptive_kl"] = trainer._adaptive_kl
     return loss_class(**arguments)
 
 

@@ -1,0 +1,144 @@
+"""The command line: options, the run's header, and main (GPU check, starting models, runs, table, plot)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from dataclasses import asdict
+
+from .analysis import analyze
+from .gpu import GpuCheck, choose_backend, probe_gpu
+from .plot import plot, plot_analysis
+from .scheduler import default_jobs, make_runs, run_all
+from .settings import (ALL_METHODS, HUB, SMOKE, TASKS, Settings, default_tag, method_fields, seed_list, settings_from,
+                       validate_methods)
+from .summary import markdown_table, read_metrics, table_notes
+from .tasks import starting_model
+from .worker import train_one
+
+
+def parse_args(argv=None, description: str | None = None):
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--methods", default=",".join(ALL_METHODS), help="comma-separated kl_adaptation_method values")
+    p.add_argument("--steps", type=int, help=f"GRPO steps per run (default {Settings.steps}; smoke {SMOKE['steps']})")
+    p.add_argument("--beta", type=float, help=f"initial β, the same for every method (default {Settings.beta})")
+    p.add_argument("--learning-rate", type=float, help=f"default {Settings.learning_rate} (hub model: {HUB['learning_rate']})")
+    p.add_argument("--seeds", type=int, default=1, help="seeds 0..N-1 (from --first-seed): each its own starting "
+                                                         "model, shared by every method")
+    p.add_argument("--first-seed", type=int, default=0, help="the first seed (default 0): --first-seed 3 --seeds 2 "
+                                                             "runs seeds 3 and 4")
+    p.add_argument("--task", choices=sorted(TASKS), help=f"the offline task's difficulty (default {Settings.task}): "
+                   + "; ".join(f"{k}: {v['min_terms']}-{v['max_terms']} terms of 0-{v['max_operand']}" for k, v in TASKS.items()))
+    p.add_argument("--loss-type", help=f"TRL's loss_type (default {Settings.loss_type}), e.g. grpo, dapo, dr_grpo, bnpo")
+    p.add_argument("--hidden-size", type=int, help=f"tiny Llama's hidden size (default {Settings.hidden_size})")
+    p.add_argument("--layers", type=int, help=f"tiny Llama's layers (default {Settings.layers})")
+    p.add_argument("--max-completion-length", type=int, help=f"default {Settings.max_completion_length}")
+    p.add_argument("--warm-start-steps", type=int, help=f"supervised steps of batch 64 (default {Settings.warm_start_steps})")
+    p.add_argument("--tag", help="a name for this setting in the metrics (default: built from task, loss, β, model, "
+                                 "length and steps)")
+    p.add_argument("--stream", help="also append every run's per-step JSON lines to this file as they come "
+                                    "(several invocations may share it)")
+    p.add_argument("--keep-going", action="store_true", help="a failed run is reported and left out instead of "
+                                                             "stopping the others")
+    p.add_argument("--analyze", nargs="+", metavar="JSONL", help="only analyse finished metrics files (metrics.jsonl "
+                   "or --stream files): the length-slope table per setting and, where a setting has several methods, "
+                   "the paired comparison with `none`; prints markdown")
+    p.add_argument("--plot", metavar="PNG", help="with --analyze: also draw the curves (every method of one setting, "
+                                                 "or the baseline of each setting) into this file")
+    p.add_argument("--backend", choices=["auto", "unsloth", "trl"], default="auto")
+    p.add_argument("--jobs", type=int, help="runs at a time (default: all of them, at most 24 on a GPU and one "
+                                            "per core on the CPU)")
+    p.add_argument("--output-dir", default="adaptive_kl_demo")
+    p.add_argument("--model", help="a Hugging Face model name or local path instead of the offline tiny Llama "
+                                   "(e.g. unsloth/Qwen3-0.6B-Base); no warm start")
+    p.add_argument("--dataset", help="a GSM8K-shaped Hugging Face data set, NAME[:CONFIG] (e.g. openai/gsm8k:main); "
+                                     "needs --model")
+    p.add_argument("--smoke", action="store_true", help="CPU, a tiny model, a few steps: checks the plumbing, "
+                                                        "says nothing about the methods")
+    p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: train one run from its spec file
+    args = p.parse_args(argv)
+    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if args.dataset and not args.model:
+        p.error("--dataset needs --model: the offline tiny Llama only knows the synthetic task's characters")
+    if args.smoke and (args.model or args.dataset):
+        p.error("--smoke builds its own tiny model; it does not take --model or --dataset")
+    return args
+
+
+def header(args, settings: Settings, backend: str, gpu: GpuCheck) -> str:
+    import torch
+    import transformers
+    import trl
+
+    task = (f"model {args.model}, data set {args.dataset or 'synthetic sums (scratchpad)'}" if args.model else
+            f"offline: synthetic sums with a free-length scratchpad, tiny Llama {settings.hidden_size}x{settings.layers} "
+            f"warm-started {settings.warm_start_steps} steps, LoRA r={settings.lora_rank}")
+    return "\n".join([
+        f"command: python {' '.join(shlex.quote(a) for a in sys.argv)}",
+        f"machine: {platform.node()}, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; "
+        f"torch {torch.__version__} (CUDA {torch.version.cuda}), transformers {transformers.__version__}, trl {trl.__version__}",
+        f"GPU: {gpu.report}",
+        f"backend: {backend} ({'Unsloth generated GRPOTrainer' if backend == 'unsloth' else 'TRL GRPOTrainer'})",
+        f"task: {task}",
+        f"settings: {json.dumps(asdict(settings))}",
+        f"method fields (every run): {json.dumps(method_fields(settings))}",
+        f"methods: {', '.join(args.methods)}; seeds: {seed_list(args)}; tag: {args.tag or default_tag(settings)}",
+    ])
+
+
+def main(argv=None, description: str | None = None) -> None:
+    """The demo; ``description`` is the --help text (the entry script's docstring)."""
+    args = parse_args(argv, description)
+    if args.worker:
+        return train_one(args.worker)
+    if args.analyze:
+        print(analyze(args.analyze))
+        return print(plot_analysis(args.analyze, args.plot)) if args.plot else None
+    if args.smoke:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # CPU even on a GPU machine; children inherit it
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before trl imports triton: its kernel, interpreted
+    validate_methods(args.methods)
+    settings = settings_from(args)
+    gpu = probe_gpu()
+    if not gpu.ok:
+        raise SystemExit(f"GPU check failed: {gpu.report}\nFix: {gpu.fix}")
+    backend = choose_backend(args.backend, unsloth_installed=importlib.util.find_spec("unsloth") is not None, cuda=cuda)
+    os.makedirs(args.output_dir, exist_ok=True)
+    head = header(args, settings, backend, gpu)
+    print(head, flush=True)
+
+    t0 = time.perf_counter()
+    seeds = seed_list(args)
+    checkpoints = {seed: starting_model(args, settings, seed, "cuda" if cuda else "cpu") for seed in seeds}
+    runs = make_runs(args, settings, backend, checkpoints)
+    jobs = args.jobs or default_jobs(len(runs), cuda)
+    print(f"{len(runs)} runs, {jobs} at a time, {settings.steps} steps each", flush=True)
+    runs = run_all(runs, jobs, settings.steps, cuda, poll_seconds=2.0 if args.smoke else 10.0, keep_going=args.keep_going)
+    finished = {(r.method, r.seed) for r in runs}  # with --keep-going: the table keeps methods done on every seed
+    args.methods = [m for m in args.methods if all((m, s) in finished for s in seeds)]
+    runs = [r for r in runs if r.method in args.methods]
+
+    metrics = read_metrics(runs)
+    with open(os.path.join(args.output_dir, "metrics.jsonl"), "w") as f:
+        for rows in metrics.values():
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+    table = markdown_table(metrics, args.methods, seeds, settings.summary_window)
+    notes = table_notes(seeds, settings.steps, settings.summary_window)
+    elapsed = f"wall time: {time.perf_counter() - t0:.0f} s"
+    with open(os.path.join(args.output_dir, "summary.md"), "w") as f:
+        f.write(f"```\n{head}\n{elapsed}\n```\n\n{table}\n\n{notes}\n")
+    title = (f"adaptive-KL GRPO, backend {backend}, β0={settings.beta}, loss {settings.loss_type}, task {settings.task}, "
+             f"Llama {settings.hidden_size}x{settings.layers}")
+    plotted = plot(metrics, args.methods, seeds, settings.steps, os.path.join(args.output_dir, "curves.png"), title)
+    print(f"\n{table}\n\n{notes}\n\n{elapsed}\n{plotted}\nwritten: {args.output_dir}/metrics.jsonl, "
+          f"{args.output_dir}/summary.md", flush=True)

@@ -1,0 +1,77 @@
+"""The table of a demo run: per method, the start/end/final numbers of each seed's run, as mean ± std."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+
+from .scheduler import Run
+
+COLUMNS = [  # (header, key in a run's summary, format)
+    ("final reward", "final_reward", ".3f"),
+    ("peak reward", "peak_reward", ".3f"),
+    ("length start", "length_start", ".1f"),
+    ("length end", "length_end", ".1f"),
+    ("raw KL end", "raw_kl_end", ".4f"),
+    ("adapted KL end", "adapted_kl_end", ".4f"),
+    ("final β", "final_beta", ".4g"),
+    ("median step (s)", "median_step_s", ".2f"),
+]
+
+
+def _mean(values) -> float:
+    values = [v for v in values if v is not None and not math.isnan(v)]
+    return sum(values) / len(values) if values else math.nan
+
+
+def summarize_run(rows: list[dict], window: float) -> dict:
+    """One run's numbers: "start"/"end"/"final" are means over the first/last ``window`` of steps
+    (at least one step); "peak" is the highest single step. A KL is NaN where β had reached 0."""
+    k = max(1, round(len(rows) * window))
+    head, tail = rows[:k], rows[-k:]
+    return {
+        "final_reward": _mean(r["reward"] for r in tail),
+        "peak_reward": max(r["reward"] for r in rows),
+        "length_start": _mean(r["completions/mean_length"] for r in head),
+        "length_end": _mean(r["completions/mean_length"] for r in tail),
+        "raw_kl_end": _mean(r.get("adaptive_kl/raw_kl") for r in tail),
+        "adapted_kl_end": _mean(r.get("adaptive_kl/adapted_kl") for r in tail),
+        "final_beta": rows[-1]["adaptive_kl/current_beta"],
+        "median_step_s": statistics.median(r["step_time"] for r in rows),
+    }
+
+
+def read_metrics(runs: list[Run]) -> dict[tuple[str, int], list[dict]]:
+    metrics = {}
+    for run in runs:
+        with open(run.metrics_path) as f:
+            metrics[(run.method, run.seed)] = [json.loads(line) for line in f]
+    return metrics
+
+
+def cell(values: list[float], fmt: str) -> str:
+    values = [v for v in values if not math.isnan(v)]
+    if not values:
+        return "—"
+    if len(values) == 1:
+        return format(values[0], fmt)
+    return f"{format(statistics.mean(values), fmt)} ± {format(statistics.stdev(values), fmt)}"
+
+
+def markdown_table(metrics: dict, methods: list[str], seeds: list[int], window: float) -> str:
+    lines = ["| method | " + " | ".join(h for h, _, _ in COLUMNS) + " |", "|---" * (len(COLUMNS) + 1) + "|"]
+    for method in methods:
+        per_seed = [summarize_run(metrics[(method, seed)], window) for seed in seeds]
+        cells = [cell([s[key] for s in per_seed], fmt) for _, key, fmt in COLUMNS]
+        lines.append(f"| `{method}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def table_notes(seeds: list[int], steps: int, window: float) -> str:
+    k = max(1, round(steps * window))
+    spread = f"mean ± std over {len(seeds)} seeds ({', '.join(map(str, seeds))})" if len(seeds) > 1 else f"seed {seeds[0]}"
+    return (f"{spread}. start / end / final: mean over the first / last {k} of {steps} steps; peak: the best "
+            "step. Length in tokens (TRL's completions/mean_length). KL: adaptive_kl/raw_kl and adapted_kl "
+            "(— once β reached 0: no KL is computed). Step time: median wall time of an optimizer step, "
+            "generation included.")

@@ -1,0 +1,414 @@
+"""Two-process GRPO with the TRL backend under ``accelerate launch``: are the ranks consistent?
+
+    python examples/multi_gpu/check_ranks.py --config examples/multi_gpu/ddp.yaml --out /tmp/mg-ddp
+    python examples/multi_gpu/check_ranks.py --config examples/multi_gpu/fsdp2.yaml --out /tmp/mg-fsdp
+    python examples/multi_gpu/check_ranks.py --config examples/multi_gpu/deepspeed_zero2.yaml --out /tmp/mg-ds
+    python examples/multi_gpu/check_ranks.py --config examples/multi_gpu/ddp.yaml --cpu --out /tmp/mg-cpu   # 2 CPU processes, gloo
+
+It builds a small Llama and tokenizer (``unsloth_adaptive_kl.toy``), then launches
+``accelerate launch --config_file CONFIG --num_processes 2 check_ranks.py --worker ...`` under a
+timeout (a hang fails the check instead of blocking). Every rank trains ``--steps`` GRPO steps
+for each of ``--methods`` (default: the β controllers ``none``, ``dynamic``, ``target`` and the
+shaping ``clip``); rank 1 masks its first completion and cuts the others to 3 tokens, so the
+ranks see different completion lengths and an all-masked row. Each rank records:
+
+* β at the start and after every optimizer step;
+* for every micro-batch, the per-token raw and adapted KL of its valid tokens, and the
+  ``adaptive_kl/*`` values the package computed (after its cross-process reduce);
+* the inputs and the loss of step 2's micro-batch, and the weights (gathered) that loss saw.
+
+Then this process (no launcher, one process) checks:
+
+1. β is identical on both ranks at every step;
+2. every logged ``adaptive_kl/raw_kl`` and ``adapted_kl`` equals the token-weighted mean of the
+   per-token values gathered from both ranks (recomputed here in float64);
+3. the loss of step 2's global batch (both ranks' inputs concatenated), computed on one process
+   from the same weights and β, equals the mean of the two ranks' losses (the
+   gradient DDP/FSDP/ZeRO apply), within bf16 tolerance on GPU (float32 tolerance on CPU).
+
+It prints a table (β per rank per step) and writes ``OUT/report.md`` and ``OUT/report.json``;
+the exit status is 0 only if every check passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+METHODS = {
+    "none": dict(kl_adaptation_method="none"),
+    "dynamic": dict(kl_adaptation_method="dynamic", reward_threshold=-1.0),  # decays every step
+    "target": dict(kl_adaptation_method="target", kl_target=0.001, kl_horizon=10.0),
+    "clip": dict(kl_adaptation_method="clip", kl_clip_threshold=0.002),
+}
+BETA = 0.04
+BATCH, GENERATIONS, COMPLETION = 4, 4, 8  # per rank: 4 completions, one group of 4 per rank
+CAPTURE_STEP = 2  # the loss compared with one process: step 2's, once the policy has moved from the reference
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", help="accelerate config file (examples/multi_gpu/*.yaml)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--cpu", action="store_true", help="2 CPU processes over gloo, float32 (no GPU needed)")
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--timeout", type=int, default=300, help="seconds for the launched run; longer counts as a hang")
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--worker", nargs=1, metavar="CHECKPOINT", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    unknown = [m for m in args.methods.split(",") if m not in METHODS]
+    if unknown:
+        p.error(f"--methods: unknown {unknown}; allowed: {list(METHODS)}")
+    if args.steps < CAPTURE_STEP:
+        p.error(f"--steps must be at least {CAPTURE_STEP} (step {CAPTURE_STEP}'s loss is compared with one process)")
+    if not args.worker and not args.config:
+        p.error("--config is required")
+    return args
+
+
+def grpo_config(method: str, args, output_dir: str):
+    from trl import GRPOConfig
+
+    return GRPOConfig(
+        output_dir=output_dir, report_to="none", use_cpu=args.cpu, bf16=not args.cpu,
+        per_device_train_batch_size=BATCH, num_generations=GENERATIONS, max_completion_length=COMPLETION,
+        max_steps=args.steps, logging_steps=1, learning_rate=5e-3, beta=BETA, save_strategy="no", seed=0,
+        disable_tqdm=True, **METHODS[method],
+    )  # fmt: skip
+
+
+def same_length_prompts(tokenizer, n: int):
+    """Prompts that all tokenize to the same length: concatenating two ranks' batches then needs no
+    re-padding of the prompts, so every token keeps its position (Llama takes positions from the index)."""
+    from collections import Counter
+
+    from datasets import Dataset
+
+    from unsloth_adaptive_kl import toy
+
+    rows = toy.arithmetic_problems(8 * n)
+    lengths = [len(tokenizer(r["prompt"], add_special_tokens=False)["input_ids"]) for r in rows]
+    common = Counter(lengths).most_common(1)[0][0]
+    keep = [r for r, length in zip(rows, lengths) if length == common][:n]
+    if len(keep) < n:
+        raise RuntimeError(f"only {len(keep)} prompts of {common} tokens; need {n}")
+    return Dataset.from_list(keep)
+
+
+# -- one rank (under accelerate launch) ------------------------------------------------------------------
+def worker(args):
+    import torch
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOTrainer
+
+    import unsloth_adaptive_kl  # noqa: F401  (patches TRL)
+    from unsloth_adaptive_kl import metrics, toy
+
+    checkpoint = args.worker[0]
+    rank = int(os.environ.get("RANK", "0"))
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    dataset = same_length_prompts(tokenizer, 64)
+    results = {"world_size": int(os.environ.get("WORLD_SIZE", "1")), "rank": rank}
+
+    for method in args.methods.split(","):
+        trainer = GRPOTrainer(
+            model=checkpoint, processing_class=tokenizer, reward_funcs=[toy.format_reward, toy.correctness_reward],
+            args=grpo_config(method, args, tempfile.mkdtemp(prefix=f"mg-{method}-")), train_dataset=dataset,
+        )  # fmt: skip
+        runtime = getattr(trainer, "_adaptive_kl", None)
+        if runtime is None or not hasattr(runtime, "record"):
+            raise RuntimeError("the trainer has no adaptive-KL runtime with record(): is unsloth_adaptive_kl's TRL patch applied?")
+        record = {"betas": [float(trainer.beta)], "rows": [], "loss": None}
+
+        class Betas(TrainerCallback):
+            def on_step_begin(self, a, state, control, **kwargs):
+                if state.global_step == CAPTURE_STEP - 1:  # the weights this step's loss sees, gathered (a collective)
+                    weights = trainer.accelerator.get_state_dict(trainer.model)
+                    if rank == 0:
+                        torch.save(weights, os.path.join(args.out, f"{method}-weights.pt"))
+                    record["armed"] = True
+
+            def on_step_end(self, a, state, control, **kwargs):
+                record["betas"].append(float(trainer.beta))
+
+        trainer.add_callback(Betas())
+
+        generate = trainer._generate_and_score_completions
+
+        def uneven(*a, **k):
+            out = generate(*a, **k)
+            if rank == 1:  # an all-masked row and short rows on rank 1 only
+                mask = out["completion_mask"].clone()
+                mask[0] = 0
+                mask[1:, 3:] = 0
+                out["completion_mask"] = mask
+            return out
+
+        trainer._generate_and_score_completions = uneven
+
+        original_record = runtime.record
+
+        def record_values(raw, adapted, mask, *, training, beta):
+            values = original_record(raw, adapted, mask, training=training, beta=beta)
+            if raw is not None and training:
+                valid = mask.bool()
+                record["rows"].append(
+                    {
+                        "raw": raw[valid].double().tolist(),
+                        "adapted": adapted[valid].double().tolist(),
+                        "logged_raw": values[metrics.RAW_KL],
+                        "logged_adapted": values[metrics.ADAPTED_KL],
+                    }
+                )
+            return values
+
+        runtime.record = record_values
+
+        compute_loss = trainer.compute_loss
+
+        def captured_loss(model, inputs, *a, **k):
+            loss = compute_loss(model, inputs, *a, **k)
+            if record.pop("armed", False):
+                record["loss"], record["loss_beta"] = float(loss.detach()), float(trainer.beta)
+                cpu = {key: (v.detach().cpu() if isinstance(v, torch.Tensor) else v) for key, v in inputs.items()}
+                torch.save(cpu, os.path.join(args.out, f"{method}-rank{rank}-inputs.pt"))
+            return loss
+
+        trainer.compute_loss = captured_loss
+        trainer.train()
+        # what the launcher set up: DistributedType and the class of the wrapped model (FSDP2 makes it FSDP<Llama...>)
+        results["distributed_type"] = str(trainer.accelerator.distributed_type)
+        results["wrapped_model"] = type(trainer.model_wrapped).__name__
+        results[method] = record
+        trainer.accelerator.wait_for_everyone()
+        del trainer
+    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+
+
+# -- the checks (one process) ----------------------------------------------------------------------------
+def merge_inputs(parts):
+    """One global batch from the ranks' inputs: rows concatenated, completion-side tensors padded on the right."""
+    import torch
+
+    merged = {}
+    for key in parts[0]:
+        values = [p[key] for p in parts]
+        first = values[0]
+        if not isinstance(first, torch.Tensor):
+            if any(v != first for v in values):
+                raise ValueError(f"input {key!r} differs between ranks: {values}")
+            merged[key] = first
+        elif first.dim() == 0:
+            if any(not torch.equal(v, first) for v in values):
+                raise ValueError(f"input {key!r} differs between ranks: {values}")
+            merged[key] = first
+        elif first.dim() == 1:
+            merged[key] = torch.cat(values)
+        elif key.startswith("prompt"):
+            if len({v.shape[1] for v in values}) != 1:
+                raise ValueError(f"prompt lengths differ between ranks ({[v.shape for v in values]}): positions would shift")
+            merged[key] = torch.cat(values)
+        else:
+            width = max(v.shape[1] for v in values)
+            merged[key] = torch.cat([torch.nn.functional.pad(v, (0, width - v.shape[1])) for v in values])
+    return merged
+
+
+def single_process_loss(method, args, checkpoint, parts, beta):
+    """The loss of the merged batch on one process, with the weights and β the ranks had at that step."""
+    import torch
+    from accelerate.state import AcceleratorState, PartialState
+    from transformers import AutoTokenizer
+    from trl import GRPOTrainer
+
+    import unsloth_adaptive_kl  # noqa: F401
+    from unsloth_adaptive_kl import toy
+
+    AcceleratorState._reset_state(True)
+    PartialState._reset_state()
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    trainer = GRPOTrainer(
+        model=checkpoint, processing_class=tokenizer, reward_funcs=[toy.format_reward, toy.correctness_reward],
+        args=grpo_config(method, args, tempfile.mkdtemp(prefix=f"mg-single-{method}-")), train_dataset=same_length_prompts(tokenizer, 64),
+    )  # fmt: skip
+    device = trainer.accelerator.device
+    weights = torch.load(os.path.join(args.out, f"{method}-weights.pt"), map_location="cpu", weights_only=True)
+    trainer.model.load_state_dict(weights)
+    trainer.beta = beta
+    inputs = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in merge_inputs(parts).items()}
+    model = trainer.model
+    model.train()
+    trainer.current_gradient_accumulation_steps = 1  # set by the training loop, which does not run here
+    # bf16 as under the launcher: accelerate's autocast (the launched ranks get it from prepare()).
+    with trainer.compute_loss_context_manager(), trainer.accelerator.autocast():
+        loss = trainer.compute_loss(model, inputs)
+    return float(loss.detach())
+
+
+def rank_consistency(zero: dict, one: dict, steps: int) -> tuple[list[str], float]:
+    """Checks 1 and 2 on two ranks' records of one method: the failures, and the largest relative
+    error of a logged adaptive_kl value against the global token-weighted mean."""
+    failures, metric_error = [], 0.0
+    if zero["betas"] != one["betas"]:
+        failures.append(f"beta differs between ranks: {zero['betas']} vs {one['betas']}")
+    if len(zero["betas"]) != steps + 1:
+        failures.append(f"{len(zero['betas'])} betas recorded, expected {steps + 1}")
+    if len(zero["rows"]) != len(one["rows"]) or not zero["rows"]:
+        failures.append(f"micro-batches recorded: {len(zero['rows'])} vs {len(one['rows'])}")
+    for a, b in zip(zero["rows"], one["rows"]):
+        raw, adapted = a["raw"] + b["raw"], a["adapted"] + b["adapted"]
+        expected = (math.fsum(raw) / len(raw), math.fsum(adapted) / len(adapted)) if raw else (math.nan, math.nan)
+        for row in (a, b):
+            for got, want in zip((row["logged_raw"], row["logged_adapted"]), expected):
+                error = 0.0 if (math.isnan(got) and math.isnan(want)) else abs(got - want) / max(abs(want), 1e-12)
+                metric_error = max(metric_error, error)
+                if not error <= 1e-6:  # the package sums each shard's values in float32
+                    failures.append(f"adaptive_kl logged {got!r}, global token-weighted mean {want!r}")
+        if len(a["raw"]) == len(b["raw"]):
+            failures.append("the ranks did not see different numbers of valid tokens")
+    return failures, metric_error
+
+
+def check(args, checkpoint, ranks) -> dict:
+    import torch
+
+    report = {"methods": {}, "passed": True}
+    # float32 on CPU; bf16 autocast on GPU (the policy term is exact, exp(logp - logp.detach()) = 1; the
+    # tolerance is for the KL term, whose log-probs come from bf16 GEMMs of other batch shapes).
+    atol, rtol = (1e-6, 1e-5) if args.cpu else (2e-4, 2e-3)
+    for method in args.methods.split(","):
+        zero, one = ranks[0][method], ranks[1][method]
+        failures, metric_error = rank_consistency(zero, one, args.steps)
+        if zero["loss"] is None or one["loss"] is None:
+            failures.append(f"no loss captured at step {CAPTURE_STEP}")
+            single = distributed = math.nan
+        else:
+            if zero["loss_beta"] != one["loss_beta"]:
+                failures.append(f"beta at the compared step differs: {zero['loss_beta']} vs {one['loss_beta']}")
+            parts = [torch.load(os.path.join(args.out, f"{method}-rank{r}-inputs.pt"), weights_only=False) for r in (0, 1)]
+            distributed = (zero["loss"] + one["loss"]) / 2
+            single = single_process_loss(method, args, checkpoint, parts, zero["loss_beta"])
+            if not abs(single - distributed) <= atol + rtol * abs(single):
+                failures.append(f"step-{CAPTURE_STEP} loss: mean of ranks {distributed!r}, one process on the global batch {single!r}")
+        report["methods"][method] = {
+            "betas_rank0": zero["betas"], "betas_rank1": one["betas"], "max_metric_rel_error": metric_error,
+            "loss_ranks": [zero["loss"], one["loss"]], "loss_mean_of_ranks": distributed, "loss_one_process": single,
+            "tokens_per_rank": [len(zero["rows"][0]["raw"]), len(one["rows"][0]["raw"])] if zero["rows"] and one["rows"] else None,
+            "failures": failures,
+        }  # fmt: skip
+        report["passed"] &= not failures
+    return report
+
+
+def format_report(args, report) -> str:
+    lines = [
+        f"config: {args.config}{' (--cpu: 2 processes, gloo, float32)' if args.cpu else ''}; {args.steps} steps; "
+        f"accelerate distributed_type {report['distributed_type']}, wrapped model {report['wrapped_model']}",
+        "",
+    ]
+    lines += ["| method | step | β rank 0 | β rank 1 |", "|---|---|---|---|"]
+    for method, r in report["methods"].items():
+        for step, (b0, b1) in enumerate(zip(r["betas_rank0"], r["betas_rank1"])):
+            lines.append(f"| {method} | {step} | {b0:.8g} | {b1:.8g} |")
+    lines += ["", "| method | valid tokens rank 0 / 1 (step 1) | adaptive_kl max rel. error | step-2 loss rank 0, rank 1 | mean of ranks | one process | result |", "|---|---|---|---|---|---|---|"]
+    for method, r in report["methods"].items():
+        result = "ok" if not r["failures"] else "FAIL: " + "; ".join(r["failures"][:3])
+        tokens = "n/a" if r["tokens_per_rank"] is None else f"{r['tokens_per_rank'][0]} / {r['tokens_per_rank'][1]}"
+        lines.append(
+            f"| {method} | {tokens} | {r['max_metric_rel_error']:.1e} | {r['loss_ranks'][0]}, {r['loss_ranks'][1]} | "
+            f"{r['loss_mean_of_ranks']:.8f} | {r['loss_one_process']:.8f} | {result} |"
+        )
+    if report.get("setup_failure"):
+        lines += ["", "FAIL: " + report["setup_failure"]]
+    lines += ["", "all checks passed" if report["passed"] else "SOME CHECKS FAILED"]
+    return "\n".join(lines)
+
+
+def configured_type(config_path: str, cpu: bool) -> str:
+    """The config file's ``distributed_type`` (MULTI_GPU runs as MULTI_CPU with --cpu)."""
+    with open(config_path) as f:
+        line = next((line for line in f if line.startswith("distributed_type:")), None)
+    if line is None:
+        raise SystemExit(f"{config_path}: no distributed_type")
+    kind = line.split(":", 1)[1].strip()
+    return "MULTI_CPU" if cpu and kind == "MULTI_GPU" else kind
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(args, checkpoint) -> None:
+    accelerate = shutil.which("accelerate", path=os.path.dirname(sys.executable)) or shutil.which("accelerate")
+    if accelerate is None:
+        raise SystemExit("accelerate's launcher is not on PATH")
+    command = [accelerate, "launch", "--config_file", args.config, "--num_processes", "2", "--main_process_port", str(free_port())]
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    if args.cpu:
+        # --cpu with 2 processes needs MPI; the torchrun launcher with use_cpu=True (in GRPOConfig) uses gloo.
+        command += ["--mixed_precision", "no"]
+        env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", TRITON_INTERPRET="1", ACCELERATE_USE_CPU="true")
+    command += [os.path.abspath(__file__), "--worker", checkpoint, "--out", args.out, "--steps", str(args.steps), "--methods", args.methods]
+    command += ["--cpu"] if args.cpu else []
+    print("launch:", " ".join(command), flush=True)
+    proc = subprocess.Popen(command, env=env, start_new_session=True)
+    try:
+        rc = proc.wait(timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise SystemExit(f"HANG: the 2-process run did not finish in {args.timeout} s (killed)")
+    if rc != 0:
+        raise SystemExit(f"the 2-process run failed (exit status {rc})")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    if args.cpu:  # TRL's Triton kernels, interpreted (before trl or triton is imported)
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    if args.worker:
+        worker(args)
+        return 0
+    from unsloth_adaptive_kl import toy
+
+    checkpoint = toy.build_checkpoint(os.path.join(args.out, "checkpoint"), hidden_size=args.hidden, layers=args.layers)
+    launch(args, checkpoint)
+    ranks = []
+    for rank in (0, 1):
+        with open(os.path.join(args.out, f"rank{rank}.json")) as f:
+            ranks.append(json.load(f))
+    if [r["world_size"] for r in ranks] != [2, 2]:
+        raise SystemExit(f"expected 2 processes, got world sizes {[r['world_size'] for r in ranks]}")
+    report = check(args, checkpoint, ranks)
+    report.update(distributed_type=ranks[0].get("distributed_type"), wrapped_model=ranks[0].get("wrapped_model"))
+    expected = configured_type(args.config, args.cpu)
+    if not str(report["distributed_type"]).endswith("." + expected):
+        # e.g. accelerate runs an FSDP or DeepSpeed config as plain DDP (MULTI_CPU) when use_cpu is set
+        report["passed"] = False
+        report["setup_failure"] = f"the launcher set up {report['distributed_type']}, not the config's {expected}"
+    text = format_report(args, report)
+    print(text)
+    with open(os.path.join(args.out, "report.md"), "w") as f:
+        f.write(text + "\n")
+    with open(os.path.join(args.out, "report.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    return 0 if report["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
