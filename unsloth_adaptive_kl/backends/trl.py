@@ -92,7 +92,7 @@ def _after_aggregation(anchor: str, mask: str, mode: str) -> Rewrite:
 
 TRL_1_8 = AnchorSet(
     family="trl 1.8",
-    versions={"trl": ">=1.8"},
+    versions={"trl": ">=1.8,<1.17"},
     rewrites=(
         _kl(_KL_BLOCK + _BIAS_CORRECTION, "mask", _CORRECTED),
         _ADD,
@@ -111,7 +111,7 @@ TRL_0_26 = AnchorSet(
 )
 TRL_0_24 = AnchorSet(
     family="trl 0.24",
-    versions={"trl": "<0.26"},
+    versions={"trl": ">=0.24,<0.26"},
     rewrites=(
         # The line after the block is part of the anchor: without it, this block also matches 0.26+.
         _kl(_KL_BLOCK, "completion_mask", "None", tail="\n        # Compute the loss\n"),
@@ -119,7 +119,8 @@ TRL_0_24 = AnchorSet(
         _after_aggregation(_LOG_METRICS, "completion_mask", _MODE),
     ),
 )
-PLAN = Plan(backend="trl", anchor_sets=(TRL_1_8, TRL_0_27, TRL_0_26, TRL_0_24))  # newest first
+# Newest first: a version outside every family (UNSLOTH_ADAPTIVE_KL_ALLOW_UNTESTED=1) gets the first set whose anchors all match.
+PLAN = Plan(backend="trl", anchor_sets=(TRL_1_8, TRL_0_27, TRL_0_26, TRL_0_24))
 
 
 def _trl_supported(version: str) -> bool:

@@ -53,7 +53,7 @@ STATS_SIZE = 1 + metrics.NUM_SUMS  # Unsloth's mean_kl, then metrics.local_kl_su
 # -- the plan --------------------------------------------------------------------------------------------
 UNSLOTH_2026_10 = AnchorSet(
     family="unsloth 2026.10",
-    versions={"unsloth_zoo": ">=2026.10"},
+    versions={"unsloth_zoo": ">=2026.10,<2026.11"},
     rewrites=(
         Rewrite(
             "grpo_compute_loss",
@@ -151,7 +151,7 @@ UNSLOTH_2026_9 = AnchorSet(
 )  # fmt: skip
 UNSLOTH_2026_8 = AnchorSet(
     "unsloth 2026.8",
-    {"unsloth_zoo": "<2026.9"},
+    {"unsloth_zoo": ">=2026.8,<2026.9"},
     (
         Rewrite(
             "grpo_compute_loss",
