@@ -46,6 +46,20 @@ def train(argv: list[str] | None = None) -> None:
     # for the launcher; a misspelt field is refused there, by accelerate's parser.
     script_args, training_args, model_args, dataset_args = parser.parse_args_and_config(argv, fail_with_unknown_args=False)
     grpo.main(script_args, training_args, model_args, dataset_args)
+    _close_process_group()
+
+
+def _close_process_group() -> None:
+    """Tear down the distributed process group that accelerate opened, before the interpreter exits.
+
+    TRL's script leaves it to exit; with 2 processes on gloo, a rank then sometimes aborted after
+    training had finished and saved ("terminate called without an active exception", SIGABRT: seen
+    once in CI), which turns a finished run into a failed command."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def launch(argv: list[str]) -> int:
