@@ -173,8 +173,20 @@ def split_target(target: str) -> tuple[str, str]:
     return owner, name
 
 
-def _libraries(rewrites) -> tuple[str, ...]:
+def libraries_of(rewrites) -> tuple[str, ...]:
+    """The distributions that hold these rewrites' anchors, in table order, each once."""
     return tuple(dict.fromkeys(r.library for r in rewrites))
+
+
+def compile_target(owners: Mapping[str, object], target: str, rewrites, *, namespace: dict | None = None) -> Callable:
+    """The library's own function at ``target`` compiled with ``rewrites`` applied (installed nowhere):
+    what ``Plan.build`` does per target and ``doctor`` dry-runs."""
+    return rewrite_function(
+        resolve(owners, target),
+        [(r.anchor, r.replacement) for r in rewrites],
+        library=libraries_of(rewrites),
+        namespace=namespace,
+    )
 
 
 @dataclass(frozen=True)
@@ -195,7 +207,7 @@ class Plan:
         if not covering and os.environ.get(ALLOW_UNTESTED_ENV) == "1":
             covering = list(self.anchor_sets)  # an untested version: whichever family's anchors all match
         elif not covering:
-            libraries = _libraries(r for s in self.anchor_sets for r in s.rewrites)
+            libraries = libraries_of(r for s in self.anchor_sets for r in s.rewrites)
             shown = " / ".join(f"{name} {installed(name)}" for name in libraries)
             families = ", ".join(s.family for s in self.anchor_sets)
             raise PatchError(
@@ -234,15 +246,7 @@ class Plan:
         With ``namespace``, all rewrites run in it and so call each other's new versions.
         """
         anchor_set = anchor_set or self.select(owners)
-        return {
-            target: rewrite_function(
-                resolve(owners, target),
-                [(r.anchor, r.replacement) for r in rewrites],
-                library=_libraries(rewrites),
-                namespace=namespace,
-            )
-            for target, rewrites in anchor_set.targets().items()
-        }
+        return {target: compile_target(owners, target, rewrites, namespace=namespace) for target, rewrites in anchor_set.targets().items()}
 
 
 def resolve(owners: Mapping[str, object], target: str):

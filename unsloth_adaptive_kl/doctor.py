@@ -22,7 +22,7 @@ import platform
 import sys
 from dataclasses import dataclass
 
-from ._source_patch import ALLOW_UNTESTED_ENV, PatchError, resolve, rewrite_function, version_of
+from ._source_patch import ALLOW_UNTESTED_ENV, PatchError, compile_target, libraries_of, version_of
 from .gpu_support import BLACKWELL, kernel_support
 from .versions import PYTHON, SUPPORTED
 
@@ -110,11 +110,9 @@ def plan_findings(plan, owners: dict, *, namespace: dict | None = None) -> list[
         return [Finding(f"{plan.backend} anchors", FAIL, str(error))]
     findings = []
     for target, rewrites in anchor_set.targets().items():
-        topic = f"{' / '.join(dict.fromkeys(r.library for r in rewrites))} {target}"
+        topic = f"{' / '.join(libraries_of(rewrites))} {target}"
         try:
-            rewrite_function(
-                resolve(owners, target), [(r.anchor, r.replacement) for r in rewrites], library=rewrites[0].library, namespace=namespace
-            )
+            compile_target(owners, target, rewrites, namespace=namespace)
         except PatchError as error:
             findings.append(Finding(topic, FAIL, str(error)))
         else:

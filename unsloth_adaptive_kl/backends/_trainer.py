@@ -326,8 +326,6 @@ def backend_description(trainer) -> str:
     return trainer._adaptive_kl.describe()
 
 
-
-
 #: What :func:`patch_trainer_class` wraps, and :func:`patch_config_class` replaces (doctor checks they exist).
 WRAPPED_TRAINER_METHODS = ("__init__", "_generate_and_score_completions", "_load_callback_state")
 CONFIG_ATTRIBUTES = ("__init__", "__post_init__", "__dataclass_fields__")

@@ -8,7 +8,7 @@ same ``(loss, (kl_mean, clip_ratio))`` (``(loss, (clip_ratio,))`` when β is 0).
 :mod:`unsloth_adaptive_kl.config`. One call is three steps:
 
 1. **Per-token log-probs** from the final hidden states and the LM head, logits never
-   materialised (TRL's chunked log-prob kernel: ``backends/_liger_inputs.py``).
+   materialised (TRL's chunked log-prob kernel: ``backends/_liger_parts.py``).
 2. **Batch-level quantities**, from the whole batch before anything else: the estimator's
    statistic (``bottom_q``'s threshold) and the number of completions (``length_normalized``).
 3. **The elementwise loss** (``torch.compile``d when ``compiled=True``). The policy part *is*

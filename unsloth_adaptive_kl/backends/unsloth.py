@@ -40,7 +40,7 @@ from typing import NamedTuple
 import torch
 
 from .. import metrics
-from .._source_patch import AnchorSet, PatchError, Plan, Rewrite, check_version, set_attribute, version_of
+from .._source_patch import AnchorSet, PatchError, Plan, Rewrite, check_version, set_attribute, split_target, version_of
 from ..config import FIELD_NAMES
 from ..estimators import estimate_kl, get_estimator
 from ..kl_term import KLTerm
@@ -51,6 +51,19 @@ GENERATED_MODULE = "UnslothGRPOTrainer"
 STATS_SIZE = 1 + metrics.NUM_SUMS  # Unsloth's mean_kl, then metrics.local_kl_sums
 
 # -- the plan --------------------------------------------------------------------------------------------
+def _gate(indent: str) -> Rewrite:
+    """``trainer.beta`` in the call of ``UnslothEfficientGRPO.apply`` (indented ``indent``, which
+    differs between unsloth_zoo lines) becomes the constant gate, with β put in the kwargs."""
+    return Rewrite(
+        "grpo_accumulated_loss",
+        "unsloth_zoo",
+        f"{indent}trainer.beta,\n{indent}trainer.accelerator.scaler,\n{indent}1,\n",
+        f"{indent}trainer._adaptive_kl.fused_beta_gate(kwargs, ref_logps, completion_mask),\n"
+        f"{indent}trainer.accelerator.scaler,\n{indent}1,\n",
+        "β goes in kwargs['adaptive_kl'] as a tensor; the compiled loss sees a constant gate",
+    )
+
+
 UNSLOTH_2026_10 = AnchorSet(
     family="unsloth 2026.10",
     versions={"unsloth_zoo": ">=2026.10,<2026.11"},
@@ -96,14 +109,7 @@ UNSLOTH_2026_10 = AnchorSet(
             f"        accumulated_mean_kl           = torch.zeros({STATS_SIZE}, dtype = torch.float64, device = device)\n",
             "the mean_kl accumulator holds Unsloth's kl and the metric sums",
         ),
-        Rewrite(
-            "grpo_accumulated_loss",
-            "unsloth_zoo",
-            "                trainer.beta,\n                trainer.accelerator.scaler,\n                1,\n",
-            "                trainer._adaptive_kl.fused_beta_gate(kwargs, ref_logps, completion_mask),\n"
-            "                trainer.accelerator.scaler,\n                1,\n",
-            "β goes in kwargs['adaptive_kl'] as a tensor; the compiled loss sees a constant gate",
-        ),
+        _gate(" " * 16),
         Rewrite(
             "UnslothGRPOTrainer.compute_loss",
             "unsloth",
@@ -162,16 +168,7 @@ UNSLOTH_2026_8 = AnchorSet(
             '        adaptive_kl_i = kwargs["adaptive_kl"].term.shape(kl_i)\n',
             "the configured estimator (this Unsloth's k3 is unclamped, with no bias correction) and the shaping",
         ),
-        _ADD, _FINISH_BEFORE_2026_10, _FORWARD,
-        Rewrite(
-            "grpo_accumulated_loss",
-            "unsloth_zoo",
-            "            trainer.beta,\n            trainer.accelerator.scaler,\n            1,\n",
-            "            trainer._adaptive_kl.fused_beta_gate(kwargs, ref_logps, completion_mask),\n"
-            "            trainer.accelerator.scaler,\n            1,\n",
-            _GATE.why,
-        ),
-        _TRAINER_KL,
+        _ADD, _FINISH_BEFORE_2026_10, _FORWARD, _gate(" " * 12), _TRAINER_KL,
     ),
 )  # fmt: skip
 PLAN = Plan(backend="unsloth", anchor_sets=(UNSLOTH_2026_10, UNSLOTH_2026_9, UNSLOTH_2026_8))  # newest first
@@ -330,7 +327,7 @@ def patch_generated_module(module) -> None:
     _trainer.patch_config_class(pristine_config, after_post_init=maybe_patch)
     _graft_config_fields(config_cls, pristine_config)
     for target, function in built.items():
-        owner, _, name = target.rpartition(".")
+        owner, name = split_target(target)
         set_attribute(targets[owner], name, function)
     _trainer.patch_trainer_class(trainer_cls, UnslothAdaptiveKL, loss_path=("compute_loss",))
     _patched_module = module
