@@ -24,3 +24,18 @@ def tiny_checkpoint(tmp_path_factory):
 import sys  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """``fake_gpu(capability, arch_list)``: torch.cuda reports one GPU, "Test GPU", of that compute
+    capability, and a torch build with that arch list (for doctor's GPU check without a GPU)."""
+
+    def install(capability, arch_list):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: capability)
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: "Test GPU")
+        monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: arch_list)
+
+    return install

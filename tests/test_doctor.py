@@ -137,12 +137,8 @@ def test_an_out_of_range_unsloth_fails_naming_its_range(monkeypatch):
         ((12, 1), ["sm_100", "sm_120"], doctor.OK, ["(Blackwell)", "has sm_120 kernels, which run on 12.1"]),
     ],
 )
-def test_gpu_capability_blackwell_and_torch_support(monkeypatch, capability, arch_list, status, words):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: capability)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: "Test GPU")
-    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: arch_list)
+def test_gpu_capability_blackwell_and_torch_support(fake_gpu, capability, arch_list, status, words):
+    fake_gpu(capability, arch_list)
     (finding,) = doctor.gpus()
     assert finding.status == status and finding.topic == "GPU 0"
     assert all(w in finding.detail for w in words), finding.detail

@@ -12,7 +12,6 @@ import os
 import sys
 
 import pytest
-import torch
 
 from unsloth_adaptive_kl import doctor
 from unsloth_adaptive_kl.gpu_support import kernel_support, parse_target
@@ -74,12 +73,8 @@ def test_targets_parse_into_capability_kind_and_suffix():
 
 # -- doctor.gpus: ok with a cubin, warn with PTX only, FAIL with neither ---------------------------
 @pytest.mark.parametrize("capability, arch_list, cubin, ptx", CASES)
-def test_doctor_reports_each_case_by_the_rule(monkeypatch, capability, arch_list, cubin, ptx):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: capability)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: "Test GPU")
-    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: arch_list)
+def test_doctor_reports_each_case_by_the_rule(fake_gpu, capability, arch_list, cubin, ptx):
+    fake_gpu(capability, arch_list)
     (finding,) = doctor.gpus()
     assert finding.status == (doctor.OK if cubin else doctor.WARN if ptx else doctor.FAIL), finding.detail
     assert kernel_support(capability, arch_list).reason in finding.detail
