@@ -200,3 +200,23 @@ def test_smoke_writes_the_plot_or_says_why_not(smoke):
     else:
         png = (out / "curves.png").read_bytes()
         assert png.startswith(b"\x89PNG") and len(png) > 10_000
+
+
+# -- the warm start's learning rate ------------------------------------------------------------------
+@pytest.mark.parametrize("task", ["easy", "hard"])
+def test_warm_start_lr_reaches_the_optimizer_and_names_the_setting(task, tmp_path, monkeypatch):
+    from demo import settings as demo_settings
+    from demo import tasks as demo_tasks
+
+    from unsloth_adaptive_kl import toy
+
+    seen = []
+    monkeypatch.setattr(toy, "supervised_warm_start", lambda *a, lr, **k: seen.append(lr) or 1.0)
+    args = demo.parse_args(["--task", task, "--warm-start-lr", "1e-3", "--hidden-size", "16", "--layers", "1",
+                            "--warm-start-steps", "1", "--output-dir", str(tmp_path)])
+    settings = demo_settings.settings_from(args)
+    demo_tasks.starting_model(args, settings, seed=0, device="cpu")
+    assert seen == [1e-3]
+    assert demo_settings.default_tag(settings).endswith("-wlr0.001")
+    default = demo_settings.settings_from(demo.parse_args(["--task", task]))
+    assert default.warm_start_lr == 3e-3 and "wlr" not in demo_settings.default_tag(default)

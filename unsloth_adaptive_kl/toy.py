@@ -211,7 +211,8 @@ def supervised_warm_start(model, tokenizer, texts: list[str], *, batch_size: int
 
 
 def build_scratchpad_checkpoint(
-    path: str, *, seed: int = 0, hidden_size: int = 128, layers: int = 4, warm_start_steps: int = 400, device: str = "cpu"
+    path: str, *, seed: int = 0, hidden_size: int = 128, layers: int = 4, warm_start_steps: int = 400, device: str = "cpu",
+    lr: float = 3e-3,
 ) -> dict:
     """Build, warm-start and save the starting model of the scratchpad task; return what was done.
 
@@ -225,7 +226,7 @@ def build_scratchpad_checkpoint(
     batch_size = 64
     rows = sum_problems(warm_start_steps * batch_size, seed=seed + 1)
     texts = [r["prompt"] + worked_solution(r["terms"], rng.randrange(3)) + tokenizer.eos_token for r in rows]
-    loss = supervised_warm_start(model, tokenizer, texts, batch_size=batch_size) if warm_start_steps else float("nan")
+    loss = supervised_warm_start(model, tokenizer, texts, batch_size=batch_size, lr=lr) if warm_start_steps else float("nan")
     model.to("cpu").save_pretrained(path)
     tokenizer.save_pretrained(path)
     del model

@@ -40,6 +40,8 @@ def parse_args(argv=None, description: str | None = None):
     p.add_argument("--layers", type=int, help=f"tiny Llama's layers (default {Settings.layers})")
     p.add_argument("--max-completion-length", type=int, help=f"default {Settings.max_completion_length}")
     p.add_argument("--warm-start-steps", type=int, help=f"supervised steps of batch 64 (default {Settings.warm_start_steps})")
+    p.add_argument("--warm-start-lr", type=float, help=f"the warm start's learning rate (default {Settings.warm_start_lr:g}; "
+                                                       "1e-3 for a 256-wide model)")
     p.add_argument("--tag", help="a name for this setting in the metrics (default: built from task, loss, β, model, "
                                  "length and steps)")
     p.add_argument("--stream", help="also append every run's per-step JSON lines to this file as they come "

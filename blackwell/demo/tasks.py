@@ -90,7 +90,8 @@ def starting_model(args, settings: Settings, seed: int, device: str) -> str:
     started = time.perf_counter()
     if settings.task == "easy":  # the original task: toy's own builder, unchanged
         built = toy.build_scratchpad_checkpoint(path, seed=seed, hidden_size=settings.hidden_size, layers=settings.layers,
-                                                warm_start_steps=settings.warm_start_steps, device=device)
+                                                warm_start_steps=settings.warm_start_steps, device=device,
+                                                lr=settings.warm_start_lr)
     else:
         built = build_task_checkpoint(path, settings, seed, device)
     print(f"seed {seed}: tiny Llama ({settings.hidden_size}x{settings.layers}) warm-started for "
@@ -113,7 +114,7 @@ def build_task_checkpoint(path: str, settings: Settings, seed: int, device: str)
     rng = random.Random(seed + 1)
     rows = toy.sum_problems(settings.warm_start_steps * 64, seed=seed + 1, **TASKS[settings.task])
     texts = [r["prompt"] + toy.worked_solution(r["terms"], rng.randrange(3)) + tokenizer.eos_token for r in rows]
-    loss = toy.supervised_warm_start(model, tokenizer, texts, batch_size=64) if settings.warm_start_steps else math.nan
+    loss = toy.supervised_warm_start(model, tokenizer, texts, batch_size=64, lr=settings.warm_start_lr) if settings.warm_start_steps else math.nan
     model.to("cpu").save_pretrained(path)
     tokenizer.save_pretrained(path)
     del model
