@@ -1,5 +1,6 @@
-"""bench/_common.py's statistics, bench_liger.py's kernel tiles and GEMM floor, and bench_trl.py's CPU smoke
-path (TRITON_INTERPRET=1): the scripts the GPU run (scripts/gpu/verify.sh, stage bench-1b) depends on."""
+"""bench/_common.py's statistics, schedule and patch switch, bench_liger.py's kernel tiles and GEMM floor, and
+the CPU smoke paths of bench_trl.py and bench_unsloth.py (TRITON_INTERPRET=1): the scripts the GPU run
+(scripts/gpu/verify.sh, stage bench-1b) depends on."""
 
 import json
 import os
@@ -62,6 +63,80 @@ def test_a_smaller_kernel_tile_gives_the_same_loss_and_gradients(monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_paired_ratio_cancels_a_drift_that_widens_the_unpaired_interval():
+    # the machine slows down by 1 % per round; the row is always exactly 1.02x stock within a round
+    stock = [1.0 + 0.01 * r for r in range(20)]
+    row = [1.02 * t for t in stock]
+    rounds = list(range(20))
+    ratios = _common.round_ratios(row, rounds, stock, rounds)
+    assert ratios == pytest.approx([1.02] * 20)
+    point, low, high = _common.paired_interval(ratios)
+    assert point == low == high == pytest.approx(1.02)
+    u_point, u_low, u_high = _common.ratio_interval(row, stock)
+    assert u_point == pytest.approx(1.02) and u_high - u_low > 0.05  # the drift is in the unpaired interval
+
+
+def test_round_ratios_pair_block_medians_of_the_same_round_only():
+    stock, stock_rounds = [1.0, 3.0, 2.0, 10.0], [0, 0, 1, 2]
+    row, row_rounds = [2.0, 2.0, 5.0, 4.0], [0, 0, 1, 3]
+    # round 0: 2 / median(1, 3) = 1; round 1: 5 / 2; rounds 2 and 3 have no pair
+    assert _common.round_ratios(row, row_rounds, stock, stock_rounds) == [1.0, 2.5]
+
+
+def test_run_rounds_interleaves_warms_up_first_blocks_and_stops_before_a_round_past_the_deadline():
+    import time
+
+    log = []
+    rows = [_common.Row(name=n, step=lambda n=n: log.append(n)) for n in "abc"]
+    blocks = []
+    done = _common.run_rounds(
+        rows, rounds=4, steps=2, warmup=1, first_warmup=3, device=torch.device("cpu"), deadline=time.monotonic() + 60,
+        on_block=lambda r, finished: blocks.append((r, finished)),
+    )  # fmt: skip
+    assert done == 4
+    for r in rows:
+        assert len(r.times) == 8 and r.rounds == [0, 0, 1, 1, 2, 2, 3, 3]
+        assert log.count(r.name) == 3 + 2 + 3 * (1 + 2)  # first block: 3 untimed; later blocks: 1 untimed
+    assert [f for _, f in blocks] == [False, False, True] * 4
+    assert log[:5] != ["a"] * 5 or log[5:10] != ["b"] * 5  # shuffled order (seeded): not always a, b, c
+    # a deadline already past: no round starts
+    late = [_common.Row(name="x", step=lambda: None)]
+    assert _common.run_rounds(late, rounds=3, steps=1, warmup=0, first_warmup=1, device=torch.device("cpu"), deadline=0.0, on_block=lambda *a: None) == 0
+    assert late[0].times == []
+
+
+def test_patch_switch_restores_exactly_what_unpatch_and_patch_set():
+    import trl
+
+    import unsloth_adaptive_kl
+    from unsloth_adaptive_kl import _source_patch
+
+    watched = [(owner, name) for owner, name, _, _ in _source_patch._ORIGINALS]
+    assert watched, "the suite runs patched"
+    trl.GRPOConfig(output_dir="/tmp/unused", use_cpu=True, report_to="none")  # the config hook may patch more
+    watched = [(owner, name) for owner, name, _, _ in _source_patch._ORIGINALS]
+
+    def state():
+        return [(name in owner.__dict__, owner.__dict__.get(name)) for owner, name in watched]
+
+    unsloth_adaptive_kl.unpatch()
+    stock = state()
+    unsloth_adaptive_kl.patch()
+    trl.GRPOConfig(output_dir="/tmp/unused", use_cpu=True, report_to="none")
+    patched = state()
+    switch = _common.PatchSwitch()
+    try:
+        assert [s is p for (_, s), (_, p) in zip(stock, patched)].count(False) > 0  # patching changed something
+        for _ in range(2):
+            switch.stock()
+            assert all(a[0] == b[0] and a[1] is b[1] for a, b in zip(state(), stock))
+            switch.patched()
+            assert all(a[0] == b[0] and a[1] is b[1] for a, b in zip(state(), patched))
+    finally:
+        switch.patched()
+    assert _source_patch.is_patched()
+
+
 def test_bench_trl_smoke_times_interleaved_rows_and_moves_beta_only_where_asked(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     import bench_trl
@@ -77,8 +152,8 @@ def test_bench_trl_smoke_times_interleaved_rows_and_moves_beta_only_where_asked(
     assert "| stock TRL (unpatched) | 4 |" in text and "| dynamic | 4 |" in text and "rounds completed: 2 of 2" in text
     (raw,) = json.loads((tmp_path / "trl.md.json").read_text()).values()
     rows = {r["name"]: r for r in raw}
-    assert all(len(r["times_s"]) == 4 and min(r["times_s"]) > 0 for r in rows.values())
+    assert all(len(r["times_s"]) == 4 and min(r["times_s"]) > 0 and r["rounds"] == [0, 0, 1, 1] for r in rows.values())
     assert rows["stock TRL (unpatched)"]["beta_now"] == rows["stock TRL (unpatched)"]["beta_start"] == 0.04
-    # the dynamic controller ran at every step end: 0.04 * 0.9 ** (2 rounds x (1 warm-up + 2 timed))
-    assert rows["dynamic"]["beta_now"] == pytest.approx(0.04 * 0.9**6)
+    # the dynamic controller ran at every step end: 0.04 * 0.9 ** (1 first warm-up + 2 rounds x 2 timed)
+    assert rows["dynamic"]["beta_now"] == pytest.approx(0.04 * 0.9**5)
     assert rows["beta -> 0 (dynamic, beta_min=0)"]["beta_now"] == 0.0
