@@ -2,8 +2,10 @@
 the CPU smoke paths of bench_trl.py and bench_unsloth.py (TRITON_INTERPRET=1): the scripts the GPU run
 (scripts/gpu/verify.sh, stage bench-1b) depends on."""
 
+import importlib.util
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -157,3 +159,31 @@ def test_bench_trl_smoke_times_interleaved_rows_and_moves_beta_only_where_asked(
     # the dynamic controller ran at every step end: 0.04 * 0.9 ** (1 first warm-up + 2 rounds x 2 timed)
     assert rows["dynamic"]["beta_now"] == pytest.approx(0.04 * 0.9**5)
     assert rows["beta -> 0 (dynamic, beta_min=0)"]["beta_now"] == 0.0
+
+
+@pytest.mark.skipif(importlib.util.find_spec("unsloth") is None, reason="unsloth is not installed")
+def test_bench_unsloth_smoke_runs_the_generated_trainer_interleaved_with_stock_and_patched_rows(tmp_path):
+    # In a fresh process: ``import unsloth`` rebinds TRL's classes process-wide.
+    out = tmp_path / "unsloth.md"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(BENCH), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(
+        [sys.executable, os.path.join(BENCH, "bench_unsloth.py"), "--smoke", "--rows", "stock,dynamic,zero", "--out", str(out)],
+        capture_output=True, text=True, timeout=600, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    text = out.read_text()
+    assert "| stock Unsloth (unpatched) | 2 |" in text and "| dynamic | 2 |" in text and text.count("rounds completed: 2 of 2") == 2
+    sections = json.loads((tmp_path / "unsloth.md.json").read_text())
+    assert list(sections) == ["lora: LoRA r=16 (FastLanguageModel.get_peft_model)", "full: full fine-tuning (full_finetuning=True), separate reference model"]
+    for raw in sections.values():
+        rows = {r["name"]: r for r in raw}
+        assert all(r["rounds"] == [0, 1] and min(r["times_s"]) > 0 for r in rows.values())
+        # stock ran Unsloth's own loss (β never moves); dynamic ran the patched one at every step:
+        # 0.04 * 0.9 ** (2 first warm-up steps + 2 timed); beta -> 0 reached 0 after its first step
+        assert rows["stock Unsloth (unpatched)"]["beta_now"] == rows["stock Unsloth (unpatched)"]["beta_start"] == 0.04
+        assert rows["dynamic"]["beta_now"] == pytest.approx(0.04 * 0.9**4)
+        assert rows["beta -> 0 (dynamic, beta_min=0)"]["beta_now"] == 0.0
+        # the fused loss was compiled (TorchInductor on the CPU) in the first blocks, and never again
+        # in a timed step, although every block switched between Unsloth's functions and ours
+        assert sum(r["graphs_in_warmup"] for r in rows.values()) > 0
+        assert [r["graphs"] for r in rows.values()] == [0, 0, 0]
