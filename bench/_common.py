@@ -291,8 +291,9 @@ def run_rounds(
     on_block: Callable[[int, bool], None], seed: int = 0,
 ) -> int:  # fmt: skip
     """Run up to ``rounds`` rounds (each row's block once per round, shuffled order); returns the
-    rounds completed. A round starts only if the longest round so far fits before ``deadline``
-    (``time.monotonic()``). ``on_block(round_index, round_finished)`` is called after every block.
+    rounds completed. A round starts only if the longest round so far, not counting the first
+    blocks' warm-up (compilation), fits before ``deadline`` (``time.monotonic()``).
+    ``on_block(round_index, round_finished)`` is called after every block.
 
     Garbage collection: everything built before the first round is frozen (``gc.freeze``), a
     collection runs before each block, and the collector is off during the block's steps (a full
@@ -307,7 +308,7 @@ def run_rounds(
     for round_index in range(rounds):
         if time.monotonic() + longest_round > deadline:
             break
-        round_start = time.monotonic()
+        round_start, first_warmup_time = time.monotonic(), 0.0
         order = list(rows)
         rng.shuffle(order)
         for position, row in enumerate(order):
@@ -315,9 +316,11 @@ def run_rounds(
             gc.collect()
             gc.disable()
             try:
-                graphs_before = compiled_graphs()
+                graphs_before, warmup_start = compiled_graphs(), time.monotonic()
                 for _ in range(warmup if id(row) in started else first_warmup):
                     row.step()
+                if id(row) not in started:
+                    first_warmup_time += time.monotonic() - warmup_start
                 started.add(id(row))
                 row.graphs_in_warmup += compiled_graphs() - graphs_before
                 if cuda:
@@ -337,7 +340,7 @@ def run_rounds(
                 gc.enable()
             on_block(round_index, position == len(order) - 1)
         done += 1
-        longest_round = max(longest_round, time.monotonic() - round_start)
+        longest_round = max(longest_round, time.monotonic() - round_start - first_warmup_time)
     gc.unfreeze()
     return done
 

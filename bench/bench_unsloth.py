@@ -78,7 +78,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.smoke:
         args.hidden, args.layers, args.vocab, args.prompt, args.min_completion, args.max_completion = 64, 2, 300, 4, 6, 12
-        args.batch, args.rounds = min(args.batch, 4), min(args.rounds, 2)
+        args.batch, args.rounds = min(args.batch, 4), min(args.rounds, 3)
     if args.first_warmup < 2:
         p.error("--first-warmup must be at least 2 (the beta -> 0 row reaches 0 after its first step; its graph for 0 compiles in the second)")
     for mode in args.modes.split(","):
