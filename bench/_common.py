@@ -1,18 +1,29 @@
-"""What the GRPO step benchmarks share: the model, the fixed batch, the timer, the interleaved
-schedule, the statistics and the tables (each written once, here).
+"""What the GRPO step benchmarks share: the model, the fixed batch, the timed step's reference
+forward, the timer, the interleaved schedule, the statistics and the tables (each written once, here).
 
 Method (docs/benchmarks.md): every row trains the same model on the SAME fixed batch (built once,
-not generated: generation is not part of what is compared). Rows run interleaved: in every round,
-each row in a random order (seeded) runs ``warmup`` untimed steps then ``steps`` timed ones, so
-the drift of the machine (clocks, temperature, other tenants) falls on every row alike. A step is
-timed with CUDA events (``time.perf_counter`` on CPU). The ratio of a row to stock is
-``median(row) / median(stock)`` over all its timed steps, with a 95 % percentile-bootstrap interval
-(both samples resampled with replacement, ``BOOTSTRAP`` times, fixed seed). After every row-round
-the tables so far are rewritten to ``--out`` (a run cut short keeps what it measured).
+not generated: generation is not part of what is compared). Rows run interleaved: every round runs
+each row's block once, in a random order (seeded); a block is ``warmup`` untimed steps (``first_warmup``
+in a row's first block: compilation, autotuning, optimizer state) then ``steps`` timed ones. A step
+is timed with CUDA events (``time.perf_counter`` on CPU), with the GPU idle and Python's garbage
+collector off while it runs. Two ratios to stock are reported:
+
+* paired (the headline): for every round, median(row's block) / median(stock's block) of that
+  round; the median over rounds, with a 95 % percentile-bootstrap interval over rounds. The two
+  blocks of a pair ran seconds apart, so slow drift (clocks, temperature) cancels in each pair, and
+  rounds are the units the random order makes independent;
+* unpaired: median(all the row's steps) / median(all stock's steps), with a 95 % bootstrap
+  interval resampling both samples' steps.
+
+Rounds stop before one that would not finish by the deadline, so every row gets the same number.
+After every block the raw timings are rewritten to ``--out.json``, and after every round the tables
+to ``--out`` (a run cut short keeps what it measured).
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import os
 import random
@@ -21,44 +32,57 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 
 BOOTSTRAP = 2000
+MIN_ROUNDS_FOR_PAIRED = 10  # below this, a bootstrap over rounds says little: the table marks it
 
 
 # -- the model ----------------------------------------------------------------------------------------------
-def build_checkpoint(path: str, *, hidden: int, layers: int, vocab: int, max_len: int, device: str = "cpu") -> str:
-    """A randomly initialised bf16 Llama and a word-level tokenizer of exactly ``vocab`` tokens, saved to ``path``.
-
-    Llama-3.2-1B's shape at hidden 2048 / 16 layers / vocab 128256 (GQA 32/8 heads, MLP 8192).
-    """
+def build_tokenizer(vocab: int):
+    """A word-level tokenizer of exactly ``vocab`` tokens (``w0``, ``w1``, ... after 4 specials)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     specials = ["<pad>", "<eos>", "<bos>", "<unk>"]
     words = {tok: i for i, tok in enumerate(specials + [f"w{i}" for i in range(vocab - len(specials))])}
     tok = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(
+    return PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>", unk_token="<unk>", padding_side="left"
     )
+
+
+def build_model(*, hidden: int, layers: int, vocab: int, max_len: int, device: str = "cpu", dtype=torch.bfloat16, seed: int = 0):
+    """A randomly initialised Llama (seeded: the same weights on every call with the same arguments).
+
+    Llama-3.2-1B's shape at hidden 2048 / 16 layers / vocab 128256 (GQA 32/8 heads, MLP 8192), untied.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     heads = max(1, hidden // 64)
     config = LlamaConfig(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=max(1, heads // 4), max_position_embeddings=max_len,
         pad_token_id=0, eos_token_id=1, bos_token_id=2, tie_word_embeddings=False,
     )  # fmt: skip
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     with torch.device(device):  # random init on the GPU: seconds instead of a minute for 1 B parameters
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
+        return LlamaForCausalLM(config).to(dtype)
+
+
+def build_checkpoint(path: str, *, hidden: int, layers: int, vocab: int, max_len: int, device: str = "cpu") -> str:
+    """:func:`build_model` (bf16) and :func:`build_tokenizer`, saved to ``path`` (for loaders that need a path)."""
+    model = build_model(hidden=hidden, layers=layers, vocab=vocab, max_len=max_len, device=device)
     model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    build_tokenizer(vocab).save_pretrained(path)
     del model
     return path
 
 
 def parameter_count(hidden: int, layers: int, vocab: int) -> int:
-    """Parameters of :func:`build_checkpoint`'s model (embedding and LM head untied)."""
+    """Parameters of :func:`build_model`'s model (embedding and LM head untied)."""
     heads = max(1, hidden // 64)
     kv = max(1, heads // 4) * 64
     per_layer = 2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * 4 * hidden + 2 * hidden
@@ -91,15 +115,100 @@ def fixed_batch(*, batch: int, prompt_len: int, min_completion: int, max_complet
     return {k: v.to(device) for k, v in inputs.items()}
 
 
+def activation_gib(tokens: int, hidden: int, layers: int) -> float:
+    """Rough bf16 activation memory of one forward + backward without gradient checkpointing.
+
+    Per token and layer a Llama block keeps about 56·hidden bytes for backward (norm inputs in
+    float32, q/k/v/attention output, and the 4·hidden-wide gate, up, SiLU and product of the MLP).
+    The measured peak of the earlier run (docs/benchmarks.md: 9.39 GiB above start for 4 x 1088
+    tokens, full fine-tuning, 3 GiB of it gradients) gives 1.5 MiB per token, close to 56·2048·16.
+    """
+    return tokens * layers * 56 * hidden / 2**30
+
+
+# -- the training step's reference forward ------------------------------------------------------------------
+def reference_logps(trainer, model, inputs):
+    """The reference forward of ``_generate_and_score_completions`` (TRL 1.15, and Unsloth's copy of it)
+    in its β != 0 branch: the separate reference model, or under PEFT the policy with the adapter off
+    (or TRL's frozen copy of it, named ``ref``); no grad, gradient checkpointing off."""
+    from trl.models.utils import disable_gradient_checkpointing
+    from trl.trainer.grpo_trainer import use_adapter
+
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    keep = inputs["completion_ids"].size(1)
+    with torch.no_grad(), disable_gradient_checkpointing(trainer.model, trainer.args.gradient_checkpointing_kwargs):
+        if trainer.ref_model is not None:
+            return trainer._get_per_token_logps_and_entropies(trainer.ref_model, ids, mask, keep, batch_size=ids.size(0))[0]
+        with use_adapter(model, adapter_name="ref" if "ref" in model.peft_config else None):
+            return trainer._get_per_token_logps_and_entropies(model, ids, mask, keep, batch_size=ids.size(0))[0]
+
+
+@contextlib.contextmanager
+def shared_reference(module, ref_model):
+    """Make every trainer built inside use ``ref_model`` as its separate reference model instead of
+    loading its own copy: ``module`` is the trainer's module (TRL's grpo_trainer, or Unsloth's
+    generated one), whose ``create_model_from_path`` makes the reference when β != 0."""
+    original = module.create_model_from_path
+    module.create_model_from_path = lambda *a, **k: ref_model
+    try:
+        yield
+    finally:
+        module.create_model_from_path = original
+
+
+# -- switching the patch without making new functions --------------------------------------------------------
+class PatchSwitch:
+    """Switch the package between unpatched and patched with the SAME objects every time.
+
+    ``unpatch()`` then ``patch()`` compiles the rewritten functions anew: new code objects, which
+    ``torch.compile`` (Unsloth's fused loss) compiles again, seconds per switch. Built while
+    patched, this records the ledger of :mod:`unsloth_adaptive_kl._source_patch` (every attribute
+    the package set, with what was there before) and the patched values; ``stock()`` restores the
+    originals exactly as ``unpatch()`` does (same objects, same order), ``patched()`` puts the
+    recorded patched objects back. The ledger itself is left as it is (the package still counts
+    as patched), so the package's own ``patch()``/``unpatch()`` keep working afterwards.
+    """
+
+    def __init__(self):
+        from unsloth_adaptive_kl import _source_patch
+
+        if not _source_patch.is_patched():
+            raise RuntimeError("PatchSwitch needs the package patched (call unsloth_adaptive_kl.patch() first)")
+        self._ledger = list(_source_patch._ORIGINALS)
+        self._patched = {(id(owner), name): (owner, name, owner.__dict__[name]) for owner, name, _, _ in self._ledger}
+        self.state = "patched"
+
+    def stock(self) -> None:
+        if self.state == "stock":
+            return
+        for owner, name, value, had_own in reversed(self._ledger):
+            if had_own:
+                setattr(owner, name, value)
+            elif name in owner.__dict__:
+                delattr(owner, name)
+        self.state = "stock"
+
+    def patched(self) -> None:
+        if self.state == "patched":
+            return
+        for owner, name, value in self._patched.values():
+            setattr(owner, name, value)
+        self.state = "patched"
+
+
 # -- timing -----------------------------------------------------------------------------------------------
 class Timer:
-    """Seconds of GPU work between ``start()`` and ``stop()`` (CUDA events), or wall time on CPU."""
+    """Seconds of GPU work between ``start()`` and ``stop()`` (CUDA events), or wall time on CPU.
+
+    ``start()`` waits for the GPU to be idle first, so a step never starts behind earlier work."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
 
     def start(self):
         if self.cuda:
+            torch.cuda.synchronize()
             self._begin = torch.cuda.Event(enable_timing=True)
             self._end = torch.cuda.Event(enable_timing=True)
             self._begin.record()
@@ -115,29 +224,59 @@ class Timer:
 
 
 # -- statistics ----------------------------------------------------------------------------------------------
+def _bootstrap_medians(sample: list[float], rng: np.random.Generator, resamples: int) -> np.ndarray:
+    values = np.asarray(sample, dtype=np.float64)
+    return np.median(values[rng.integers(0, len(values), size=(resamples, len(values)))], axis=1)
+
+
+def _interval(point: float, draws: np.ndarray) -> tuple[float, float, float]:
+    low, high = np.quantile(draws, [0.025, 0.975])
+    return float(point), float(low), float(high)
+
+
 def ratio_interval(row: list[float], stock: list[float], *, seed: int = 0, resamples: int = BOOTSTRAP) -> tuple[float, float, float]:
-    """``median(row) / median(stock)`` and its 95 % percentile-bootstrap interval."""
+    """Unpaired: ``median(row) / median(stock)`` and its 95 % percentile-bootstrap interval (both
+    samples resampled with replacement, independently)."""
     if not row or not stock:
         return (float("nan"),) * 3
-    rng = random.Random(seed)
-    point = statistics.median(row) / statistics.median(stock)
-    ratios = sorted(
-        statistics.median(rng.choices(row, k=len(row))) / statistics.median(rng.choices(stock, k=len(stock))) for _ in range(resamples)
-    )
-    return point, ratios[int(0.025 * resamples)], ratios[min(resamples - 1, int(0.975 * resamples))]
+    rng = np.random.default_rng(seed)
+    draws = _bootstrap_medians(row, rng, resamples) / _bootstrap_medians(stock, rng, resamples)
+    return _interval(statistics.median(row) / statistics.median(stock), draws)
+
+
+def round_ratios(row_times: list[float], row_rounds: list[int], stock_times: list[float], stock_rounds: list[int]) -> list[float]:
+    """For every round where both ran: median of the row's steps / median of stock's steps in that round."""
+
+    def by_round(times, rounds):
+        blocks: dict[int, list[float]] = {}
+        for t, r in zip(times, rounds):
+            blocks.setdefault(r, []).append(t)
+        return blocks
+
+    row, stock = by_round(row_times, row_rounds), by_round(stock_times, stock_rounds)
+    return [statistics.median(row[r]) / statistics.median(stock[r]) for r in sorted(row) if r in stock]
+
+
+def paired_interval(ratios: list[float], *, seed: int = 0, resamples: int = BOOTSTRAP) -> tuple[float, float, float]:
+    """Paired: the median of the per-round ratios and its 95 % percentile-bootstrap interval over rounds."""
+    if not ratios:
+        return (float("nan"),) * 3
+    return _interval(statistics.median(ratios), _bootstrap_medians(ratios, np.random.default_rng(seed), resamples))
 
 
 # -- the interleaved schedule ---------------------------------------------------------------------------------
 @dataclass
 class Row:
-    """One configuration. ``step()`` runs one timed training step; ``graphs()`` counts compiled graphs."""
+    """One configuration. ``step()`` runs one training step; ``activate()`` runs before each of its blocks."""
 
     name: str
     step: Callable[[], None]
-    activate: Callable[[], None] = lambda: None  # before each of its blocks (e.g. patch or unpatch)
+    activate: Callable[[], None] = lambda: None  # e.g. patch or unpatch
     times: list[float] = field(default_factory=list)
+    rounds: list[int] = field(default_factory=list)  # the round of each timed step
     peaks: list[float] = field(default_factory=list)  # bytes above the allocation at the block's start
     graphs_in_timed_steps: int = 0
+    graphs_in_warmup: int = 0
     info: dict = field(default_factory=dict)
 
 
@@ -147,36 +286,62 @@ def compiled_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def run_rounds(rows: list[Row], *, rounds: int, steps: int, warmup: int, device, deadline: float, on_round: Callable[[int], None], seed: int = 0) -> int:
-    """Run up to ``rounds`` rounds (each row once per round, shuffled order) before ``deadline``
-    (``time.monotonic()``); returns the rounds completed. ``on_round`` gets called after every row-block."""
+def run_rounds(
+    rows: list[Row], *, rounds: int, steps: int, warmup: int, first_warmup: int, device, deadline: float,
+    on_block: Callable[[int, bool], None], seed: int = 0,
+) -> int:  # fmt: skip
+    """Run up to ``rounds`` rounds (each row's block once per round, shuffled order); returns the
+    rounds completed. A round starts only if the longest round so far, not counting the first
+    blocks' warm-up (compilation), fits before ``deadline`` (``time.monotonic()``).
+    ``on_block(round_index, round_finished)`` is called after every block.
+
+    Garbage collection: everything built before the first round is frozen (``gc.freeze``), a
+    collection runs before each block, and the collector is off during the block's steps (a full
+    collection over the trainers' objects in a timed step was a plausible cause of the earlier
+    run's +30-50 % outlier steps)."""
     timer = Timer(device)
     rng = random.Random(seed)
     cuda = device.type == "cuda"
-    done = 0
+    gc.collect()
+    gc.freeze()
+    longest_round, done, started = 0.0, 0, set()
     for round_index in range(rounds):
+        if time.monotonic() + longest_round > deadline:
+            break
+        round_start, first_warmup_time = time.monotonic(), 0.0
         order = list(rows)
         rng.shuffle(order)
-        for row in order:
-            if time.monotonic() > deadline:
-                return done
+        for position, row in enumerate(order):
             row.activate()
-            for _ in range(warmup):
-                row.step()
-            if cuda:
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-                at_start = torch.cuda.memory_allocated()
-            graphs_before = compiled_graphs()
-            for _ in range(steps):
-                timer.start()
-                row.step()
-                row.times.append(timer.stop())
-            row.graphs_in_timed_steps += compiled_graphs() - graphs_before
-            if cuda:
-                row.peaks.append(torch.cuda.max_memory_allocated() - at_start)
-            on_round(round_index)
+            gc.collect()
+            gc.disable()
+            try:
+                graphs_before, warmup_start = compiled_graphs(), time.monotonic()
+                for _ in range(warmup if id(row) in started else first_warmup):
+                    row.step()
+                if id(row) not in started:
+                    first_warmup_time += time.monotonic() - warmup_start
+                started.add(id(row))
+                row.graphs_in_warmup += compiled_graphs() - graphs_before
+                if cuda:
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                    at_start = torch.cuda.memory_allocated()
+                graphs_before = compiled_graphs()
+                for _ in range(steps):
+                    timer.start()
+                    row.step()
+                    row.times.append(timer.stop())
+                    row.rounds.append(round_index)
+                row.graphs_in_timed_steps += compiled_graphs() - graphs_before
+                if cuda:
+                    row.peaks.append(torch.cuda.max_memory_allocated() - at_start)
+            finally:
+                gc.enable()
+            on_block(round_index, position == len(order) - 1)
         done += 1
+        longest_round = max(longest_round, time.monotonic() - round_start - first_warmup_time)
+    gc.unfreeze()
     return done
 
 
@@ -184,42 +349,57 @@ def run_rounds(rows: list[Row], *, rounds: int, steps: int, warmup: int, device,
 def table(rows: list[Row], stock_name: str) -> str:
     stock = next((r for r in rows if r.name == stock_name), None)
     lines = [
-        "| row | timed steps | median step (ms) | vs stock | 95 % interval | peak above start (GiB) | vs stock | graphs compiled in timed steps |",
-        "|---|---|---|---|---|---|---|---|",
+        "| row | timed steps | median step (ms) | paired vs stock | paired 95 % | unpaired vs stock | unpaired 95 % | "
+        "peak above start (GiB) | vs stock | graphs compiled in timed steps (in warm-up) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if not r.times:
-            lines.append(f"| {r.name} | 0 | not measured | | | | | |")
+            lines.append(f"| {r.name} | 0 | not measured | | | | | | | |")
             continue
         point, low, high = ratio_interval(r.times, stock.times if stock else [])
+        ratios = round_ratios(r.times, r.rounds, stock.times, stock.rounds) if stock else []
+        p_point, p_low, p_high = paired_interval(ratios)
+        few = " (few rounds)" if len(ratios) < MIN_ROUNDS_FOR_PAIRED else ""
         if r.peaks and stock and stock.peaks:  # CUDA only
             peak, stock_peak = max(r.peaks) / 2**30, max(stock.peaks) / 2**30
             memory = f"{peak:.3f} | {peak / stock_peak:.3f}x" if stock_peak else f"{peak:.3f} | n/a"
         else:
             memory = "n/a | n/a"
         lines.append(
-            f"| {r.name} | {len(r.times)} | {statistics.median(r.times) * 1e3:.2f} | {point:.3f}x | [{low:.3f}, {high:.3f}] | "
-            f"{memory} | {r.graphs_in_timed_steps} |"
+            f"| {r.name} | {len(r.times)} | {statistics.median(r.times) * 1e3:.2f} | {p_point:.3f}x | [{p_low:.3f}, {p_high:.3f}]{few} | "
+            f"{point:.3f}x | [{low:.3f}, {high:.3f}] | {memory} | {r.graphs_in_timed_steps} ({r.graphs_in_warmup}) |"
         )
     return "\n".join(lines)
 
 
 class Report:
-    """Collects a bench's tables and rewrites ``path`` (Markdown) and ``path + '.json'`` on every update."""
+    """Collects a bench's tables; rewrites ``path + '.json'`` (every timing) on every update and
+    ``path`` (Markdown, with the bootstrap intervals) when asked to."""
 
     def __init__(self, path: str | None, header: str):
         self.path, self.header, self.sections = path, header, {}
 
-    def update(self, title: str, rows: list[Row], stock_name: str, note: str = "") -> None:
-        self.sections[title] = (table(rows, stock_name), note, [{"name": r.name, "times_s": r.times, "peaks_bytes": r.peaks, "graphs": r.graphs_in_timed_steps, **r.info} for r in rows])
-        if self.path:
-            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-            with open(self.path + ".tmp", "w") as f:
-                f.write(self.text() + "\n")
-            os.replace(self.path + ".tmp", self.path)
-            with open(self.path + ".json.tmp", "w") as f:
-                json.dump({title: raw for title, (_, _, raw) in self.sections.items()}, f)
-            os.replace(self.path + ".json.tmp", self.path + ".json")
+    def update(self, title: str, rows: list[Row], stock_name: str, note: str = "", *, tables: bool = True) -> None:
+        raw = [
+            {"name": r.name, "times_s": r.times, "rounds": r.rounds, "peaks_bytes": r.peaks, "graphs": r.graphs_in_timed_steps,
+             "graphs_in_warmup": r.graphs_in_warmup, **r.info}
+            for r in rows
+        ]  # fmt: skip
+        text = table(rows, stock_name) if tables or title not in self.sections else self.sections[title][0]
+        self.sections[title] = (text, note, raw)
+        if not self.path:
+            return
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        self._write(self.path + ".json", json.dumps({t: r for t, (_, _, r) in self.sections.items()}))
+        if tables:
+            self._write(self.path, self.text() + "\n")
+
+    @staticmethod
+    def _write(path: str, content: str) -> None:
+        with open(path + ".tmp", "w") as f:
+            f.write(content)
+        os.replace(path + ".tmp", path)
 
     def text(self) -> str:
         parts = [self.header]

@@ -1,8 +1,11 @@
-"""bench/_common.py's statistics, bench_liger.py's kernel tiles and GEMM floor, and bench_trl.py's CPU smoke
-path (TRITON_INTERPRET=1): the scripts the GPU run (scripts/gpu/verify.sh, stage bench-1b) depends on."""
+"""bench/_common.py's statistics, schedule and patch switch, bench_liger.py's kernel tiles and GEMM floor, and
+the CPU smoke paths of bench_trl.py and bench_unsloth.py (TRITON_INTERPRET=1): the scripts the GPU run
+(scripts/gpu/verify.sh, stage bench-1b) depends on."""
 
+import importlib.util
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -62,6 +65,99 @@ def test_a_smaller_kernel_tile_gives_the_same_loss_and_gradients(monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_paired_ratio_cancels_a_drift_that_widens_the_unpaired_interval():
+    # the machine slows down by 1 % per round; the row is always exactly 1.02x stock within a round
+    stock = [1.0 + 0.01 * r for r in range(20)]
+    row = [1.02 * t for t in stock]
+    rounds = list(range(20))
+    ratios = _common.round_ratios(row, rounds, stock, rounds)
+    assert ratios == pytest.approx([1.02] * 20)
+    point, low, high = _common.paired_interval(ratios)
+    assert point == low == high == pytest.approx(1.02)
+    u_point, u_low, u_high = _common.ratio_interval(row, stock)
+    assert u_point == pytest.approx(1.02) and u_high - u_low > 0.05  # the drift is in the unpaired interval
+
+
+def test_round_ratios_pair_block_medians_of_the_same_round_only():
+    stock, stock_rounds = [1.0, 3.0, 2.0, 10.0], [0, 0, 1, 2]
+    row, row_rounds = [2.0, 2.0, 5.0, 4.0], [0, 0, 1, 3]
+    # round 0: 2 / median(1, 3) = 1; round 1: 5 / 2; rounds 2 and 3 have no pair
+    assert _common.round_ratios(row, row_rounds, stock, stock_rounds) == [1.0, 2.5]
+
+
+def test_run_rounds_interleaves_warms_up_first_blocks_and_stops_before_a_round_past_the_deadline():
+    import time
+
+    log = []
+    rows = [_common.Row(name=n, step=lambda n=n: log.append(n)) for n in "abc"]
+    blocks = []
+    done = _common.run_rounds(
+        rows, rounds=4, steps=2, warmup=1, first_warmup=3, device=torch.device("cpu"), deadline=time.monotonic() + 60,
+        on_block=lambda r, finished: blocks.append((r, finished)),
+    )  # fmt: skip
+    assert done == 4
+    for r in rows:
+        assert len(r.times) == 8 and r.rounds == [0, 0, 1, 1, 2, 2, 3, 3]
+        assert log.count(r.name) == 3 + 2 + 3 * (1 + 2)  # first block: 3 untimed; later blocks: 1 untimed
+    assert [f for _, f in blocks] == [False, False, True] * 4
+    assert log[:5] != ["a"] * 5 or log[5:10] != ["b"] * 5  # shuffled order (seeded): not always a, b, c
+    # a deadline already past: no round starts
+    late = [_common.Row(name="x", step=lambda: None)]
+    assert _common.run_rounds(late, rounds=3, steps=1, warmup=0, first_warmup=1, device=torch.device("cpu"), deadline=0.0, on_block=lambda *a: None) == 0
+    assert late[0].times == []
+
+
+def test_a_slow_first_warm_up_does_not_stop_the_rounds_that_fit():
+    import time
+
+    calls = {"a": 0, "b": 0}
+
+    def step(name):
+        calls[name] += 1
+        if calls[name] == 1:
+            time.sleep(0.4)  # compilation in the first (untimed) step
+
+    rows = [_common.Row(name=n, step=lambda n=n: step(n)) for n in "ab"]
+    # round 0 takes 0.8 s, all of it warm-up; later rounds take ~0: they fit in the 0.7 s left
+    done = _common.run_rounds(
+        rows, rounds=5, steps=1, warmup=0, first_warmup=1, device=torch.device("cpu"), deadline=time.monotonic() + 1.5,
+        on_block=lambda *a: None,
+    )  # fmt: skip
+    assert done == 5 and all(len(r.times) == 5 for r in rows)
+
+
+def test_patch_switch_restores_exactly_what_unpatch_and_patch_set():
+    import trl
+
+    import unsloth_adaptive_kl
+    from unsloth_adaptive_kl import _source_patch
+
+    watched = [(owner, name) for owner, name, _, _ in _source_patch._ORIGINALS]
+    assert watched, "the suite runs patched"
+    trl.GRPOConfig(output_dir="/tmp/unused", use_cpu=True, report_to="none")  # the config hook may patch more
+    watched = [(owner, name) for owner, name, _, _ in _source_patch._ORIGINALS]
+
+    def state():
+        return [(name in owner.__dict__, owner.__dict__.get(name)) for owner, name in watched]
+
+    unsloth_adaptive_kl.unpatch()
+    stock = state()
+    unsloth_adaptive_kl.patch()
+    trl.GRPOConfig(output_dir="/tmp/unused", use_cpu=True, report_to="none")
+    patched = state()
+    switch = _common.PatchSwitch()
+    try:
+        assert [s is p for (_, s), (_, p) in zip(stock, patched)].count(False) > 0  # patching changed something
+        for _ in range(2):
+            switch.stock()
+            assert all(a[0] == b[0] and a[1] is b[1] for a, b in zip(state(), stock))
+            switch.patched()
+            assert all(a[0] == b[0] and a[1] is b[1] for a, b in zip(state(), patched))
+    finally:
+        switch.patched()
+    assert _source_patch.is_patched()
+
+
 def test_bench_trl_smoke_times_interleaved_rows_and_moves_beta_only_where_asked(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     import bench_trl
@@ -77,8 +173,38 @@ def test_bench_trl_smoke_times_interleaved_rows_and_moves_beta_only_where_asked(
     assert "| stock TRL (unpatched) | 4 |" in text and "| dynamic | 4 |" in text and "rounds completed: 2 of 2" in text
     (raw,) = json.loads((tmp_path / "trl.md.json").read_text()).values()
     rows = {r["name"]: r for r in raw}
-    assert all(len(r["times_s"]) == 4 and min(r["times_s"]) > 0 for r in rows.values())
+    assert all(len(r["times_s"]) == 4 and min(r["times_s"]) > 0 and r["rounds"] == [0, 0, 1, 1] for r in rows.values())
     assert rows["stock TRL (unpatched)"]["beta_now"] == rows["stock TRL (unpatched)"]["beta_start"] == 0.04
-    # the dynamic controller ran at every step end: 0.04 * 0.9 ** (2 rounds x (1 warm-up + 2 timed))
-    assert rows["dynamic"]["beta_now"] == pytest.approx(0.04 * 0.9**6)
+    # the dynamic controller ran at every step end: 0.04 * 0.9 ** (1 first warm-up + 2 rounds x 2 timed)
+    assert rows["dynamic"]["beta_now"] == pytest.approx(0.04 * 0.9**5)
     assert rows["beta -> 0 (dynamic, beta_min=0)"]["beta_now"] == 0.0
+
+
+@pytest.mark.skipif(importlib.util.find_spec("unsloth") is None, reason="unsloth is not installed")
+def test_bench_unsloth_smoke_runs_the_generated_trainer_interleaved_with_stock_and_patched_rows(tmp_path):
+    # In a fresh process: ``import unsloth`` rebinds TRL's classes process-wide.
+    out = tmp_path / "unsloth.md"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(BENCH), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(
+        [sys.executable, os.path.join(BENCH, "bench_unsloth.py"), "--smoke", "--rows", "stock,dynamic,zero", "--out", str(out)],
+        capture_output=True, text=True, timeout=600, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    text = out.read_text()
+    assert "| stock Unsloth (unpatched) | 3 |" in text and "| dynamic | 3 |" in text and text.count("rounds completed: 3 of 3") == 2
+    sections = json.loads((tmp_path / "unsloth.md.json").read_text())
+    assert list(sections) == ["lora: LoRA r=16 (FastLanguageModel.get_peft_model)", "full: full fine-tuning (full_finetuning=True), separate reference model"]
+    for raw in sections.values():
+        rows = {r["name"]: r for r in raw}
+        assert all(r["rounds"] == [0, 1, 2] and min(r["times_s"]) > 0 for r in rows.values())
+        # stock ran Unsloth's own loss (β never moves); dynamic ran the patched one at every step:
+        # 0.04 * 0.9 ** (2 first warm-up steps + 3 timed); beta -> 0 reached 0 after its first step
+        assert rows["stock Unsloth (unpatched)"]["beta_now"] == rows["stock Unsloth (unpatched)"]["beta_start"] == 0.04
+        assert rows["dynamic"]["beta_now"] == pytest.approx(0.04 * 0.9**5)
+        assert rows["beta -> 0 (dynamic, beta_min=0)"]["beta_now"] == 0.0
+        # the fused loss was compiled (TorchInductor on the CPU) in the first blocks, and never again in
+        # a timed step, although blocks switched between Unsloth's functions and ours (the seeded
+        # order puts dynamic right after stock in round 2; switching there with unpatch()/patch()
+        # instead of PatchSwitch compiled 1 graph in the timed steps of dynamic and beta -> 0, checked)
+        assert sum(r["graphs_in_warmup"] for r in rows.values()) > 0
+        assert [r["graphs"] for r in rows.values()] == [0, 0, 0]
