@@ -123,6 +123,19 @@ def test_fused_head_matches_the_log_prob_kernel_path_in_float32_through_the_trit
     assert mod.head_path == "fused"
 
 
+def test_fused_head_compiled_matches_eager(monkeypatch):
+    """compiled=True: the elementwise loss traced by dynamo and AOTAutograd (with and without grad), run eagerly."""
+    import functools
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    torch._dynamo.reset()
+    batch = make_batch(seed=7)
+    for method in ("clip+length_normalized", "target+sigmoid"):
+        compiled = run(module("grpo", method, compiled=True, fused_head=True, fused_chunk_tokens=4, use_bias_correction_kl=True), batch)
+        assert_same(compiled, materialised(module("grpo", method, use_bias_correction_kl=True), batch), atol=1e-12, rtol=1e-10)
+    torch._dynamo.reset()
+
+
 def test_fused_head_with_a_reference_model_input_matches_the_kernel_path():
     batch = make_batch(torch.float32, seed=4)
     g = torch.Generator().manual_seed(5)
