@@ -171,6 +171,18 @@ def test_backward_scales_by_the_incoming_gradient_and_accumulates_into_existing_
         torch.testing.assert_close(leaves[key].grad, 2.5 * reference, atol=1e-12, rtol=1e-10)
 
 
+def test_under_no_grad_the_fused_head_computes_the_loss_only(monkeypatch):
+    batch = make_batch()
+    expected = materialised(module("dapo", "clip"), batch)[0]
+    calls = []
+    monkeypatch.setattr(fused, "logits_to_grad_", lambda *args: calls.append(args))
+    leaves = {k: (v.clone().requires_grad_(True) if k in LEAVES else v) for k, v in batch.items()}
+    with torch.no_grad():
+        loss = module("dapo", "clip", fused_head=True, fused_chunk_tokens=4)(**leaves)[0]
+    torch.testing.assert_close(loss, expected, atol=1e-12, rtol=1e-10)
+    assert not calls and not loss.requires_grad
+
+
 def test_a_second_backward_raises_rather_than_doubling_the_gradient():
     batch = make_batch()
     leaves = {k: (v.clone().requires_grad_(True) if k in LEAVES else v) for k, v in batch.items()}

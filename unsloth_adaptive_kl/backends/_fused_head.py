@@ -210,6 +210,8 @@ class FusedLinearLogProbs(torch.autograd.Function):
                 logits.add_(bias)
             lse, target = row_logsumexp(logits, ids[start:end], inv_t)
             logps[start:end] = target - lse
+            if not (needs_hidden or needs_weight or needs_bias):
+                continue
             grad_logp = local_gradient(start, end, logps[start:end]).to(lse.dtype)
             logits_to_grad_(logits, ids[start:end], lse, grad_logp, inv_t)
             if needs_hidden:
@@ -255,14 +257,16 @@ def fused_loss(hidden, weight, bias, token_ids, rows, temperature, chunk_tokens,
 
     def local_gradient(start, end, chunk_logps):
         """dL/dlogp of these tokens, exact whatever the other positions hold (where fallback_reason is None)."""
-        logps[positions[start:end]] = chunk_logps
         with torch.enable_grad():
             leaf = chunk_logps.detach().requires_grad_(True)
             probe = logps.index_put((positions[start:end],), leaf)
             return torch.autograd.grad(evaluate(probe.view(batch, length)).loss, leaf)[0]
 
+    if not torch.is_grad_enabled():  # no gradient wanted (evaluation): the forward only
+        flat_hidden, weight, bias = (None if t is None else t.detach() for t in (flat_hidden, weight, bias))
     chunk_tokens = chunk_tokens or default_chunk_tokens(flat_ids.numel(), weight.shape[0], weight.requires_grad, width)
-    _, anchor = FusedLinearLogProbs.apply(flat_hidden, weight, bias, flat_ids, temperature, chunk_tokens, local_gradient)
+    flat_logps, anchor = FusedLinearLogProbs.apply(flat_hidden, weight, bias, flat_ids, temperature, chunk_tokens, local_gradient)
+    logps[positions] = flat_logps
     with torch.no_grad():
         terms = evaluate(logps.view(batch, length))
     return terms._replace(loss=terms.loss + anchor)
