@@ -183,6 +183,12 @@ def test_under_no_grad_the_fused_head_computes_the_loss_only(monkeypatch):
     assert not calls and not loss.requires_grad
 
 
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_an_all_padding_batch_gives_zero_gradients_as_the_kernel_path(loss_type):
+    batch = {**make_batch(torch.float32), "attention_mask": torch.zeros(B, T, dtype=torch.long)}
+    assert_same(run(module(loss_type, fused_head=True), batch), run(module(loss_type), batch), atol=0, rtol=0)
+
+
 def test_a_second_backward_raises_rather_than_doubling_the_gradient():
     batch = make_batch()
     leaves = {k: (v.clone().requires_grad_(True) if k in LEAVES else v) for k, v in batch.items()}

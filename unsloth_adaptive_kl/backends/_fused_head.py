@@ -88,6 +88,8 @@ def fallback_reason(*, loss_type, level, with_kl, use_ref_model, builtin_estimat
 def default_chunk_tokens(tokens: int, vocab: int, weight_needs_grad: bool, hidden: int) -> int:
     """Tokens per chunk: a buffer of ``KERNEL_TILE`` values (+ the weight's, when it gets a gradient),
     then chunks of equal size, multiples of 128 where the budget allows."""
+    if tokens == 0:
+        return 1
     budget = KERNEL_TILE + (vocab * hidden if weight_needs_grad else 0)
     most = max(1, budget // vocab)
     if most >= 128:
@@ -202,6 +204,7 @@ class FusedLinearLogProbs(torch.autograd.Function):
         grad_weight = torch.zeros(weight.shape, device=weight.device, dtype=acc_dtype) if needs_weight else None
         grad_bias = torch.zeros(vocab, device=weight.device, dtype=acc_dtype) if needs_bias else None
         buffer = torch.empty(min(tokens, chunk_tokens), vocab, device=hidden.device, dtype=hidden.dtype)
+        logits = None
         for start in range(0, tokens, chunk_tokens):
             end = min(start + chunk_tokens, tokens)
             logits, h = buffer[: end - start], hidden[start:end]
