@@ -6,7 +6,9 @@ Paths, all in one process on the same inputs:
 * TRL 1.15's fused LM head: ``trl.kernels.ChunkedLogProbFunction`` on the valid tokens, then the
   elementwise GRPO loss (what ``GRPOTrainer._compute_loss`` does);
 * materialised logits: ``log_softmax(hidden @ W.T)``, then the same elementwise loss;
-* ``AdaptiveFusedLinearGRPOLoss`` (this package) for each ``kl_adaptation_method``.
+* ``AdaptiveFusedLinearGRPOLoss`` (this package) for each ``kl_adaptation_method``;
+* with ``--fused-chunks``, the same with ``fused_head=True`` (the gradient computed in the forward,
+  3 GEMMs), one set of rows per chunk size (``auto``: the module's memory rule).
 
 Time is the median of ``--iters`` forward+backward calls after ``--warmup`` calls; peak memory is
 ``torch.cuda.max_memory_allocated`` during those calls (inputs and weights included). Prints a
@@ -15,6 +17,7 @@ Markdown table with ratios to the TRL fused-head path; the targets for our modul
 
     python bench/bench_liger.py                      # GPU, B·T=8192, H=4096, V=128256, bf16, dapo, k3
     python bench/bench_liger.py --smoke              # CPU, tiny sizes, < 1 min (TRITON_INTERPRET=1)
+    python bench/bench_liger.py --methods none,clip,dynamic,target --fused-chunks auto,2048   # old and new paths
 """
 
 from __future__ import annotations
@@ -55,6 +58,11 @@ def parse_args(argv=None):
         "TOKEN_CHUNK_SIZE x this package's VOCAB_TILE); each adds rows 'AdaptiveFusedLinearGRPOLoss (METHOD, tile TxV)'. "
         "The first is the default; e.g. 4096x32768,2048x65536,1024x131072 (same buffer, fewer kernel launches)",
     )
+    parser.add_argument(
+        "--fused-chunks", default="",
+        help="comma-separated token chunk sizes for the module with fused_head=True ('auto': its memory rule); each adds "
+        "rows 'AdaptiveFusedLinearGRPOLoss (METHOD, fused head, chunk C)'. Default: none",
+    )
     parser.add_argument("--peak-tflops", type=float, help="bf16 dense peak of the GPU for the GEMM floor (default: from the device name)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on CPU, eager (compiled=False)")
     args = parser.parse_args(argv)
@@ -62,11 +70,16 @@ def parse_args(argv=None):
         args.tokens, args.seq_len, args.hidden, args.vocab, args.dtype, args.iters, args.warmup = 64, 16, 32, 300, "fp32", 2, 1
         if args.tiles == "4096x32768":
             args.tiles = "4096x32768,16x128"
+        args.fused_chunks = args.fused_chunks or "auto"
     try:
         args.tiles = [tuple(int(n) for n in t.split("x")) for t in args.tiles.split(",")]
         assert all(len(t) == 2 and min(t) > 0 for t in args.tiles)
     except (ValueError, AssertionError):
         parser.error(f"--tiles: {args.tiles!r} is not a list of TOKENSxVOCAB with positive integers")
+    chunks = [c.strip() for c in args.fused_chunks.split(",") if c.strip()]
+    if not all(c == "auto" or (c.isdigit() and int(c) > 0) for c in chunks):
+        parser.error(f"--fused-chunks: {args.fused_chunks!r} is not a list of 'auto' or positive integers")
+    args.fused_chunks = [None if c == "auto" else int(c) for c in chunks]
     return args
 
 
@@ -159,6 +172,19 @@ def paths(args):
             module = AdaptiveFusedLinearGRPOLoss(compiled=compiled, adaptive_kl=adaptive_state(method, args), **common)
             suffix = "" if index == 0 else f", tile {tile[0]}x{tile[1]}"
             yield f"AdaptiveFusedLinearGRPOLoss ({method}{suffix})", with_tile(tile, module_path(module))
+    for chunk in args.fused_chunks:
+        for method in args.methods.split(","):
+            module = AdaptiveFusedLinearGRPOLoss(
+                compiled=compiled, adaptive_kl=adaptive_state(method, args), fused_head=True, fused_chunk_tokens=chunk, **common
+            )
+            yield f"AdaptiveFusedLinearGRPOLoss ({method}, fused head, chunk {chunk or 'auto'})", fused_path(module)
+
+
+def fused_path(module):
+    """``module_path``, keeping the module so that the table can say which head it ran."""
+    run = module_path(module)
+    run.module = module
+    return run
 
 
 def adaptive_state(method, args):
@@ -246,6 +272,8 @@ def main(argv=None) -> int:
     rows = []
     for name, fn in paths(args):
         ms, peak = measure(fn, x, args, device)
+        if getattr(fn, "module", None) is not None and fn.module.head_path != "fused":
+            name += f" [ran the {fn.module.head_path} path]"
         rows.append((name, ms, peak))
         print(f"measured {name}: {ms:.1f} ms", file=sys.stderr)
     machine = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or platform.machine()

@@ -75,6 +75,30 @@ class LossTerms(NamedTuple):
             return self.loss, (self.clip_ratio,)
         return self.loss, (self.kl_mean, self.clip_ratio)
 
+
+def aggregate(per_token, mask, loss_type: str, *, max_completion_length=None, num_items_in_batch=None) -> torch.Tensor:
+    """Liger 0.8.5's aggregation of a per-token term for ``loss_type`` (``grpo_loss.py``, ``ppo_loss_fn``).
+
+    Linear in ``per_token``: the KL part of the loss is aggregated exactly as the policy part.
+    """
+    from liger_kernel.chunked_loss.fused_linear_ppo import LigerFusedLinearPPOBase
+
+    batch = mask.shape[0]
+    if loss_type in ("grpo", "sapo"):
+        return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).sum() / batch
+    if loss_type == "bnpo":
+        return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+    if loss_type == "dr_grpo":
+        return (per_token * mask).sum() / (batch * max_completion_length)
+    if loss_type in ("dapo", "cispo", "vespo"):
+        normalizer = LigerFusedLinearPPOBase._compute_dapo_normalizer(mask, num_items_in_batch=num_items_in_batch)
+        return (per_token * mask).sum() / normalizer
+    if loss_type == "luspo":  # unmasked, as Liger writes it (see the module docstring)
+        weighted = per_token * mask.sum(1, keepdim=True)
+        return weighted.sum() / (batch * weighted.shape[1])
+    raise ValueError(f"loss_type={loss_type!r} is not valid; allowed: {list(LOSS_TYPES)}")
+
+
 VOCAB_TILE = 32768  # vocabulary tile width TRL 1.15 uses (trl/trainer/utils.py, _CHUNKED_LOGPROB_CHUNK_SIZE)
 
 

@@ -8,7 +8,9 @@ same ``(loss, (kl_mean, clip_ratio))`` (``(loss, (clip_ratio,))`` when β is 0).
 :mod:`unsloth_adaptive_kl.config`. One call is three steps:
 
 1. **Per-token log-probs** from the final hidden states and the LM head, logits never
-   materialised (TRL's chunked log-prob kernel: ``backends/_liger_parts.py``).
+   materialised (TRL's chunked log-prob kernel: ``backends/_liger_parts.py``; with ``fused_head=True``,
+   where exact, the gradient computed in the forward, 3 GEMMs instead of 4: ``backends/_fused_head.py``;
+   ``module.head_path`` names the last call's path; a fallback from ``fused_head=True`` warns once per reason).
 2. **Batch-level quantities**, from the whole batch before anything else: the estimator's
    statistic (``bottom_q``'s threshold) and the number of completions (``length_normalized``).
 3. **The elementwise loss** (``torch.compile``d when ``compiled=True``). The policy part *is*
@@ -37,6 +39,7 @@ only; see ``examples/custom_kl_variant.py``.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import types
 import warnings
@@ -46,10 +49,13 @@ from torch import nn
 
 from ..adaptation import AdaptiveKL
 from ..config import DEFAULTS
+from ..estimators import get_estimator
 from ..shaping import length_normalized_term
+from ._fused_head import check_fused_arguments, fallback_reason, fused_loss
 from ._liger_parts import (  # noqa: F401  (LOSS_TYPES, LossTerms: names of this module's API)
     LOSS_TYPES,
     LossTerms,
+    aggregate,
     check_liger_arguments,
     check_liger_configuration,
     check_liger_version,
@@ -57,30 +63,6 @@ from ._liger_parts import (  # noqa: F401  (LOSS_TYPES, LossTerms: names of this
     neutral_padding,
     selected_token_logps,
 )
-
-# -- step 3: the elementwise loss ----------------------------------------------------------------------
-def aggregate(per_token, mask, loss_type: str, *, max_completion_length=None, num_items_in_batch=None) -> torch.Tensor:
-    """Liger 0.8.5's aggregation of a per-token term for ``loss_type`` (``grpo_loss.py``, ``ppo_loss_fn``).
-
-    Linear in ``per_token``: the KL part of the loss is aggregated exactly as the policy part.
-    """
-    from liger_kernel.chunked_loss.fused_linear_ppo import LigerFusedLinearPPOBase
-
-    batch = mask.shape[0]
-    if loss_type in ("grpo", "sapo"):
-        return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).sum() / batch
-    if loss_type == "bnpo":
-        return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
-    if loss_type == "dr_grpo":
-        return (per_token * mask).sum() / (batch * max_completion_length)
-    if loss_type in ("dapo", "cispo", "vespo"):
-        normalizer = LigerFusedLinearPPOBase._compute_dapo_normalizer(mask, num_items_in_batch=num_items_in_batch)
-        return (per_token * mask).sum() / normalizer
-    if loss_type == "luspo":  # unmasked, as Liger writes it (see the module docstring)
-        weighted = per_token * mask.sum(1, keepdim=True)
-        return weighted.sum() / (batch * weighted.shape[1])
-    raise ValueError(f"loss_type={loss_type!r} is not valid; allowed: {list(LOSS_TYPES)}")
-
 
 class AdaptiveFusedLinearGRPOLoss(nn.Module):
     """Drop-in for Liger's ``LigerFusedLinearGRPOLoss`` with adaptive KL; see the module docstring.
@@ -118,6 +100,8 @@ class AdaptiveFusedLinearGRPOLoss(nn.Module):
         kl_target: float = DEFAULTS["kl_target"],
         kl_bottom_q: float = DEFAULTS["kl_bottom_q"],
         adaptive_kl: AdaptiveKL | None = None,
+        fused_head: bool = False,
+        fused_chunk_tokens: int | None = None,
     ):
         super().__init__()
         check_liger_version()
@@ -163,7 +147,10 @@ class AdaptiveFusedLinearGRPOLoss(nn.Module):
             if changed:
                 raise ValueError(f"{changed} given together with adaptive_kl=; allowed: the KL settings in one place (adaptive_kl's)")
             self.adaptive_kl = adaptive_kl
-        self._compiled_terms = None
+        check_fused_arguments(fused_head, fused_chunk_tokens)
+        self.fused_head, self.fused_chunk_tokens = fused_head, fused_chunk_tokens
+        self.head_path: str | None = None  # "fused" or "log-prob kernel": the path of the last call
+        self._compiled_terms, self._warned = None, set()
 
     # -- the override point ----------------------------------------------------------------------------
     def per_token_kl(self, logp: torch.Tensor, ref_logp: torch.Tensor, *, mask: torch.Tensor, statistic: torch.Tensor | None) -> torch.Tensor:
@@ -204,6 +191,11 @@ class AdaptiveFusedLinearGRPOLoss(nn.Module):
             raise ValueError("use_ref_model=True needs ref_per_token_logps or ref_input (with ref_weight, ref_bias)")
         # Liger's unmasked luspo also weighs padded positions, so it needs their log-probs.
         rows = None if self.loss_type == "luspo" else attention_mask
+        if self._takes_fused_head(with_kl, advantages, ref_per_token_logps, old_per_token_logps, vllm_is_ratio, num_items_in_batch):
+            ref = self._reference_logps(None, selected_token_ids, rows, ref_per_token_logps, ref_input, ref_weight, ref_bias) if with_kl else None
+            inputs = self._elementwise_inputs(attention_mask, advantages, ref, old_per_token_logps, vllm_is_ratio, num_items_in_batch)
+            evaluate = functools.partial(self._evaluate, inputs=inputs)
+            return fused_loss(_input, lin_weight, bias, selected_token_ids, rows, self.temperature, self.fused_chunk_tokens, evaluate)
         logps = selected_token_logps(_input, lin_weight, bias, selected_token_ids, rows, self.temperature)
         ref = None
         if with_kl:
@@ -248,24 +240,49 @@ class AdaptiveFusedLinearGRPOLoss(nn.Module):
         entry point for comparing backends on identical log-probs.
         """
         self._check_configuration()
+        inputs = self._elementwise_inputs(attention_mask, advantages, ref_per_token_logps, old_per_token_logps, vllm_is_ratio, num_items_in_batch)
+        return self._evaluate(per_token_logps, inputs)
+
+    def _elementwise_inputs(self, mask, advantages, ref, old, vllm_is_ratio, num_items_in_batch) -> tuple:
+        """What the elementwise loss takes besides the log-probs, padding made neutral and batch-level quantities
+        computed from the whole batch, before anything else: ``_loss_terms``'s arguments after ``logps``."""
         if vllm_is_ratio is not None and vllm_is_ratio.dim() == 1:
             vllm_is_ratio = vllm_is_ratio.unsqueeze(-1)  # (B,) -> (B, 1), as Liger
-        with_kl = ref_per_token_logps is not None and _is_nonzero(self.beta)
-        ref = ref_per_token_logps.float() if with_kl else None
-        old = old_per_token_logps.float() if old_per_token_logps is not None else None
+        with_kl = ref is not None and _is_nonzero(self.beta)
+        ref = ref.float() if with_kl else None
+        old = old.float() if old is not None else None
         if self.loss_type != "luspo":
-            per_token_logps, ref, old = neutral_padding(attention_mask, per_token_logps, ref, old)
-        # Batch-level quantities, from the whole batch, before anything else.
-        statistic = self.adaptive_kl.batch_statistic(ref, attention_mask) if with_kl else None
-        beta = torch.as_tensor(self.beta, dtype=torch.float32, device=per_token_logps.device)
-        loss, raw, adapted, clip_ratio = self._terms_function()(
-            per_token_logps, attention_mask, advantages, ref, old, vllm_is_ratio, beta, statistic, num_items_in_batch
-        )
+            ref, old = neutral_padding(mask, ref, old)
+        statistic = self.adaptive_kl.batch_statistic(ref, mask) if with_kl else None
+        beta = torch.as_tensor(self.beta, dtype=torch.float32, device=mask.device)
+        return mask, advantages, ref, old, vllm_is_ratio, beta, statistic, num_items_in_batch
+
+    def _evaluate(self, logps, inputs) -> LossTerms:
+        mask = inputs[0]
+        if self.loss_type != "luspo":
+            (logps,) = neutral_padding(mask, logps)
+        loss, raw, adapted, clip_ratio = self._terms_function()(logps, *inputs)
         if raw is None:
             return LossTerms(loss, None, None, None, clip_ratio.detach())
         raw, adapted = raw.detach(), adapted.detach()
-        kl_mean = (raw * attention_mask).sum() / attention_mask.sum().clamp(min=1.0)  # Liger's kl metric
+        kl_mean = (raw * mask).sum() / mask.sum().clamp(min=1.0)  # Liger's kl metric
         return LossTerms(loss, raw, adapted, kl_mean.float(), clip_ratio.detach())
+
+    # -- the fused head (backends/_fused_head.py) ----------------------------------------------------------
+    def _takes_fused_head(self, with_kl, advantages, ref, old, vllm_is_ratio, num_items_in_batch) -> bool:
+        reason = "fused_head=False"
+        if self.fused_head:
+            reason = fallback_reason(
+                loss_type=self.loss_type, level=self.importance_sampling_level, with_kl=with_kl, use_ref_model=self.use_ref_model,
+                builtin_estimator=get_estimator(self.adaptive_kl.estimator).builtin, num_items_given=num_items_in_batch is not None,
+                own_kl=type(self).per_token_kl is not AdaptiveFusedLinearGRPOLoss.per_token_kl,
+                inputs=dict(advantages=advantages, ref_per_token_logps=ref, old_per_token_logps=old, vllm_is_ratio=vllm_is_ratio),
+            )  # fmt: skip
+            if reason is not None and reason not in self._warned:
+                self._warned.add(reason)
+                warnings.warn(f"{type(self).__name__}(fused_head=True) runs the log-prob kernel path (4 GEMMs): {reason}", stacklevel=3)
+        self.head_path = "log-prob kernel" if reason else "fused"
+        return reason is None
 
     def _terms_function(self):
         if not self.compiled:
@@ -330,10 +347,4 @@ def _is_nonzero(beta) -> bool:
     return float(beta) != 0.0
 
 
-__all__ = [
-    "AdaptiveFusedLinearGRPOLoss",
-    "LossTerms",
-    "aggregate",
-    "check_liger_version",
-    "selected_token_logps",
-]
+__all__ = ["AdaptiveFusedLinearGRPOLoss", "LossTerms", "aggregate", "check_liger_version", "selected_token_logps"]
