@@ -8,10 +8,11 @@
 # evidence:NAME (the demo invocations listed in scripts/gpu/evidence/NAME.txt, all at once; see
 # docs/evidence.md). An evidence stage writes to $OUT: NAME-stream.jsonl (every run's steps, as they
 # come), NAME-analysis.md (the slope table), NAME.log and NAME-runs.tar.gz (logs, summaries, plots).
-# bench-1b (one GPU, <= ~550 s): bench_liger.py with the GEMM-floor column and three kernel tile shapes (<= 120 s),
-# then on the ~1 B Llama, interleaved (docs/benchmarks.md): bench_trl.py, LoRA and full FT, 16 completions per step
-# (budget 180 s, model building included), and bench_unsloth.py, LoRA, 8 completions per step (budget 180 s, import
-# and compilation included); writes bench-liger-tiles.log, bench-trl.md, bench-unsloth.md (tables rewritten after
+# bench-1b (one GPU, <= ~530 s): bench_liger.py with the GEMM-floor column, the log-prob-kernel path and the fused
+# head (fused_head=True, chunks auto and 1024) for none and target (<= 130 s), then on the ~1 B Llama, interleaved
+# (docs/benchmarks.md): bench_trl.py, LoRA and full FT, 16 completions per step (budget 165 s, model building
+# included), and bench_unsloth.py, LoRA, 8 completions per step (budget 165 s, import and compilation included);
+# writes bench-liger-fused.log, bench-trl.md, bench-unsloth.md (tables rewritten after
 # every round) and bench-1b-raw.tar.gz (bench-trl.md.json, bench-unsloth.md.json: every timing; both logs).
 # multi-gpu (2 GPUs): examples/multi_gpu/check_ranks.py with the DDP, FSDP2 and DeepSpeed ZeRO-2 configs;
 # writes multi-gpu-{ddp,fsdp2,deepspeed_zero2}/report.md (DeepSpeed needs deepspeed in .gpu-site).
@@ -64,10 +65,10 @@ for stage in "$@"; do
     demo-beta03)
       timeout 420 python blackwell/test_adaptive_kl_grpo.py --seeds 3 --beta 0.3 --steps 150 --methods none,length_normalized,dynamic,clip --jobs 12 --output-dir "$OUT/demo-beta03" 2>&1 | tee "$OUT/demo-beta03.log" | grep -v "^\[" | tail -25 ;;
     bench-1b)
-      timeout 120 python bench/bench_liger.py --methods none,clip,dynamic,target --tiles 4096x32768,2048x65536,1024x131072 2>&1 | tee "$OUT/bench-liger-tiles.log" | grep -v "^measured" | tail -22
-      timeout 215 python bench/bench_trl.py --modes lora,full --budget 180 --out "$OUT/bench-trl.md" > /tmp/bench-trl.log 2>&1
+      timeout 130 python bench/bench_liger.py --methods none,target --fused-chunks auto,1024 2>&1 | tee "$OUT/bench-liger-fused.log" | grep -v "^measured" | tail -22
+      timeout 200 python bench/bench_trl.py --modes lora,full --budget 165 --out "$OUT/bench-trl.md" > /tmp/bench-trl.log 2>&1
       echo "bench_trl exit status $?"; cat "$OUT/bench-trl.md" 2>/dev/null || tail -30 /tmp/bench-trl.log
-      timeout 215 python bench/bench_unsloth.py --modes lora --budget 180 --out "$OUT/bench-unsloth.md" > /tmp/bench-unsloth.log 2>&1
+      timeout 200 python bench/bench_unsloth.py --modes lora --budget 165 --out "$OUT/bench-unsloth.md" > /tmp/bench-unsloth.log 2>&1
       echo "bench_unsloth exit status $?"; cat "$OUT/bench-unsloth.md" 2>/dev/null || tail -30 /tmp/bench-unsloth.log
       cp "$OUT"/bench-*.md.json /tmp/ 2>/dev/null; rm -f "$OUT"/bench-*.md.json
       tar czf "$OUT/bench-1b-raw.tar.gz" -C /tmp bench-trl.log bench-unsloth.log $(cd /tmp && ls bench-*.md.json 2>/dev/null) ;;
