@@ -4,7 +4,8 @@
 # Stages: machine, unsloth-line (issue 9: a few methods of the Unsloth GPU test on the stack of the site on
 # PYTHONPATH; see docs/compatibility.md), tests (Unsloth backend, every method as 16-bit LoRA and 4-bit QLoRA; dynamic
 # beta over 32 steps), liger (bench), liger-conformance (Liger's upstream GRPO tests against the
-# drop-in, and GRPOTrainer(loss_class=) against TRL's loss), unsloth-bench, demo-check (a short demo run), demo-3seeds,
+# drop-in, and GRPOTrainer(loss_class=) against TRL's loss), unsloth-bench (bench_unsloth.py, LoRA, 16 completions,
+# budget 520 s), demo-check (a short demo run), demo-3seeds,
 # evidence:NAME (the demo invocations listed in scripts/gpu/evidence/NAME.txt, all at once; see
 # docs/evidence.md). An evidence stage writes to $OUT: NAME-stream.jsonl (every run's steps, as they
 # come), NAME-analysis.md (the slope table), NAME.log and NAME-runs.tar.gz (logs, summaries, plots).
@@ -53,8 +54,9 @@ for stage in "$@"; do
         -k "run_on_gpu and (none or clip or target)" 2>&1 | tee "$OUT/gpu-tests-$line.log" | grep -E "passed|failed|Error|FAIL" | tail -30 ;;
     liger)
       timeout 150 python bench/bench_liger.py 2>&1 | tee "$OUT/bench-liger.log" | tail -25 ;;
-    unsloth-bench)
-      timeout 260 python bench/bench_unsloth.py 2>&1 | tee "$OUT/bench-unsloth.log" | grep -E "^ROW|^\||^Machine|^Model|^Command|beta per step|^  " | tail -40 ;;
+    unsloth-bench)  # the Unsloth part of bench-1b alone, with a GPU-bound batch and the whole call's time (not run yet)
+      timeout 560 python bench/bench_unsloth.py --modes lora --batch 16 --budget 520 --out "$OUT/bench-unsloth.md" > "$OUT/bench-unsloth.log" 2>&1
+      echo "bench_unsloth exit status $?"; cat "$OUT/bench-unsloth.md" 2>/dev/null || tail -30 "$OUT/bench-unsloth.log" ;;
     liger-conformance)  # Liger's own GRPO test file, stock vs the drop-in, 8 shards each; then loss_class= vs TRL
       timeout 200 python scripts/gpu/liger_loss_class_check.py --steps 4 > "$OUT/liger-loss-class.log" 2>&1 &
       bash scripts/liger_conformance.sh --shards 8 --timeout 500 --out /tmp/liger-conformance 2>&1 | tee "$OUT/liger-conformance.log"
