@@ -61,6 +61,15 @@ def test_either_import_order_patches_the_generated_trainer_and_config(order, tmp
     assert "kl_adaptation_method" in r["bad_method_error"] and "bogus" in r["bad_method_error"]
 
 
+def test_unpatch_restores_stock_config_arguments_and_patch_restores_ours(tmp_path_factory):
+    # Unsloth memoises the arguments a config accepts: a stale memo raised a TypeError after unpatch().
+    r = run_worker("stock-first", "unpatch", tmp_path_factory)
+    stock, seq = r["never_patched"], r["sequence"]
+    assert stock["value"] is None and len(stock["printed"]) == 1 and "will be IGNORED" in stock["printed"][0], stock
+    patched = {"value": "target", "printed": []}
+    assert seq == {"imported": patched, "unpatched": stock, "patched_again": patched, "unpatched_again": stock}
+
+
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_method_none_with_k3_is_identical_to_stock_unsloth(loss_type, tmp_path_factory):
     r = run_worker("unsloth-first", "identity", tmp_path_factory)

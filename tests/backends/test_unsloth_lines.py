@@ -41,3 +41,38 @@ def test_method_none_with_k3_is_bit_identical_to_the_lines_stock_loss_and_gradie
 def test_clip_shapes_the_kl_part_as_the_float64_reference(measured):
     assert measured["clip_kl_part"] == pytest.approx(measured["clip_reference"], rel=2e-4, abs=1e-7)
     assert abs(measured["clip_reference"] - measured["none_reference"]) > 1e-4  # the clip changed the loss
+
+
+def _installed_config_compat():
+    """The installed line's unsloth/models/rl_config_compat.py (stdlib only), loaded from its file
+    under a private name: importing it as a package module would run ``import unsloth`` here."""
+    import importlib.util
+
+    (package_dir,) = importlib.util.find_spec("unsloth").submodule_search_locations
+    path = os.path.join(package_dir, "models", "rl_config_compat.py")
+    spec = importlib.util.spec_from_file_location("_installed_rl_config_compat", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_lines_memo_of_accepted_config_arguments_is_emptied_and_a_missing_one_refused(monkeypatch):
+    import types
+    from dataclasses import dataclass
+
+    from unsloth_adaptive_kl._source_patch import PatchError
+    from unsloth_adaptive_kl.backends import unsloth as backend
+
+    @dataclass
+    class Config:
+        beta: float = 0.0
+
+    compat = _installed_config_compat()
+    monkeypatch.setitem(sys.modules, backend.COMPAT_MODULE, compat)
+    assert compat._accepted_parameters(Config)[0] == {"beta"}
+    assert Config in compat._ACCEPTED_CACHE
+    backend.forget_accepted_config_arguments()
+    assert compat._ACCEPTED_CACHE == {}
+    monkeypatch.setitem(sys.modules, backend.COMPAT_MODULE, types.ModuleType(backend.COMPAT_MODULE))
+    with pytest.raises(PatchError, match="_ACCEPTED_CACHE"):
+        backend.forget_accepted_config_arguments()

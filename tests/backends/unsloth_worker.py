@@ -3,7 +3,8 @@ TRL's classes process-wide, so it must not happen inside the main test process.
 
     python unsloth_worker.py ORDER SCENARIO OUT_JSON
 
-ORDER is ``unsloth-first`` or ``ours-first``. The script writes a JSON object of measured facts;
+ORDER is ``unsloth-first``, ``ours-first`` or ``stock-first`` (unsloth first, and a config with
+an adaptive-KL field built before this package is imported: stock Unsloth's behaviour). The script writes a JSON object of measured facts;
 the assertions live in test_unsloth.py.
 """
 
@@ -29,13 +30,31 @@ if SCENARIO != "compiled":
     os.environ["UNSLOTH_COMPILE_DISABLE"] = "1"  # eager: exact comparisons and fast tests
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for reference.py
 
+
+
+def probe_config():
+    """What GRPOConfig(kl_adaptation_method="target") does now: the value it kept (None when the
+    field was dropped), the lines it printed about the field, or the error it raised."""
+    import trl
+
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            c = trl.GRPOConfig(output_dir=tempfile.mkdtemp(prefix="out-"), use_cpu=True, bf16=False, report_to="none", beta=0.04, kl_adaptation_method="target")
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+    printed = [line for line in out.getvalue().splitlines() if "kl_adaptation_method" in line]
+    return {"value": getattr(c, "kl_adaptation_method", None), "printed": printed}
+
+
 import_log = io.StringIO()
 with contextlib.redirect_stdout(import_log):
-    if ORDER == "unsloth-first":
+    if ORDER in ("unsloth-first", "stock-first"):
         import unsloth  # noqa: F401
         from unsloth.models.rl import _patch_trl_rl_trainers
 
         _patch_trl_rl_trainers("grpo_trainer")
+        never_patched = probe_config() if ORDER == "stock-first" else None
         import unsloth_adaptive_kl
     else:
         import unsloth_adaptive_kl
@@ -305,6 +324,15 @@ def scenario_compiled():
         }
 
 
-{"config": scenario_config, "identity": scenario_identity, "resume": scenario_resume, "kl_part": scenario_kl_part, "train": scenario_train, "compiled": scenario_compiled}[SCENARIO]()
+def scenario_unpatch():
+    """Configs built by stock Unsloth, then after each of import, unpatch(), patch(), unpatch()."""
+    results["never_patched"] = never_patched
+    results["sequence"] = {"imported": probe_config()}
+    for step in ("unpatched", "patched_again", "unpatched_again"):
+        (unsloth_adaptive_kl.unpatch if step.startswith("unpatched") else unsloth_adaptive_kl.patch)()
+        results["sequence"][step] = probe_config()
+
+
+{"config": scenario_config, "unpatch": scenario_unpatch, "identity": scenario_identity, "resume": scenario_resume, "kl_part": scenario_kl_part, "train": scenario_train, "compiled": scenario_compiled}[SCENARIO]()
 with open(OUT, "w") as f:
     json.dump(results, f, default=lambda o: None if isinstance(o, float) and math.isnan(o) else str(o))

@@ -31,6 +31,6 @@ def unpatch() -> None:
     """Restore every patched attribute exactly (identity)."""
     from . import _trainer, unsloth
 
-    unsloth.forget()
     _trainer.forget()
     _source_patch.undo_all()
+    unsloth.forget()  # last: it may raise, and the classes must be restored all the same

@@ -48,6 +48,7 @@ from ..versions import SUPPORTED
 from . import _trainer
 
 GENERATED_MODULE = "UnslothGRPOTrainer"
+COMPAT_MODULE = "unsloth.models.rl_config_compat"  # filters the arguments of generated configs
 STATS_SIZE = 1 + metrics.NUM_SUMS  # Unsloth's mean_kl, then metrics.local_kl_sums
 
 # -- the plan --------------------------------------------------------------------------------------------
@@ -280,9 +281,28 @@ def owners(module) -> dict[str, object]:
 
 
 def forget() -> None:
-    """Called by unpatch(): the attributes themselves are restored by the ledger."""
+    """Called by unpatch(), after the ledger restored the attributes themselves."""
     global _patched_module
     _patched_module = None
+    forget_accepted_config_arguments()
+
+
+def forget_accepted_config_arguments() -> None:
+    """Empty Unsloth's memo of the keyword arguments each config class accepts
+    (``rl_config_compat._ACCEPTED_CACHE``, in every supported line): patch() and unpatch() change
+    ``GRPOConfig.__init__``, and a stale memo forwards our fields to a stock config (TypeError) or
+    drops them from a patched one ("will be IGNORED")."""
+    compat = sys.modules.get(COMPAT_MODULE)
+    if compat is None:
+        return  # not imported yet, so nothing is memoised
+    cache = getattr(compat, "_ACCEPTED_CACHE", None)
+    if not isinstance(cache, dict):
+        raise PatchError(
+            f"unsloth {version_of('unsloth')}: {COMPAT_MODULE}._ACCEPTED_CACHE is not a dict (supported lines "
+            f"{SUPPORTED['unsloth'].label} memoise the accepted config arguments there); the adaptive-KL fields "
+            "of its GRPOConfig could be dropped or kept after unpatch()"
+        )
+    cache.clear()
 
 
 def maybe_patch() -> None:
@@ -301,11 +321,7 @@ def _graft_config_fields(config_cls, pristine_cls) -> None:
     annotations = dict(config_cls.__dict__.get("__annotations__", {}))
     annotations.update({name: field.type for name, field in ours.items()})
     set_attribute(config_cls, "__annotations__", annotations)
-    # Unsloth caches the accepted keyword names of TRL's config; ours were added after.
-    compat = sys.modules.get("unsloth.models.rl_config_compat")
-    cache = getattr(compat, "_ACCEPTED_CACHE", None)
-    if cache is not None:
-        cache.pop(pristine_cls, None)
+    forget_accepted_config_arguments()
 
 
 def check_versions() -> None:
