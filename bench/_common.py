@@ -288,11 +288,11 @@ def compiled_graphs() -> int:
 
 def run_rounds(
     rows: list[Row], *, rounds: int, steps: int, warmup: int, first_warmup: int, device, deadline: float,
-    on_block: Callable[[int, bool], None], seed: int = 0,
+    on_block: Callable[[int, bool], None], seed: int = 0, clock: Callable[[], float] = time.monotonic,
 ) -> int:  # fmt: skip
     """Run up to ``rounds`` rounds (each row's block once per round, shuffled order); returns the
     rounds completed. A round starts only if the longest round so far, not counting the first
-    blocks' warm-up (compilation), fits before ``deadline`` (``time.monotonic()``).
+    blocks' warm-up (compilation), fits before ``deadline`` (on ``clock``, ``time.monotonic`` by default).
     ``on_block(round_index, round_finished)`` is called after every block.
 
     Garbage collection: everything built before the first round is frozen (``gc.freeze``), a
@@ -306,9 +306,9 @@ def run_rounds(
     gc.freeze()
     longest_round, done, started = 0.0, 0, set()
     for round_index in range(rounds):
-        if time.monotonic() + longest_round > deadline:
+        if clock() + longest_round > deadline:
             break
-        round_start, first_warmup_time = time.monotonic(), 0.0
+        round_start, first_warmup_time = clock(), 0.0
         order = list(rows)
         rng.shuffle(order)
         for position, row in enumerate(order):
@@ -316,11 +316,11 @@ def run_rounds(
             gc.collect()
             gc.disable()
             try:
-                graphs_before, warmup_start = compiled_graphs(), time.monotonic()
+                graphs_before, warmup_start = compiled_graphs(), clock()
                 for _ in range(warmup if id(row) in started else first_warmup):
                     row.step()
                 if id(row) not in started:
-                    first_warmup_time += time.monotonic() - warmup_start
+                    first_warmup_time += clock() - warmup_start
                 started.add(id(row))
                 row.graphs_in_warmup += compiled_graphs() - graphs_before
                 if cuda:
@@ -340,7 +340,7 @@ def run_rounds(
                 gc.enable()
             on_block(round_index, position == len(order) - 1)
         done += 1
-        longest_round = max(longest_round, time.monotonic() - round_start - first_warmup_time)
+        longest_round = max(longest_round, clock() - round_start - first_warmup_time)
     gc.unfreeze()
     return done
 
