@@ -70,6 +70,16 @@ def test_unpatch_restores_stock_config_arguments_and_patch_restores_ours(tmp_pat
     assert seq == {"imported": patched, "unpatched": stock, "patched_again": patched, "unpatched_again": stock}
 
 
+def test_a_config_created_before_unsloth_generates_its_trainer_gets_the_patched_trainer(tmp_path_factory):
+    # import unsloth_adaptive_kl, a GRPOConfig, then import unsloth: nothing of ours runs between that config
+    # and the trainer, so the generated module is patched when Unsloth generates it (it used to stay stock).
+    r = run_worker("config-before-unsloth", "early_config", tmp_path_factory)["early_config"]
+    assert r["config_class"] == "trl.trainer.grpo_config.GRPOConfig"  # TRL's own: created before Unsloth's existed
+    assert r["runtime"] == "UnslothAdaptiveKL" and r["method"] == "clip" and r["stock"] is False and r["loss_patched"]
+    (line,) = r["backend_lines"]
+    assert "backend: Unsloth fused loss (UnslothGRPOTrainer.UnslothGRPOTrainer, grpo_compute_loss)" in line, line
+
+
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_method_none_with_k3_is_identical_to_stock_unsloth(loss_type, tmp_path_factory):
     r = run_worker("unsloth-first", "identity", tmp_path_factory)

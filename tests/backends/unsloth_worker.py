@@ -3,8 +3,9 @@ TRL's classes process-wide, so it must not happen inside the main test process.
 
     python unsloth_worker.py ORDER SCENARIO OUT_JSON
 
-ORDER is ``unsloth-first``, ``ours-first`` or ``stock-first`` (unsloth first, and a config with
-an adaptive-KL field built before this package is imported: stock Unsloth's behaviour). The script writes a JSON object of measured facts;
+ORDER is ``unsloth-first``, ``ours-first``, ``stock-first`` (unsloth first, and a config with
+an adaptive-KL field built before this package is imported: stock Unsloth's behaviour) or
+``config-before-unsloth`` (this package, a GRPOConfig, then unsloth). The script writes a JSON object of measured facts;
 the assertions live in test_unsloth.py.
 """
 
@@ -58,6 +59,14 @@ with contextlib.redirect_stdout(import_log):
         import unsloth_adaptive_kl
     else:
         import unsloth_adaptive_kl
+
+        if ORDER == "config-before-unsloth":  # the config exists before Unsloth generates its trainer
+            import trl
+
+            EARLY_CONFIG = trl.GRPOConfig(
+                output_dir=tempfile.mkdtemp(prefix="out-"), use_cpu=True, bf16=False, report_to="none",
+                beta=0.04, kl_adaptation_method="clip", kl_clip_threshold=0.05,
+            )  # fmt: skip
         import unsloth  # noqa: F401
         from unsloth.models.rl import _patch_trl_rl_trainers
 
@@ -267,6 +276,27 @@ def scenario_train():
     results["train"] = runs
 
 
+def scenario_early_config():
+    """The trainer created from a config made before Unsloth generated its trainer (ORDER config-before-unsloth)."""
+    import logging
+
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("unsloth_adaptive_kl").addHandler(handler)
+    t = trl.GRPOTrainer(
+        model=model(), reward_funcs=[toy.format_reward], args=EARLY_CONFIG, train_dataset=toy.prompt_dataset(8),
+        processing_class=TOKENIZER,
+    )
+    runtime = getattr(t, "_adaptive_kl", None)
+    results["early_config"] = {
+        "config_class": type(EARLY_CONFIG).__module__ + "." + type(EARLY_CONFIG).__name__,
+        "runtime": type(runtime).__name__, "method": t.args.kl_adaptation_method, "stock": getattr(runtime, "is_stock", None),
+        "backend_lines": [line for line in lines if "backend:" in line],
+        "loss_patched": generated.grpo_compute_loss is not unsloth_adaptive_kl.backends.trl.original(generated, "grpo_compute_loss"),
+    }
+
+
 def scenario_resume():
     """Checkpoint at step 2, resume: the beta series and controller state continue the uninterrupted run's."""
     out = {}
@@ -333,6 +363,6 @@ def scenario_unpatch():
         results["sequence"][step] = probe_config()
 
 
-{"config": scenario_config, "unpatch": scenario_unpatch, "identity": scenario_identity, "resume": scenario_resume, "kl_part": scenario_kl_part, "train": scenario_train, "compiled": scenario_compiled}[SCENARIO]()
+{"early_config": scenario_early_config, "config": scenario_config, "unpatch": scenario_unpatch, "identity": scenario_identity, "resume": scenario_resume, "kl_part": scenario_kl_part, "train": scenario_train, "compiled": scenario_compiled}[SCENARIO]()
 with open(OUT, "w") as f:
     json.dump(results, f, default=lambda o: None if isinstance(o, float) and math.isnan(o) else str(o))

@@ -7,7 +7,51 @@ rewrite as one ``PLAN``; ``_trainer.py`` holds what every trainer gets. No backe
 
 from __future__ import annotations
 
+import importlib.abc
+import sys
+
 from .. import _source_patch
+
+GENERATOR = "unsloth.models.rl"  # its _patch_trl_rl_trainers generates Unsloth's trainer (unsloth.watch_generation)
+
+
+class _WatchUnsloth(importlib.abc.MetaPathFinder):
+    """On sys.meta_path while this package is patched and ``unsloth.models.rl`` is not imported yet:
+    once that module is executed, wrap its generator, so a trainer Unsloth generates after a config
+    was created is patched too (nothing else of ours runs between that config and the trainer)."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != GENERATOR:
+            return None
+        spec = next((s for f in sys.meta_path if f is not self and hasattr(f, "find_spec") and (s := f.find_spec(fullname, path, target))), None)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_then_watch(module):
+            exec_module(module)
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
+            if _source_patch.is_patched():
+                from . import unsloth
+
+                unsloth.watch_generation(module)
+
+        spec.loader.exec_module = exec_then_watch
+        return spec
+
+
+_WATCH = _WatchUnsloth()
+
+
+def _watch_unsloth() -> None:
+    from . import unsloth
+
+    generator = sys.modules.get(GENERATOR)
+    if generator is not None:
+        unsloth.watch_generation(generator)
+    elif _WATCH not in sys.meta_path:
+        sys.meta_path.insert(0, _WATCH)
 
 
 def patch() -> None:
@@ -22,6 +66,7 @@ def patch() -> None:
         # creating a config (always done before the trainer) is the moment to patch it.
         trl.patch(after_config_created=unsloth.maybe_patch)
         unsloth.maybe_patch()
+        _watch_unsloth()  # and a trainer Unsloth generates later is patched when it is generated
     except Exception:
         unpatch()
         raise
@@ -31,6 +76,8 @@ def unpatch() -> None:
     """Restore every patched attribute exactly (identity)."""
     from . import _trainer, unsloth
 
+    if _WATCH in sys.meta_path:
+        sys.meta_path.remove(_WATCH)
     _trainer.forget()
     _source_patch.undo_all()
     unsloth.forget()  # last: it may raise, and the classes must be restored all the same

@@ -28,12 +28,13 @@ the only output of Unsloth's autograd function a statistic can leave through.
 
 It also grafts the config fields onto ``UnslothGRPOConfig`` (so no field is printed as
 "IGNORED") and gives the trainer the wrappers of ``_trainer.py``. Import order does not matter:
-whichever of ``unsloth`` and this package comes second, the generated module is patched at the
-latest when a ``GRPOConfig`` is created.
+the generated module is patched when this package is imported after it, else as soon as Unsloth
+generates it (:func:`watch_generation`), so also a config created before ``import unsloth`` works.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 from typing import NamedTuple
 
@@ -313,6 +314,22 @@ def maybe_patch() -> None:
     if module is None or module is _patched_module or not is_patched():
         return
     patch_generated_module(module)
+
+
+def watch_generation(generator) -> None:
+    """Patch the generated module once Unsloth ``exec``s it: wrap ``unsloth.models.rl._patch_trl_rl_trainers``."""
+    generate = generator._patch_trl_rl_trainers
+    if getattr(generate, "_adaptive_kl_watch", False):
+        return
+
+    @functools.wraps(generate)
+    def _patch_trl_rl_trainers(*args, **kwargs):
+        result = generate(*args, **kwargs)
+        maybe_patch()
+        return result
+
+    _patch_trl_rl_trainers._adaptive_kl_watch = True
+    set_attribute(generator, "_patch_trl_rl_trainers", _patch_trl_rl_trainers)
 
 
 def _graft_config_fields(config_cls, pristine_cls) -> None:
