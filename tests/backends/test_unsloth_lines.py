@@ -61,7 +61,7 @@ def test_the_lines_memo_of_accepted_config_arguments_is_emptied_and_a_missing_on
     from dataclasses import dataclass
 
     from unsloth_adaptive_kl._source_patch import PatchError
-    from unsloth_adaptive_kl.backends import unsloth as backend
+    from unsloth_adaptive_kl.backends import unsloth_hooks as backend
 
     @dataclass
     class Config:

@@ -12,7 +12,7 @@ import sys
 
 from .. import _source_patch
 
-GENERATOR = "unsloth.models.rl"  # its _patch_trl_rl_trainers generates Unsloth's trainer (unsloth.watch_generation)
+GENERATOR = "unsloth.models.rl"  # its _patch_trl_rl_trainers generates Unsloth's trainer (unsloth_hooks.watch_generation)
 
 
 class _WatchUnsloth(importlib.abc.MetaPathFinder):
@@ -33,9 +33,9 @@ class _WatchUnsloth(importlib.abc.MetaPathFinder):
             if self in sys.meta_path:
                 sys.meta_path.remove(self)
             if _source_patch.is_patched():
-                from . import unsloth
+                from . import unsloth, unsloth_hooks
 
-                unsloth.watch_generation(module)
+                unsloth_hooks.watch_generation(module, then=unsloth.maybe_patch)
 
         spec.loader.exec_module = exec_then_watch
         return spec
@@ -45,11 +45,11 @@ _WATCH = _WatchUnsloth()
 
 
 def _watch_unsloth() -> None:
-    from . import unsloth
+    from . import unsloth, unsloth_hooks
 
     generator = sys.modules.get(GENERATOR)
     if generator is not None:
-        unsloth.watch_generation(generator)
+        unsloth_hooks.watch_generation(generator, then=unsloth.maybe_patch)
     elif _WATCH not in sys.meta_path:
         sys.meta_path.insert(0, _WATCH)
 

@@ -29,12 +29,11 @@ the only output of Unsloth's autograd function a statistic can leave through.
 It also grafts the config fields onto ``UnslothGRPOConfig`` (so no field is printed as
 "IGNORED") and gives the trainer the wrappers of ``_trainer.py``. Import order does not matter:
 the generated module is patched when this package is imported after it, else as soon as Unsloth
-generates it (:func:`watch_generation`), so also a config created before ``import unsloth`` works.
+generates it (``unsloth_hooks.watch_generation``), so also a config created before ``import unsloth`` works.
 """
 
 from __future__ import annotations
 
-import functools
 import sys
 from typing import NamedTuple
 
@@ -47,9 +46,9 @@ from ..estimators import estimate_kl, get_estimator
 from ..kl_term import KLTerm
 from ..versions import SUPPORTED
 from . import _trainer
+from .unsloth_hooks import forget_accepted_config_arguments
 
 GENERATED_MODULE = "UnslothGRPOTrainer"
-COMPAT_MODULE = "unsloth.models.rl_config_compat"  # filters the arguments of generated configs
 STATS_SIZE = 1 + metrics.NUM_SUMS  # Unsloth's mean_kl, then metrics.local_kl_sums
 
 # -- the plan --------------------------------------------------------------------------------------------
@@ -288,24 +287,6 @@ def forget() -> None:
     forget_accepted_config_arguments()
 
 
-def forget_accepted_config_arguments() -> None:
-    """Empty Unsloth's memo of the keyword arguments each config class accepts
-    (``rl_config_compat._ACCEPTED_CACHE``, in every supported line): patch() and unpatch() change
-    ``GRPOConfig.__init__``, and a stale memo forwards our fields to a stock config (TypeError) or
-    drops them from a patched one ("will be IGNORED")."""
-    compat = sys.modules.get(COMPAT_MODULE)
-    if compat is None:
-        return  # not imported yet, so nothing is memoised
-    cache = getattr(compat, "_ACCEPTED_CACHE", None)
-    if not isinstance(cache, dict):
-        raise PatchError(
-            f"unsloth {version_of('unsloth')}: {COMPAT_MODULE}._ACCEPTED_CACHE is not a dict (supported lines "
-            f"{SUPPORTED['unsloth'].label} memoise the accepted config arguments there); the adaptive-KL fields "
-            "of its GRPOConfig could be dropped or kept after unpatch()"
-        )
-    cache.clear()
-
-
 def maybe_patch() -> None:
     """Patch Unsloth's generated GRPO module if it exists and is not patched yet."""
     from .._source_patch import is_patched
@@ -314,22 +295,6 @@ def maybe_patch() -> None:
     if module is None or module is _patched_module or not is_patched():
         return
     patch_generated_module(module)
-
-
-def watch_generation(generator) -> None:
-    """Patch the generated module once Unsloth ``exec``s it: wrap ``unsloth.models.rl._patch_trl_rl_trainers``."""
-    generate = generator._patch_trl_rl_trainers
-    if getattr(generate, "_adaptive_kl_watch", False):
-        return
-
-    @functools.wraps(generate)
-    def _patch_trl_rl_trainers(*args, **kwargs):
-        result = generate(*args, **kwargs)
-        maybe_patch()
-        return result
-
-    _patch_trl_rl_trainers._adaptive_kl_watch = True
-    set_attribute(generator, "_patch_trl_rl_trainers", _patch_trl_rl_trainers)
 
 
 def _graft_config_fields(config_cls, pristine_cls) -> None:
