@@ -22,6 +22,7 @@ to ``--out`` (a run cut short keeps what it measured).
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import gc
 import json
@@ -37,6 +38,115 @@ import torch
 
 BOOTSTRAP = 2000
 MIN_ROUNDS_FOR_PAIRED = 10  # below this, a bootstrap over rounds says little: the table marks it
+METHODS = ["none", "clip", "sigmoid", "length_normalized", "dynamic", "target", "dynamic+length_normalized"]
+ZERO = "beta -> 0 (dynamic, beta_min=0)"
+ROW_KEYS = ["stock", *METHODS, "zero"]
+
+
+# -- the command line and the rows ----------------------------------------------------------------------------
+def parse_args(argv, *, description: str, batch: int, first_warmup: int, first_warmup_why: str, budget_includes: str,
+               smoke_help: str, smoke_hidden: int, smoke_rounds: int) -> tuple[argparse.ArgumentParser, argparse.Namespace]:  # fmt: skip
+    """The options both step benchmarks take (the arguments are where they differ); the parser is
+    returned too, for the checks each script adds."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--vocab", type=int, default=128256)
+    p.add_argument("--batch", type=int, default=batch, help="completions per step (one group, one micro-batch)")
+    p.add_argument("--prompt", type=int, default=64, help="prompt tokens")
+    p.add_argument("--min-completion", type=int, default=512)
+    p.add_argument("--max-completion", type=int, default=1024)
+    p.add_argument("--modes", default="lora,full")
+    p.add_argument("--rows", default="all", help=f"comma-separated subset of: stock,{','.join(METHODS)},zero")
+    p.add_argument("--rounds", type=int, default=40, help="at most this many rounds per mode (the budget usually stops them first)")
+    p.add_argument("--steps", type=int, default=1, help="timed steps per row per round")
+    p.add_argument("--warmup", type=int, default=0, help="untimed steps per row per round, after its first round")
+    p.add_argument("--first-warmup", type=int, default=first_warmup, help=f"untimed steps in each row's first block{first_warmup_why}")
+    p.add_argument("--budget", type=float, default=190.0, help=f"seconds for the whole run, {budget_includes} included; each mode gets an equal share of what is left")
+    p.add_argument("--beta", type=float, default=0.04)
+    p.add_argument("--out", help="Markdown file rewritten after every round (and OUT.json with every timing, after every block)")
+    p.add_argument("--smoke", action="store_true", help=smoke_help)
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.hidden, args.layers, args.vocab, args.prompt, args.min_completion, args.max_completion = smoke_hidden, 2, 300, 4, 6, 12
+        args.batch, args.rounds = min(args.batch, 4), min(args.rounds, smoke_rounds)
+    return p, args
+
+
+def check_modes(p: argparse.ArgumentParser, args) -> None:
+    for mode in args.modes.split(","):
+        if mode not in ("lora", "full"):
+            p.error(f"--modes: {mode!r} is not one of lora, full")
+
+
+def wanted_rows(args) -> list[str]:
+    """The row keys of ``--rows`` (``stock``, a method, ``zero``), in the tables' order."""
+    if args.rows == "all":
+        return list(ROW_KEYS)
+    chosen = args.rows.split(",")
+    unknown = [n for n in chosen if n not in ROW_KEYS]
+    if unknown:
+        raise SystemExit(f"--rows: unknown {unknown}; allowed: {ROW_KEYS}")
+    return [n for n in ROW_KEYS if n in chosen]
+
+
+def row_name_and_fields(key: str, stock_name: str) -> tuple[str, dict]:
+    """A row's name in the tables and the adaptive-KL fields of its config."""
+    if key == "stock":
+        return stock_name, {}
+    if key == "zero":
+        # beta_min=0 reached by the schedule after 1 step: the first (untimed) warm-up step; every timed step has β = 0
+        return ZERO, dict(kl_adaptation_method="dynamic", reward_threshold=1e9, beta_min=0.0, beta_schedule_steps=1)
+    fields = dict(kl_adaptation_method=key)
+    if "dynamic" in key:
+        fields["reward_threshold"] = -1.0  # no reward is observed here; keep the controller moving
+    return key, fields
+
+
+def training_step(trainer, model, optimizer, batch) -> Callable[[], None]:
+    """One timed step of ``trainer`` on the fixed batch: the reference forward (skipped at β = 0, as
+    the trainers skip it), the loss, backward, the optimizer, and the step-end callbacks (β updates)."""
+    runtime = getattr(trainer, "_adaptive_kl", None)  # None for a stock trainer
+
+    def step():
+        if runtime is not None:
+            runtime.observe_reward(0.0)  # what generation reports (no generation here): the dynamic controller's input
+        inputs = dict(batch)
+        if trainer.beta != 0.0:
+            inputs["ref_per_token_logps"] = reference_logps(trainer, model, inputs)
+        loss = trainer.compute_loss(model, inputs)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        trainer.state.global_step += 1
+        trainer.callback_handler.on_step_end(trainer.args, trainer.state, trainer.control)
+        trainer._metrics["train"].clear()  # the metrics a log() would flush; nothing logs here
+
+    return step
+
+
+def make_optimizer(model, device) -> tuple[list, torch.optim.Optimizer]:
+    params = [p for p in model.parameters() if p.requires_grad]
+    return params, torch.optim.AdamW(params, lr=1e-6, **({"fused": True} if device.type == "cuda" else {"foreach": True}))
+
+
+def beta_reporter(report, title: str, rows: list, trainers: list, stock_name: str, note: str) -> Callable[[int, bool], None]:
+    """``run_rounds``' ``on_block``: record each trainer's β, rewrite the raw timings (and the tables after a round)."""
+
+    def on_block(_, round_finished):
+        for row, trainer in zip(rows, trainers):
+            row.info["beta_now"] = float(trainer.beta)
+        report.update(title, rows, stock_name, note, tables=round_finished)
+
+    return on_block
+
+
+def run_modes(args, start: float, run_mode: Callable[[str, float], None]) -> None:
+    """Each mode of ``--modes`` in turn, each with an equal share of what is left of the budget."""
+    modes = args.modes.split(",")
+    for i, mode in enumerate(modes):
+        share = (args.budget - (time.monotonic() - start)) / (len(modes) - i)
+        run_mode(mode, time.monotonic() + share)
 
 
 # -- the model ----------------------------------------------------------------------------------------------

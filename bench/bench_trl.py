@@ -28,7 +28,6 @@ prompts) per step, one timed step per row per round, as many rounds as ``--budge
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
 import os
@@ -44,59 +43,28 @@ import torch  # noqa: E402
 
 import _common  # noqa: E402
 
-METHODS = ["none", "clip", "sigmoid", "length_normalized", "dynamic", "target", "dynamic+length_normalized"]
 STOCK = "stock TRL (unpatched)"
-ZERO = "beta -> 0 (dynamic, beta_min=0)"
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--layers", type=int, default=16)
-    p.add_argument("--vocab", type=int, default=128256)
-    p.add_argument("--batch", type=int, default=16, help="completions per step (one group, one micro-batch)")
-    p.add_argument("--prompt", type=int, default=64, help="prompt tokens")
-    p.add_argument("--min-completion", type=int, default=512)
-    p.add_argument("--max-completion", type=int, default=1024)
-    p.add_argument("--modes", default="lora,full")
-    p.add_argument("--rows", default="all", help=f"comma-separated subset of: stock,{','.join(METHODS)},zero")
-    p.add_argument("--rounds", type=int, default=40, help="at most this many rounds per mode (the budget usually stops them first)")
-    p.add_argument("--steps", type=int, default=1, help="timed steps per row per round")
-    p.add_argument("--warmup", type=int, default=0, help="untimed steps per row per round, after its first round")
-    p.add_argument("--first-warmup", type=int, default=1, help="untimed steps in each row's first block")
-    p.add_argument("--budget", type=float, default=190.0, help="seconds for the whole run, model building included; each mode gets an equal share of what is left")
-    p.add_argument("--beta", type=float, default=0.04)
-    p.add_argument("--out", help="Markdown file rewritten after every round (and OUT.json with every timing, after every block)")
-    p.add_argument("--smoke", action="store_true", help="tiny model on CPU (TRITON_INTERPRET=1), 2 rounds")
-    args = p.parse_args(argv)
-    if args.smoke:
-        args.hidden, args.layers, args.vocab, args.prompt, args.min_completion, args.max_completion = 32, 2, 300, 4, 6, 12
-        args.batch, args.rounds = min(args.batch, 4), min(args.rounds, 2)
+    p, args = _common.parse_args(
+        argv, description=__doc__, batch=16, first_warmup=1, first_warmup_why="", budget_includes="model building",
+        smoke_help="tiny model on CPU (TRITON_INTERPRET=1), 2 rounds", smoke_hidden=32, smoke_rounds=2,
+    )  # fmt: skip
     if args.first_warmup < 1:
         p.error("--first-warmup must be at least 1 (the beta -> 0 row reaches 0 in its first step, which is not timed)")
-    for mode in args.modes.split(","):
-        if mode not in ("lora", "full"):
-            p.error(f"--modes: {mode!r} is not one of lora, full")
+    _common.check_modes(p, args)
     return args
 
 
-def wanted_rows(args) -> list[str]:
-    names = ["stock", *METHODS, "zero"]
-    if args.rows == "all":
-        return names
-    chosen = args.rows.split(",")
-    unknown = [n for n in chosen if n not in names]
-    if unknown:
-        raise SystemExit(f"--rows: unknown {unknown}; allowed: {names}")
-    return [n for n in names if n in chosen]
-
-
-def make_row(name, fields, *, patched, args, model, ref_model, optimizer, batch, tokenizer):
+def make_row(key, *, args, model, ref_model, optimizer, batch, tokenizer):
     import unsloth_adaptive_kl
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
     from trl.trainer import grpo_trainer
 
+    name, fields = _common.row_name_and_fields(key, STOCK)
+    patched = key != "stock"
     (unsloth_adaptive_kl.patch if patched else unsloth_adaptive_kl.unpatch)()
     config = GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="bench-trl-"), report_to="none", per_device_train_batch_size=args.batch,
@@ -111,22 +79,7 @@ def make_row(name, fields, *, patched, args, model, ref_model, optimizer, batch,
         trainer = GRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=[lambda completions, **k: [0.0] * len(completions)], args=config, train_dataset=dataset)
     trainer.current_gradient_accumulation_steps = 1  # set by the training loop, which does not run here
     model.train()
-
-    runtime = getattr(trainer, "_adaptive_kl", None)  # None for stock TRL
-
-    def step():
-        if runtime is not None:
-            runtime.observe_reward(0.0)  # what generation reports (no generation here): the dynamic controller's input
-        inputs = dict(batch)
-        if trainer.beta != 0.0:
-            inputs["ref_per_token_logps"] = _common.reference_logps(trainer, model, inputs)
-        loss = trainer.compute_loss(model, inputs)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        trainer.state.global_step += 1
-        trainer.callback_handler.on_step_end(trainer.args, trainer.state, trainer.control)
-        trainer._metrics["train"].clear()  # the metrics a log() would flush; nothing logs here
+    step = _common.training_step(trainer, model, optimizer, batch)
 
     def activate():
         (unsloth_adaptive_kl.patch if patched else unsloth_adaptive_kl.unpatch)()
@@ -135,22 +88,8 @@ def make_row(name, fields, *, patched, args, model, ref_model, optimizer, batch,
 
 
 def build_rows(args, common) -> tuple[list, list]:
-    rows, trainers = [], []
-    for key in wanted_rows(args):
-        if key == "stock":
-            row, trainer = make_row(STOCK, {}, patched=False, **common)
-        elif key == "zero":
-            # beta_min=0 reached by the schedule after 1 step: the first (untimed) warm-up step; every timed step has β = 0
-            zero = dict(kl_adaptation_method="dynamic", reward_threshold=1e9, beta_min=0.0, beta_schedule_steps=1)
-            row, trainer = make_row(ZERO, zero, patched=True, **common)
-        else:
-            fields = dict(kl_adaptation_method=key)
-            if "dynamic" in key:
-                fields["reward_threshold"] = -1.0  # no reward is observed here; keep the controller moving
-            row, trainer = make_row(key, fields, patched=True, **common)
-        rows.append(row)
-        trainers.append(trainer)
-    return rows, trainers
+    built = [make_row(key, **common) for key in _common.wanted_rows(args)]
+    return [row for row, _ in built], [trainer for _, trainer in built]
 
 
 def memory_estimate(mode, args) -> str:
@@ -179,8 +118,7 @@ def run_mode(mode, args, report, deadline):
         model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=target, task_type="CAUSAL_LM"))
     else:
         ref_model = copy.deepcopy(model).eval().requires_grad_(False)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-6, **({"fused": True} if device.type == "cuda" else {"foreach": True}))
+    params, optimizer = _common.make_optimizer(model, device)
     batch = _common.fixed_batch(
         batch=args.batch, prompt_len=args.prompt, min_completion=args.min_completion, max_completion=args.max_completion, vocab=args.vocab, device=device
     )  # fmt: skip
@@ -188,15 +126,9 @@ def run_mode(mode, args, report, deadline):
     rows, trainers = build_rows(args, common)
     title = f"{mode}: {'LoRA r=16' if mode == 'lora' else 'full fine-tuning, separate reference model'}"
     note = f"trainable parameters: {sum(p.numel() for p in params):,}; memory {memory_estimate(mode, args)}"
-
-    def on_block(_, round_finished):
-        for row, trainer in zip(rows, trainers):
-            row.info["beta_now"] = float(trainer.beta)
-        report.update(title, rows, STOCK, note, tables=round_finished)
-
     completed = _common.run_rounds(
         rows, rounds=args.rounds, steps=args.steps, warmup=args.warmup, first_warmup=args.first_warmup, device=device,
-        deadline=deadline, on_block=on_block,
+        deadline=deadline, on_block=_common.beta_reporter(report, title, rows, trainers, STOCK, note),
     )  # fmt: skip
     if device.type == "cuda":
         note += f"; allocated at the end {torch.cuda.memory_allocated() / 2**30:.1f} GiB, peak of the mode {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB"
@@ -224,11 +156,7 @@ def main(argv=None) -> int:
         f"command: python bench/bench_trl.py {' '.join(argv if argv is not None else sys.argv[1:])}"
     )
     report = _common.Report(args.out, header)
-    modes = args.modes.split(",")
-    for i, mode in enumerate(modes):
-        # each mode gets an equal share of what is left of the budget
-        share = (args.budget - (time.monotonic() - start)) / (len(modes) - i)
-        run_mode(mode, args, report, deadline=time.monotonic() + share)
+    _common.run_modes(args, start, lambda mode, deadline: run_mode(mode, args, report, deadline))
     print(report.text())
     print(f"wall time: {time.monotonic() - start:.0f} s")
     return 0

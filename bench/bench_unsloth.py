@@ -31,7 +31,6 @@ counts are real (``UNSLOTH_COMPILE_DISABLE=1`` runs it eagerly instead). The tim
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import sys
@@ -50,52 +49,20 @@ import torch  # noqa: E402
 
 import _common  # noqa: E402
 
-METHODS = ["none", "clip", "sigmoid", "length_normalized", "dynamic", "target", "dynamic+length_normalized"]
 STOCK = "stock Unsloth (unpatched)"
-ZERO = "beta -> 0 (dynamic, beta_min=0)"
 TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--layers", type=int, default=16)
-    p.add_argument("--vocab", type=int, default=128256)
-    p.add_argument("--batch", type=int, default=8, help="completions per step (one group, one micro-batch)")
-    p.add_argument("--prompt", type=int, default=64, help="prompt tokens")
-    p.add_argument("--min-completion", type=int, default=512)
-    p.add_argument("--max-completion", type=int, default=1024)
-    p.add_argument("--modes", default="lora,full")
-    p.add_argument("--rows", default="all", help=f"comma-separated subset of: stock,{','.join(METHODS)},zero")
-    p.add_argument("--rounds", type=int, default=40, help="at most this many rounds per mode (the budget usually stops them first)")
-    p.add_argument("--steps", type=int, default=1, help="timed steps per row per round")
-    p.add_argument("--warmup", type=int, default=0, help="untimed steps per row per round, after its first round")
-    p.add_argument("--first-warmup", type=int, default=2, help="untimed steps in each row's first block (compilation; beta -> 0 reaching 0)")
-    p.add_argument("--budget", type=float, default=190.0, help="seconds for the whole run, import and model building included; each mode gets an equal share of what is left")
-    p.add_argument("--beta", type=float, default=0.04)
-    p.add_argument("--out", help="Markdown file rewritten after every round (and OUT.json with every timing, after every block)")
-    p.add_argument("--smoke", action="store_true", help="tiny model (on the CPU without a GPU), 2 rounds")
-    args = p.parse_args(argv)
-    if args.smoke:
-        args.hidden, args.layers, args.vocab, args.prompt, args.min_completion, args.max_completion = 64, 2, 300, 4, 6, 12
-        args.batch, args.rounds = min(args.batch, 4), min(args.rounds, 3)
+    p, args = _common.parse_args(
+        argv, description=__doc__, batch=8, first_warmup=2, first_warmup_why=" (compilation; beta -> 0 reaching 0)",
+        budget_includes="import and model building", smoke_help="tiny model (on the CPU without a GPU), 3 rounds",
+        smoke_hidden=64, smoke_rounds=3,
+    )  # fmt: skip
     if args.first_warmup < 2:
         p.error("--first-warmup must be at least 2 (the beta -> 0 row reaches 0 after its first step; its graph for 0 compiles in the second)")
-    for mode in args.modes.split(","):
-        if mode not in ("lora", "full"):
-            p.error(f"--modes: {mode!r} is not one of lora, full")
+    _common.check_modes(p, args)
     return args
-
-
-def wanted_rows(args) -> list[str]:
-    names = ["stock", *METHODS, "zero"]
-    if args.rows == "all":
-        return names
-    chosen = args.rows.split(",")
-    unknown = [n for n in chosen if n not in names]
-    if unknown:
-        raise SystemExit(f"--rows: unknown {unknown}; allowed: {names}")
-    return [n for n in names if n in chosen]
 
 
 def import_unsloth():
@@ -119,22 +86,15 @@ def make_row(key, *, switch, module, args, model, ref_model, optimizer, batch, t
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    if key == "stock":
-        name, fields = STOCK, {}
-        switch.stock()
-    elif key == "zero":
-        # beta_min=0 reached by the schedule after 1 step, the first (untimed) warm-up step
-        name, fields = ZERO, dict(kl_adaptation_method="dynamic", reward_threshold=1e9, beta_min=0.0, beta_schedule_steps=1)
-        switch.patched()
-    else:
-        name, fields = key, dict(kl_adaptation_method=key)
-        if "dynamic" in key:
-            fields["reward_threshold"] = -1.0  # no reward is observed here; keep the controller moving
-        switch.patched()
-    # Unsloth caches the keyword names its config accepts (unsloth.models.rl_config_compat); patch()
-    # drops that entry, a switch does not: drop it here, or a config made after a switch would be
-    # filtered with the other state's names (the adaptive-KL fields passed to the stock __init__).
-    getattr(sys.modules.get("unsloth.models.rl_config_compat"), "_ACCEPTED_CACHE", {}).clear()
+    from unsloth_adaptive_kl.backends.unsloth_hooks import forget_accepted_config_arguments
+
+    name, fields = _common.row_name_and_fields(key, STOCK)
+    activate = switch.stock if key == "stock" else switch.patched
+    activate()
+    # Unsloth memoises the keyword names its config accepts; patch() and unpatch() empty that memo, a
+    # switch does not: empty it here, or a config made after a switch would be filtered with the other
+    # state's names (the adaptive-KL fields passed to the stock __init__).
+    forget_accepted_config_arguments()
     if not isinstance(GRPOTrainer, type) or GRPOTrainer.__module__ != module.__name__:
         raise SystemExit(f"trl.GRPOTrainer is {GRPOTrainer!r}, not Unsloth's generated trainer: import unsloth first")
     config = GRPOConfig(
@@ -154,22 +114,7 @@ def make_row(key, *, switch, module, args, model, ref_model, optimizer, batch, t
     if ref_model is not None and trainer.ref_model is None:
         raise SystemExit(f"row {name}: full fine-tuning without a reference model (beta {args.beta})")
     trainer.current_gradient_accumulation_steps = 1  # set by the training loop, which does not run here
-
-    def step():
-        if runtime is not None:
-            runtime.observe_reward(0.0)  # what generation reports (no generation here): the dynamic controller's input
-        inputs = dict(batch)
-        if trainer.beta != 0.0:
-            inputs["ref_per_token_logps"] = _common.reference_logps(trainer, model, inputs)
-        loss = trainer.compute_loss(model, inputs)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        trainer.state.global_step += 1
-        trainer.callback_handler.on_step_end(trainer.args, trainer.state, trainer.control)
-        trainer._metrics["train"].clear()  # the metrics a log() would flush; nothing logs here
-
-    activate = switch.stock if key == "stock" else switch.patched
+    step = _common.training_step(trainer, model, optimizer, batch)
     return _common.Row(name=name, step=step, activate=activate, info={"beta_start": float(trainer.beta)}), trainer
 
 
@@ -189,28 +134,21 @@ def run_mode(mode, args, checkpoint, module, switch, report, deadline):
     else:
         ref_model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype).to(device).eval().requires_grad_(False)
     FastLanguageModel.for_training(model)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-6, **({"fused": True} if device.type == "cuda" else {"foreach": True}))
+    params, optimizer = _common.make_optimizer(model, device)
     batch = _common.fixed_batch(
         batch=args.batch, prompt_len=args.prompt, min_completion=args.min_completion, max_completion=args.max_completion, vocab=args.vocab, device=device
     )  # fmt: skip
     common = dict(switch=switch, module=module, args=args, model=model, ref_model=ref_model, optimizer=optimizer, batch=batch, tokenizer=tokenizer, device=device)
-    keys = wanted_rows(args)
+    keys = _common.wanted_rows(args)
     built = {key: make_row(key, **common) for key in keys}
     switch.patched()
     rows, trainers = [built[k][0] for k in keys], [built[k][1] for k in keys]
     title = f"{mode}: {'LoRA r=16 (FastLanguageModel.get_peft_model)' if mode == 'lora' else 'full fine-tuning (full_finetuning=True), separate reference model'}"
     note = f"trainable parameters: {sum(p.numel() for p in params):,}"
-
-    def on_block(_, round_finished):
-        for row, trainer in zip(rows, trainers):
-            row.info["beta_now"] = float(trainer.beta)
-        report.update(title, rows, STOCK, note, tables=round_finished)
-
     try:
         completed = _common.run_rounds(
             rows, rounds=args.rounds, steps=args.steps, warmup=args.warmup, first_warmup=args.first_warmup, device=device,
-            deadline=deadline, on_block=on_block,
+            deadline=deadline, on_block=_common.beta_reporter(report, title, rows, trainers, STOCK, note),
         )  # fmt: skip
     finally:
         switch.patched()
@@ -253,10 +191,7 @@ def main(argv=None) -> int:
         f"command: python bench/bench_unsloth.py {' '.join(argv if argv is not None else sys.argv[1:])}"
     )
     report = _common.Report(args.out, header)
-    modes = args.modes.split(",")
-    for i, mode in enumerate(modes):
-        share = (args.budget - (time.monotonic() - start)) / (len(modes) - i)
-        run_mode(mode, args, checkpoint, module, switch, report, deadline=time.monotonic() + share)
+    _common.run_modes(args, start, lambda mode, deadline: run_mode(mode, args, checkpoint, module, switch, report, deadline))
     print(report.text())
     print(f"wall time: {time.monotonic() - start:.0f} s")
     return 0
