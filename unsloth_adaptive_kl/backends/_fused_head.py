@@ -50,7 +50,9 @@ import os
 
 import torch
 
-KERNEL_TILE = 4096 * 32768  # values in TRL 1.15's log-prob kernel tile (TOKEN_CHUNK_SIZE × vocabulary chunk)
+from ._liger_parts import VOCAB_TILE
+
+KERNEL_TILE = 4096 * VOCAB_TILE  # values in TRL 1.15's log-prob kernel tile (TOKEN_CHUNK_SIZE × the package's VOCAB_TILE)
 BLOCK = 1024  # vocabulary columns per Triton program
 TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
