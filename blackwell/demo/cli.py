@@ -13,11 +13,12 @@ import time
 from dataclasses import asdict
 
 from .analysis import analyze
+from .grid import analyze_grid, plot_grid
 from .gpu import GpuCheck, choose_backend, probe_gpu
 from .plot import plot, plot_analysis
 from .scheduler import default_jobs, make_runs, run_all
-from .settings import (ALL_METHODS, HUB, SMOKE, TASKS, Settings, default_tag, method_fields, seed_list, settings_from,
-                       validate_methods)
+from .settings import (ALL_METHODS, HUB, SMOKE, TASKS, Settings, beta_settings, method_fields, parse_betas, seed_list,
+                       settings_from, validate_methods)
 from .summary import markdown_table, read_metrics, table_notes
 from .tasks import starting_model
 from .worker import train_one
@@ -28,6 +29,10 @@ def parse_args(argv=None, description: str | None = None):
     p.add_argument("--methods", default=",".join(ALL_METHODS), help="comma-separated kl_adaptation_method values")
     p.add_argument("--steps", type=int, help=f"GRPO steps per run (default {Settings.steps}; smoke {SMOKE['steps']})")
     p.add_argument("--beta", type=float, help=f"initial β, the same for every method (default {Settings.beta})")
+    p.add_argument("--betas", help="several initial β, comma-separated (e.g. 0.01,0.1,1): every (β, method) pair "
+                   "from the same starting model per seed, each β its own setting tag; replaces --beta")
+    p.add_argument("--kl-target", type=float, help=f"the target controller's kl_target (default {Settings.kl_target}); "
+                   "a non-default value adds -ktK to the tag")
     p.add_argument("--learning-rate", type=float, help=f"default {Settings.learning_rate} (hub model: {HUB['learning_rate']})")
     p.add_argument("--seeds", type=int, default=1, help="seeds 0..N-1 (from --first-seed): each its own starting "
                                                          "model, shared by every method")
@@ -51,8 +56,13 @@ def parse_args(argv=None, description: str | None = None):
     p.add_argument("--analyze", nargs="+", metavar="JSONL", help="only analyse finished metrics files (metrics.jsonl "
                    "or --stream files): the length-slope table per setting and, where a setting has several methods, "
                    "the paired comparison with `none`; prints markdown")
+    p.add_argument("--grid", action="store_true", help="with --analyze: the β-grid analysis instead (settings that "
+                   "differ only in the initial β, as --betas writes them): final KL, reward, length and β over the "
+                   "last 50 steps per method and β, the spread across β, target's KL / kl_target, the best fixed β "
+                   "against target, paired by seed")
     p.add_argument("--plot", metavar="PNG", help="with --analyze: also draw the curves (every method of one setting, "
-                                                 "or the baseline of each setting) into this file")
+                                                 "or the baseline of each setting) into this file; with --grid, the "
+                                                 "final KL and reward against the initial β")
     p.add_argument("--backend", choices=["auto", "unsloth", "trl"], default="auto")
     p.add_argument("--jobs", type=int, help="runs at a time (default: all of them, at most 24 on a GPU and one "
                                             "per core on the CPU)")
@@ -66,6 +76,15 @@ def parse_args(argv=None, description: str | None = None):
     p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: train one run from its spec file
     args = p.parse_args(argv)
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if args.betas is not None:
+        if args.beta is not None:
+            p.error("--betas replaces --beta: give one of them")
+        try:
+            args.betas = parse_betas(args.betas)
+        except ValueError as e:
+            p.error(str(e))
+    if args.grid and not args.analyze:
+        p.error("--grid goes with --analyze FILE...")
     if args.dataset and not args.model:
         p.error("--dataset needs --model: the offline tiny Llama only knows the synthetic task's characters")
     if args.smoke and (args.model or args.dataset):
@@ -73,7 +92,7 @@ def parse_args(argv=None, description: str | None = None):
     return args
 
 
-def header(args, settings: Settings, backend: str, gpu: GpuCheck) -> str:
+def header(args, settings: Settings, backend: str, gpu: GpuCheck, tags: list[str]) -> str:
     import torch
     import transformers
     import trl
@@ -90,7 +109,8 @@ def header(args, settings: Settings, backend: str, gpu: GpuCheck) -> str:
         f"task: {task}",
         f"settings: {json.dumps(asdict(settings))}",
         f"method fields (every run): {json.dumps(method_fields(settings))}",
-        f"methods: {', '.join(args.methods)}; seeds: {seed_list(args)}; tag: {args.tag or default_tag(settings)}",
+        *([f"initial β (--betas, each its own setting; 'beta' above is the first): {args.betas}"] if args.betas else []),
+        f"methods: {', '.join(args.methods)}; seeds: {seed_list(args)}; tag{'s' if len(tags) > 1 else ''}: {', '.join(tags)}",
     ])
 
 
@@ -100,6 +120,9 @@ def main(argv=None, description: str | None = None) -> None:
     if args.worker:
         return train_one(args.worker)
     if args.analyze:
+        if args.grid:
+            print(analyze_grid(args.analyze))
+            return print(plot_grid(args.analyze, args.plot)) if args.plot else None
         print(analyze(args.analyze))
         return print(plot_analysis(args.analyze, args.plot)) if args.plot else None
     if args.smoke:
@@ -111,36 +134,45 @@ def main(argv=None, description: str | None = None) -> None:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before trl imports triton: its kernel, interpreted
     validate_methods(args.methods)
     settings = settings_from(args)
+    settings_list = beta_settings(args, settings)
+    settings = settings_list[0][0]
     gpu = probe_gpu()
     if not gpu.ok:
         raise SystemExit(f"GPU check failed: {gpu.report}\nFix: {gpu.fix}")
     backend = choose_backend(args.backend, unsloth_installed=importlib.util.find_spec("unsloth") is not None, cuda=cuda)
     os.makedirs(args.output_dir, exist_ok=True)
-    head = header(args, settings, backend, gpu)
+    head = header(args, settings, backend, gpu, [tag for _, tag in settings_list])
     print(head, flush=True)
 
     t0 = time.perf_counter()
     seeds = seed_list(args)
     checkpoints = {seed: starting_model(args, settings, seed, "cuda" if cuda else "cpu") for seed in seeds}
-    runs = make_runs(args, settings, backend, checkpoints)
+    runs = make_runs(args, settings_list, backend, checkpoints)
     jobs = args.jobs or default_jobs(len(runs), cuda)
     print(f"{len(runs)} runs, {jobs} at a time, {settings.steps} steps each", flush=True)
     runs = run_all(runs, jobs, settings.steps, cuda, poll_seconds=2.0 if args.smoke else 10.0, keep_going=args.keep_going)
-    finished = {(r.method, r.seed) for r in runs}  # with --keep-going: the table keeps methods done on every seed
-    args.methods = [m for m in args.methods if all((m, s) in finished for s in seeds)]
-    runs = [r for r in runs if r.method in args.methods]
 
-    metrics = read_metrics(runs)
+    tables, plotted, all_metrics = [], [], {}
+    for one, tag in settings_list:
+        beta = one.beta if len(settings_list) > 1 else None
+        mine = [r for r in runs if r.beta == beta]
+        finished = {(r.method, r.seed) for r in mine}  # with --keep-going: the table keeps methods done on every seed
+        methods = [m for m in args.methods if all((m, s) in finished for s in seeds)]
+        metrics = read_metrics([r for r in mine if r.method in methods])
+        all_metrics.update({(m, s, beta): rows for (m, s), rows in metrics.items()})
+        table = markdown_table(metrics, methods, seeds, one.summary_window)
+        tables.append(table if beta is None else f"**{tag}** (initial β {beta:g})\n\n{table}")
+        title = (f"adaptive-KL GRPO, backend {backend}, β0={one.beta}, loss {one.loss_type}, task {one.task}, "
+                 f"Llama {one.hidden_size}x{one.layers}")
+        png = "curves.png" if beta is None else f"curves-b{beta:g}.png"
+        plotted.append(plot(metrics, methods, seeds, one.steps, os.path.join(args.output_dir, png), title))
     with open(os.path.join(args.output_dir, "metrics.jsonl"), "w") as f:
-        for rows in metrics.values():
+        for rows in all_metrics.values():
             f.writelines(json.dumps(r) + "\n" for r in rows)
-    table = markdown_table(metrics, args.methods, seeds, settings.summary_window)
+    table = "\n\n".join(tables)
     notes = table_notes(seeds, settings.steps, settings.summary_window)
     elapsed = f"wall time: {time.perf_counter() - t0:.0f} s"
     with open(os.path.join(args.output_dir, "summary.md"), "w") as f:
         f.write(f"```\n{head}\n{elapsed}\n```\n\n{table}\n\n{notes}\n")
-    title = (f"adaptive-KL GRPO, backend {backend}, β0={settings.beta}, loss {settings.loss_type}, task {settings.task}, "
-             f"Llama {settings.hidden_size}x{settings.layers}")
-    plotted = plot(metrics, args.methods, seeds, settings.steps, os.path.join(args.output_dir, "curves.png"), title)
-    print(f"\n{table}\n\n{notes}\n\n{elapsed}\n{plotted}\nwritten: {args.output_dir}/metrics.jsonl, "
+    print(f"\n{table}\n\n{notes}\n\n{elapsed}\n" + "\n".join(plotted) + f"\nwritten: {args.output_dir}/metrics.jsonl, "
           f"{args.output_dir}/summary.md", flush=True)

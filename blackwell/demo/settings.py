@@ -29,6 +29,7 @@ class Settings:
     warm_start_lr: float = 3e-3
     summary_window: float = 0.1  # "start" and "end" values are means over this fraction of the steps
     task: str = "easy"  # the offline task's difficulty: a key of TASKS
+    kl_target: float = 0.1  # the target controller's KL target (method `target`; `sigmoid` centres on it too)
 
 
 # The offline task's variants: how many terms a sum has and how large they are. "easy" is the
@@ -56,7 +57,7 @@ def method_fields(settings: Settings) -> dict:
     return dict(
         kl_estimator="k3",
         kl_clip_threshold=1.0,
-        kl_target=0.1,
+        kl_target=settings.kl_target,
         reward_threshold=0.8,
         reward_window=5,
         dynamic_beta_decay=0.9,
@@ -69,7 +70,31 @@ def method_fields(settings: Settings) -> dict:
 def default_tag(settings: Settings) -> str:
     return (f"{settings.task}-{settings.loss_type}-b{settings.beta:g}-h{settings.hidden_size}x{settings.layers}"
             f"-L{settings.max_completion_length}-s{settings.steps}"
-            + (f"-wlr{settings.warm_start_lr:g}" if settings.warm_start_lr != Settings.warm_start_lr else ""))
+            + (f"-wlr{settings.warm_start_lr:g}" if settings.warm_start_lr != Settings.warm_start_lr else "")
+            + (f"-kt{settings.kl_target:g}" if settings.kl_target != Settings.kl_target else ""))
+
+
+def beta_settings(args, settings: Settings) -> list[tuple[Settings, str]]:
+    """(settings, tag) for each initial β of the invocation: ``--betas`` gives several, each its own
+    setting tag (the default tag, or ``--tag`` followed by ``-bβ``); otherwise the one of ``--beta``."""
+    if not args.betas:
+        return [(settings, args.tag or default_tag(settings))]
+    out = []
+    for beta in args.betas:
+        one = replace(settings, beta=beta)
+        out.append((one, f"{args.tag}-b{beta:g}" if args.tag else default_tag(one)))
+    return out
+
+
+def parse_betas(text: str) -> list[float]:
+    """``--betas``: comma-separated positive floats, no repeats."""
+    try:
+        betas = [float(b) for b in text.split(",") if b.strip()]
+    except ValueError as e:
+        raise ValueError(f"--betas={text!r}: {e}; allowed: comma-separated numbers, e.g. 0.01,0.1,1") from e
+    if not betas or any(not b > 0 for b in betas) or len(set(betas)) != len(betas):
+        raise ValueError(f"--betas={text!r}: allowed: distinct numbers > 0, e.g. 0.01,0.1,1")
+    return betas
 
 
 def seed_list(args) -> list[int]:
@@ -85,7 +110,7 @@ def settings_from(args) -> Settings:
     overrides = {"steps": args.steps, "beta": args.beta, "learning_rate": args.learning_rate, "task": args.task,
                  "loss_type": args.loss_type, "hidden_size": args.hidden_size, "layers": args.layers,
                  "max_completion_length": args.max_completion_length, "warm_start_steps": args.warm_start_steps,
-                 "warm_start_lr": args.warm_start_lr}
+                 "warm_start_lr": args.warm_start_lr, "kl_target": args.kl_target}
     return replace(settings, **{k: v for k, v in overrides.items() if v is not None})
 
 
