@@ -220,3 +220,119 @@ def test_warm_start_lr_reaches_the_optimizer_and_names_the_setting(task, tmp_pat
     assert demo_settings.default_tag(settings).endswith("-wlr0.001")
     default = demo_settings.settings_from(demo.parse_args(["--task", task]))
     assert default.warm_start_lr == 3e-3 and "wlr" not in demo_settings.default_tag(default)
+
+
+# -- the β grid (--betas, --kl-target, --analyze --grid) ----------------------------------------------
+# A hand-made grid whose answers are known: 3 seeds x initial β 0.01, 0.1, 1 x none, target; 60 steps a
+# run, the first 10 junk (outside the last-50 window), the last 50 alternating ±0.01 around the value.
+GRID_KL = {"none": {0.01: 0.4, 0.1: 0.2, 1.0: 0.05}, "target": {0.01: 0.3, 0.1: 0.2, 1.0: 0.16}}
+GRID_REWARD = {"none": {0.01: 0.7, 0.1: 0.8, 1.0: 0.6}, "target": {0.01: 0.75, 0.1: 0.75, 1.0: 0.75}}
+
+
+def _grid_stream(path, kl_target=0.2):
+    lines = []
+    for method in GRID_KL:
+        for beta in GRID_KL[method]:
+            tag = f"medium-dapo-b{beta:g}-h128x4-L48-s60-kt{kl_target:g}"
+            for seed in range(3):
+                kl = GRID_KL[method][beta] * (1 + 0.1 * seed)  # the per-seed max/min ratio stays the same
+                reward = GRID_REWARD[method][beta] + (0.01 if method == "none" else 0.02) * seed
+                for step in range(1, 61):
+                    wiggle = 0.01 * (-1) ** step if step > 10 else 0.0
+                    lines.append({"tag": tag, "method": method, "seed": seed, "step": step, "step_time": 1.0,
+                                  "beta0": beta, "kl_target": kl_target,
+                                  "reward": 0.0 if step <= 10 else reward + wiggle,
+                                  "completions/mean_length": 40.0 if step <= 10 else 5.0 + wiggle,
+                                  "adaptive_kl/raw_kl": 99.0 if step <= 10 else kl + wiggle,
+                                  "adaptive_kl/current_beta": 7.0 if step <= 10 else 2 * beta + wiggle * beta})
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    return str(path)
+
+
+def test_grid_final_values_are_the_means_of_the_last_50_steps(tmp_path):
+    from demo import grid
+
+    runs = grid.read_grid([_grid_stream(tmp_path / "g.jsonl")])
+    (base, g), = runs.items()
+    assert base == "medium-dapo-b*-h128x4-L48-s60-kt0.2" and g["kl_target"] == 0.2
+    v = g["runs"][("none", 0.1, 2)]
+    assert v["kl"] == pytest.approx(0.2 * 1.2) and v["reward"] == pytest.approx(0.82) and v["length"] == pytest.approx(5.0)
+    assert v["beta"] == pytest.approx(0.2) and v["steps"] == 60
+
+
+def test_grid_spread_target_tracking_and_best_fixed_beta(tmp_path):
+    from demo import grid
+
+    g = grid.read_grid([_grid_stream(tmp_path / "g.jsonl")])["medium-dapo-b*-h128x4-L48-s60-kt0.2"]
+    none = grid.spread(grid._by(g["runs"], "none"))
+    assert none["kl_ratio"] == pytest.approx(0.4 / 0.05) and (none["kl_max_at"], none["kl_min_at"]) == (0.01, 1.0)
+    assert none["per_seed_kl_ratio"] == pytest.approx([8.0] * 3)
+    # reward seed means: 0.71, 0.81, 0.61 -> range 0.2, the same in every seed
+    assert none["reward_range"] == pytest.approx(0.2) and none["per_seed_reward_range"] == pytest.approx([0.2] * 3)
+    target = grid.spread(grid._by(g["runs"], "target"))
+    assert target["kl_ratio"] == pytest.approx(0.3 / 0.16) and target["reward_range"] == pytest.approx(0.0)
+    assert grid.best_fixed_beta(g["runs"]) == 0.1
+    text = grid.analyze_grid([str(tmp_path / "g.jsonl")])
+    # target's KL / kl_target: seed KLs 0.3 x (1, 1.1, 1.2) / 0.2 = 1.5, 1.65, 1.8 at β 0.01 (none within ±25 %);
+    # 0.16 x (1, 1.1, 1.2) / 0.2 = 0.8, 0.88, 0.96 at β 1 (all within)
+    assert "| 0.01 | 3 | 1.65 [" in text and "| 1.50, 1.65, 1.80 | 0/3 |" in text
+    assert "| 0.80, 0.88, 0.96 | 3/3 |" in text and "| 1.00, 1.10, 1.20 | 3/3 |" in text
+    # Δ reward, target minus none at β 0.1 by seed: 0.75 + 0.02 s - (0.8 + 0.01 s) = -0.05, -0.04, -0.03:
+    # mean -0.04, half-width 4.303 x 0.01 / sqrt(3) = 0.0248
+    assert "| `target` | 1 | -0.040 [-0.065, -0.015] * |" in text
+    assert "| `none` | 0.01, 0.1, 1 | 8.00 | 0.01 / 1 | 8.00 [8.00, 8.00] | 0.200 |" in text
+
+
+def test_grid_needs_the_initial_beta_in_the_tag():
+    from demo import grid
+
+    assert grid.split_tag("medium-dapo-b1e-05-h128x4-L48-s300") == ("medium-dapo-b*-h128x4-L48-s300", 1e-05)
+    assert grid.split_tag("mine-b0.3") == ("mine-b*", 0.3)
+    with pytest.raises(ValueError, match="no '-bBETA' part"):
+        grid.split_tag("medium-dapo-h128x4")
+
+
+def test_betas_replace_beta_and_must_be_positive():
+    from demo import settings as demo_settings
+
+    args = demo.parse_args(["--betas", "0.01,1", "--kl-target", "0.2", "--tag", "mine"])
+    settings = demo_settings.settings_from(args)
+    assert settings.kl_target == 0.2 and demo_settings.method_fields(settings)["kl_target"] == 0.2
+    assert [(s.beta, tag) for s, tag in demo_settings.beta_settings(args, settings)] == [(0.01, "mine-b0.01"), (1.0, "mine-b1")]
+    plain = demo.parse_args(["--beta", "0.3"])
+    (one, tag), = demo_settings.beta_settings(plain, demo_settings.settings_from(plain))
+    assert one.beta == 0.3 and tag == demo_settings.default_tag(one) and "-kt" not in tag
+    for bad in (["--betas", "0.1,0"], ["--betas", "0.1,0.1"], ["--betas", "x"], ["--betas", "0.1", "--beta", "0.2"]):
+        with pytest.raises(SystemExit):
+            demo.parse_args(bad)
+
+
+@pytest.fixture(scope="module")
+def smoke_betas(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo-betas")
+    env = dict(os.environ, TRITON_INTERPRET="1", TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run([sys.executable, SCRIPT, "--smoke", "--betas", "0.05,0.2", "--methods", "none,target",
+                           "--kl-target", "0.3", "--stream", str(out / "stream.jsonl"), "--output-dir", str(out)],
+                          capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out, proc.stdout
+
+
+def test_smoke_betas_warm_start_once_and_tag_each_beta(smoke_betas):
+    out, stdout = smoke_betas
+    assert stdout.count("warm-started") == 1 and "4 runs" in stdout
+    rows = [json.loads(line) for line in (out / "stream.jsonl").read_text().splitlines()]
+    steps = demo.SMOKE["steps"]
+    for beta in (0.05, 0.2):
+        mine = [r for r in rows if r["tag"] == f"easy-dapo-b{beta:g}-h32x2-L24-s{steps}-kt0.3"]
+        assert {r["method"] for r in mine} == {"none", "target"} and {r["beta0"] for r in mine} == {beta}
+        assert sorted(r["step"] for r in mine if r["method"] == "none") == list(range(1, steps + 1))
+        last = {r["method"]: r["adaptive_kl/current_beta"] for r in mine if r["step"] == steps}
+        assert last["none"] == beta and last["target"] != beta  # each run started from its own β
+    assert '"kl_target": 0.3' in stdout and (out / "runs" / "target-seed0-b0.2" / "log.txt").exists()
+    summary = (out / "summary.md").read_text()
+    assert "(initial β 0.05)" in summary and "(initial β 0.2)" in summary
+    from demo import grid  # the grid analysis of the smoke stream separates the two β
+
+    runs = grid.read_grid([str(out / "stream.jsonl")])[f"easy-dapo-b*-h32x2-L24-s{steps}-kt0.3"]["runs"]
+    assert sorted(runs) == [(m, b, 0) for m in ("none", "target") for b in (0.05, 0.2)]

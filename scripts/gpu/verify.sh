@@ -8,7 +8,8 @@
 # budget 520 s), demo-check (a short demo run), demo-3seeds,
 # evidence:NAME (the demo invocations listed in scripts/gpu/evidence/NAME.txt, all at once; see
 # docs/evidence.md). An evidence stage writes to $OUT: NAME-stream.jsonl (every run's steps, as they
-# come), NAME-analysis.md (the slope table), NAME.log and NAME-runs.tar.gz (logs, summaries, plots).
+# come), NAME-analysis.md (the slope table), NAME.log and NAME-runs.tar.gz (logs, summaries, plots); a list with
+# --betas (the beta grid, betagrid*.txt) also NAME-grid.md and NAME-grid.png (--analyze --grid).
 # bench-1b (one GPU, <= ~530 s): bench_liger.py with the GEMM-floor column, the log-prob-kernel path and the fused
 # head (fused_head=True, chunks auto and 1024) for none and target (<= 130 s), then on the ~1 B Llama, interleaved
 # (docs/benchmarks.md): bench_trl.py, LoRA and full FT, 16 completions per step (budget 165 s, model building
@@ -33,6 +34,10 @@ evidence() {
   for pid in "${pids[@]}"; do wait "$pid"; done
   for f in "$work"/*.log; do echo "== $f"; grep -v "^\[\|  started \|^step" "$f" | tail -25; done > "$OUT/$name.log"
   python blackwell/test_adaptive_kl_grpo.py --analyze "$OUT/$name-stream.jsonl" | tee "$OUT/$name-analysis.md"
+  if grep -q -- "--betas" "scripts/gpu/evidence/$name.txt"; then  # a beta grid: its own analysis and figure
+    python blackwell/test_adaptive_kl_grpo.py --analyze "$OUT/$name-stream.jsonl" --grid --plot "$OUT/$name-grid.png" \
+      | tee "$OUT/$name-grid.md"
+  fi
   (cd "$work" && tar czf "$OUT/$name-runs.tar.gz" --exclude=checkpoints --exclude=unsloth_compiled_cache --exclude='*.safetensors' .)
 }
 set -uo pipefail
