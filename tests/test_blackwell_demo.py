@@ -320,7 +320,7 @@ def smoke_betas(tmp_path_factory):
 
 def test_smoke_betas_warm_start_once_and_tag_each_beta(smoke_betas):
     out, stdout = smoke_betas
-    assert stdout.count("warm-started") == 1 and "4 runs" in stdout
+    assert stdout.count("seed 0: tiny Llama") == 1 and "4 runs, " in stdout  # one warm start for both β
     rows = [json.loads(line) for line in (out / "stream.jsonl").read_text().splitlines()]
     steps = demo.SMOKE["steps"]
     for beta in (0.05, 0.2):
