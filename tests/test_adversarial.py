@@ -160,6 +160,37 @@ def test_local_sums_match_float64_over_valid_tokens_only():
     torch.testing.assert_close(sums, torch.tensor([float(e) for e in expected], dtype=torch.float64))
 
 
+def test_global_metrics_of_a_bf16_kl_are_exact_token_weighted_means():
+    """Issue 24: under FSDP2's bf16 MixedPrecisionPolicy TRL's log-probs, hence the per-token KL, are bf16. The
+    2-GPU run logged clip's adapted_kl as 0.0013684724506578948 where the global mean was 0.0013676693564967106:
+    26 of 38 valid tokens clipped to bf16(0.002), summed in bf16 (8 significant bits). The metrics must be the
+    float64 mean of the values, whatever their dtype; here through the KL term (bf16 log-probs, clip), on two
+    shards of different lengths whose sums are added as the all-reduce adds them."""
+    mask0, mask1 = ragged_mask([8, 8, 8, 8], 8), ragged_mask([0, 3, 3], 8)
+    g = torch.Generator().manual_seed(24)
+    state = adaptive("clip", "k3", kl_clip_threshold=0.002)
+    values, totals = {"raw": [], "adapted": []}, 0
+    for mask in (mask0, mask1):
+        logp = (-torch.rand(mask.shape, generator=g) * 3).bfloat16()
+        ref = (logp.float() + torch.randn(mask.shape, generator=g) * 0.1).bfloat16()
+        raw, adapted = state.per_token(logp, ref, mask)
+        assert adapted.dtype == torch.bfloat16
+        valid = mask.bool()
+        values["raw"] += raw[valid].double().tolist()
+        values["adapted"] += adapted[valid].double().tolist()
+        totals = totals + metrics.local_kl_sums(raw, adapted, mask)
+    clipped = sum(v == torch.tensor(0.002, dtype=torch.bfloat16).item() for v in values["adapted"])
+    assert 0 < clipped < len(values["adapted"]) == 38  # the case of the issue: some tokens at the cap, some below
+    logged = metrics.metric_values(totals, length_normalized=False)
+    for name, key in ((metrics.RAW_KL, "raw"), (metrics.ADAPTED_KL, "adapted")):
+        assert logged[name] == pytest.approx(math.fsum(values[key]) / 38, rel=1e-12, abs=0)
+    # the logged numbers of the issue: 26 tokens at bf16(0.002) and 12 at 0, over 38
+    cap = torch.full((26,), 0.002, dtype=torch.bfloat16)
+    adapted = torch.cat([cap, torch.zeros(12, dtype=torch.bfloat16)])[None]
+    logged = metrics.metric_values(metrics.local_kl_sums(adapted, adapted, torch.ones_like(adapted)), length_normalized=False)
+    assert logged[metrics.ADAPTED_KL] == pytest.approx(0.0013676693564967106, rel=1e-12, abs=0)
+
+
 # -- TRL: the patched GRPOTrainer._compute_loss --------------------------------------------------------
 @pytest.fixture(scope="module")
 def trl_trainer(tiny_checkpoint, tmp_path_factory):

@@ -30,15 +30,18 @@ NUM_SUMS = 5
 def local_kl_sums(raw: torch.Tensor, adapted: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Sums over this shard's valid tokens, as one float64 tensor of 5 values (see the layout above).
 
+    The values are summed in float64, whatever their dtype: a bf16 KL (TRL's log-probs under FSDP2's
+    bf16 ``MixedPrecisionPolicy``) summed in bf16 is rounded to 8 significant bits, which made the
+    logged ``adapted_kl`` of ``clip`` 5.9e-4 off the global mean (issue 24).
     ``where`` rather than a product keeps NaN or inf on masked positions out of the sums.
     """
     with torch.no_grad():
         valid = mask.bool()
-        zero = torch.zeros((), dtype=raw.dtype, device=raw.device)
+        zero = torch.zeros((), dtype=torch.float64, device=raw.device)
         return torch.stack(
             [
-                torch.where(valid, raw, zero).sum().double(),
-                torch.where(valid, adapted, zero).sum().double(),
+                torch.where(valid, raw.double(), zero).sum(),
+                torch.where(valid, adapted.double(), zero).sum(),
                 valid.sum().double(),
                 sequence_mean(adapted.double(), mask).sum(),
                 torch.ones_like(valid.sum(-1), dtype=torch.float64).sum(),  # rows (also when T = 0); no Python float, so it compiles
