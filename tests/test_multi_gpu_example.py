@@ -49,6 +49,25 @@ def test_configured_type_reads_the_launcher_config():
     assert check_ranks.configured_type(os.path.join(EXAMPLE, "deepspeed_zero2.yaml"), cpu=False) == "DEEPSPEED"
 
 
+def test_every_config_loads_in_accelerate_and_verify_sh_runs_it():
+    import re
+
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    configs = sorted(name[: -len(".yaml")] for name in os.listdir(EXAMPLE) if name.endswith(".yaml"))
+    assert configs == ["ddp", "deepspeed_zero2", "deepspeed_zero3", "fsdp2"]
+    loaded = {name: load_config_from_file(os.path.join(EXAMPLE, f"{name}.yaml")) for name in configs}
+    assert loaded["deepspeed_zero3"].deepspeed_config["zero_stage"] == 3
+    assert loaded["deepspeed_zero3"].deepspeed_config["zero3_save_16bit_model"] is True  # get_state_dict gathers under ZeRO-3
+    assert loaded["fsdp2"].fsdp_config["fsdp_version"] == 2
+    for name, config in loaded.items():
+        assert str(config.distributed_type).endswith("." + check_ranks.configured_type(os.path.join(EXAMPLE, f"{name}.yaml"), cpu=False))
+    with open(os.path.join(os.path.dirname(os.path.dirname(EXAMPLE)), "scripts", "gpu", "verify.sh")) as f:
+        runs = re.search(r'^MULTI_GPU_RUNS="([^"]*)"', f.read(), re.M).group(1).split()
+    assert {run.split(":")[1] for run in runs} == set(configs)  # every config runs in the multi-gpu stage
+    assert "fsdp2-lora:fsdp2:--lora" in runs
+
+
 def test_ddp_on_two_cpu_processes_passes_every_check(tmp_path):
     env = {**os.environ, "TRITON_INTERPRET": "1", "TOKENIZERS_PARALLELISM": "false"}
     command = [sys.executable, os.path.join(EXAMPLE, "check_ranks.py"), "--config", os.path.join(EXAMPLE, "ddp.yaml"), "--cpu",
@@ -63,3 +82,89 @@ def test_ddp_on_two_cpu_processes_passes_every_check(tmp_path):
         assert r["tokens_per_rank"][0] != r["tokens_per_rank"][1]
         assert r["loss_one_process"] == pytest.approx(r["loss_mean_of_ranks"], rel=1e-5, abs=1e-6)
     assert report["methods"]["target"]["betas_rank0"][2] != 0.04  # the controller moved, identically on both ranks
+    assert report["reference_device"] == {"CUDA_VISIBLE_DEVICES": "", "cuda_device_count": 0}
+
+
+def test_fsdp2_with_lora_in_bf16_on_two_cpu_processes_passes_every_check(tmp_path):
+    """FSDP2 (torch's fully_shard over gloo) with a LoRA adapter and accelerate's bf16 policy: TRL's per-token KL
+    is bf16 there, the case whose bf16 sums made clip's logged adapted_kl 5.9e-4 off on 2 GPUs (issue 24)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "TOKENIZERS_PARALLELISM": "false"}
+    command = [sys.executable, os.path.join(EXAMPLE, "check_ranks.py"), "--config", os.path.join(EXAMPLE, "fsdp2.yaml"), "--cpu",
+               "--precision", "bf16", "--lora", "--out", str(tmp_path), "--steps", "2", "--methods", "clip", "--timeout", "240"]  # fmt: skip
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["passed"] and report["distributed_type"] == "DistributedType.FSDP"
+    assert report["wrapped_model"].startswith("FSDP")  # fully_shard's class, not DDP
+    r = report["methods"]["clip"]
+    assert r["betas_rank0"] == r["betas_rank1"] and r["max_metric_rel_error"] <= 1e-6
+    assert r["tokens_per_rank"][0] != r["tokens_per_rank"][1]
+
+
+# -- the one-process reference (issue 24): one visible GPU, and its exception in the report ------------------
+DATAPARALLEL = "ValueError: GRPOTrainer does not support nn.DataParallel"
+
+
+def fake_reference_run(seen, returncode=1, stderr=f"Traceback (most recent call last):\n  File \"check_ranks.py\"\n{DATAPARALLEL}\n"):
+    def run(command, env, **kwargs):
+        seen.append({"command": command, "CUDA_VISIBLE_DEVICES": env.get("CUDA_VISIBLE_DEVICES")})
+        return subprocess.CompletedProcess(command, returncode, stdout="", stderr=stderr)
+
+    return run
+
+
+@pytest.mark.parametrize(
+    "visible, cpu, expected",
+    [("0,1", False, "0"), ("3, 5", False, "3"), (None, False, "0"), ("1", False, "1"), ("0,1", True, "")],
+)
+def test_the_reference_run_is_started_with_one_visible_device(tmp_path, monkeypatch, visible, cpu, expected):
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    seen = []
+    monkeypatch.setattr(check_ranks.subprocess, "run", fake_reference_run(seen))
+    args = check_ranks.parse_args(["--config", os.path.join(EXAMPLE, "ddp.yaml"), "--out", str(tmp_path)] + (["--cpu"] if cpu else []))
+    results = check_ranks.reference_losses(args, "CHECKPOINT", {"clip": 0.04, "none": 0.04})
+    assert [s["CUDA_VISIBLE_DEVICES"] for s in seen] == [expected]  # one child for every method, one device (none on CPU)
+    assert seen[0]["command"][seen[0]["command"].index("--reference") + 1] == "CHECKPOINT"
+    assert os.environ.get("CUDA_VISIBLE_DEVICES") == visible  # the checker's own environment is left alone
+    for method in ("clip", "none"):
+        assert "exited with status 1" in results[method]["error"] and DATAPARALLEL in results[method]["error"]
+
+
+def rank_record(tokens, loss):
+    rows = [row([0.01] * tokens, [0.01] * tokens, 0.01, 0.01)]
+    return {"betas": [0.04, 0.04], "rows": rows, "loss": loss, "loss_beta": 0.04}
+
+
+def test_a_failed_reference_run_shows_its_exception_in_the_report(tmp_path, monkeypatch):
+    seen = []
+    monkeypatch.setattr(check_ranks.subprocess, "run", fake_reference_run(seen))
+    args = check_ranks.parse_args(["--config", os.path.join(EXAMPLE, "ddp.yaml"), "--out", str(tmp_path), "--methods", "clip", "--steps", "2"])
+    args.steps = 1
+    ranks = [{"clip": rank_record(5, 0.1)}, {"clip": rank_record(3, 0.3)}]
+    report = check_ranks.check(args, "CHECKPOINT", ranks)
+    report.update(distributed_type="DistributedType.MULTI_GPU", wrapped_model="DistributedDataParallel")
+    text = check_ranks.format_report(args, report)
+    assert not report["passed"] and report["methods"]["clip"]["loss_mean_of_ranks"] == pytest.approx(0.2)
+    assert DATAPARALLEL in text and "step-2 loss on one process failed" in text and "SOME CHECKS FAILED" in text
+
+
+def test_a_reference_result_is_compared_with_the_mean_of_the_ranks(tmp_path, monkeypatch):
+    """The child's loss (written to its result file) is what the check compares, with the precision's tolerance."""
+
+    def run(command, env, **kwargs):
+        with open(tmp_path / check_ranks.REFERENCE_RESULT, "w") as f:
+            json.dump({"device": {"CUDA_VISIBLE_DEVICES": env["CUDA_VISIBLE_DEVICES"], "cuda_device_count": 1}, "clip": {"loss": 0.2001}}, f)
+        return subprocess.CompletedProcess(command, 0, stdout="", stderr="")
+
+    monkeypatch.setattr(check_ranks.subprocess, "run", run)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    ranks = [{"clip": rank_record(5, 0.1)}, {"clip": rank_record(3, 0.3)}]
+    for precision, passed in (("bf16", True), ("fp32", False)):  # |0.2001 - 0.2| = 1e-4: within bf16's 2e-4 + 2e-3 rel, not fp32's
+        args = check_ranks.parse_args(["--config", os.path.join(EXAMPLE, "ddp.yaml"), "--out", str(tmp_path), "--methods", "clip", "--precision", precision])
+        args.steps = 1
+        report = check_ranks.check(args, "CHECKPOINT", ranks)
+        assert report["passed"] is passed and report["methods"]["clip"]["loss_one_process"] == 0.2001
+        assert report["reference_device"] == {"CUDA_VISIBLE_DEVICES": "0", "cuda_device_count": 1}

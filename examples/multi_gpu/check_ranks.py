@@ -2,32 +2,41 @@
 
     python examples/multi_gpu/check_ranks.py --config examples/multi_gpu/ddp.yaml --out /tmp/mg-ddp
     python examples/multi_gpu/check_ranks.py --config examples/multi_gpu/fsdp2.yaml --out /tmp/mg-fsdp
-    python examples/multi_gpu/check_ranks.py --config examples/multi_gpu/deepspeed_zero2.yaml --out /tmp/mg-ds
+    python examples/multi_gpu/check_ranks.py --config examples/multi_gpu/fsdp2.yaml --lora --out /tmp/mg-fsdp-lora
+    python examples/multi_gpu/check_ranks.py --config examples/multi_gpu/deepspeed_zero2.yaml --out /tmp/mg-ds2
+    python examples/multi_gpu/check_ranks.py --config examples/multi_gpu/deepspeed_zero3.yaml --out /tmp/mg-ds3
     python examples/multi_gpu/check_ranks.py --config examples/multi_gpu/ddp.yaml --cpu --out /tmp/mg-cpu   # 2 CPU processes, gloo
+    python examples/multi_gpu/check_ranks.py --config examples/multi_gpu/fsdp2.yaml --cpu --precision bf16 --out /tmp/mg-cpu-fsdp
 
 It builds a small Llama and tokenizer (``unsloth_adaptive_kl.toy``), then launches
 ``accelerate launch --config_file CONFIG --num_processes 2 check_ranks.py --worker ...`` under a
 timeout (a hang fails the check instead of blocking). Every rank trains ``--steps`` GRPO steps
 for each of ``--methods`` (default: the β controllers ``none``, ``dynamic``, ``target`` and the
-shaping ``clip``); rank 1 masks its first completion and cuts the others to 3 tokens, so the
-ranks see different completion lengths and an all-masked row. Each rank records:
+shaping ``clip``), the whole model or (``--lora``) a LoRA adapter; rank 1 masks its first completion
+and cuts the others to 3 tokens, so the ranks see different completion lengths and an all-masked row.
+Each rank records:
 
 * β at the start and after every optimizer step;
 * for every micro-batch, the per-token raw and adapted KL of its valid tokens, and the
   ``adaptive_kl/*`` values the package computed (after its cross-process reduce);
 * the inputs and the loss of step 2's micro-batch, and the weights (gathered) that loss saw.
 
-Then this process (no launcher, one process) checks:
+Then this process (no launcher) checks:
 
 1. β is identical on both ranks at every step;
 2. every logged ``adaptive_kl/raw_kl`` and ``adapted_kl`` equals the token-weighted mean of the
-   per-token values gathered from both ranks (recomputed here in float64);
-3. the loss of step 2's global batch (both ranks' inputs concatenated), computed on one process
-   from the same weights and β, equals the mean of the two ranks' losses (the
-   gradient DDP/FSDP/ZeRO apply), within bf16 tolerance on GPU (float32 tolerance on CPU).
+   per-token values gathered from both ranks (recomputed here in float64), to 1e-6 relative;
+3. the loss of step 2's global batch (both ranks' inputs concatenated), computed by one process
+   from the same weights and β, equals the mean of the two ranks' losses (the gradient
+   DDP/FSDP/ZeRO apply), within bf16 tolerance (float32 tolerance with ``--precision fp32``). That
+   process is a child started with exactly one visible GPU (``CUDA_VISIBLE_DEVICES`` = the first this
+   process sees): a Trainer that sees 2 GPUs wraps the model in ``nn.DataParallel``, which GRPOTrainer
+   refuses. If it fails, the report shows its exception.
 
-It prints a table (β per rank per step) and writes ``OUT/report.md`` and ``OUT/report.json``;
-the exit status is 0 only if every check passed.
+With ``--cpu`` an FSDP config runs as FSDP2 over gloo (``fully_shard`` works on CPU; accelerate alone
+would fall back to DDP there, see :func:`fsdp_on_cpu`); a DeepSpeed config still falls back to DDP and
+is reported as a failure. It prints a table (β per rank per step) and writes ``OUT/report.md`` and
+``OUT/report.json``; the exit status is 0 only if every check passed.
 """
 
 from __future__ import annotations
@@ -59,20 +68,24 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="accelerate config file (examples/multi_gpu/*.yaml)")
     p.add_argument("--out", required=True)
-    p.add_argument("--cpu", action="store_true", help="2 CPU processes over gloo, float32 (no GPU needed)")
+    p.add_argument("--cpu", action="store_true", help="2 CPU processes over gloo, float32 unless --precision bf16 (no GPU needed)")
+    p.add_argument("--precision", choices=("bf16", "fp32"), help="mixed precision of the run (default: bf16 on GPU, fp32 with --cpu)")
+    p.add_argument("--lora", action="store_true", help="train a LoRA adapter (peft) instead of the full model")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--timeout", type=int, default=300, help="seconds for the launched run; longer counts as a hang")
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--worker", nargs=1, metavar="CHECKPOINT", help=argparse.SUPPRESS)
+    p.add_argument("--reference", nargs=1, metavar="CHECKPOINT", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    args.bf16 = (args.precision or ("fp32" if args.cpu else "bf16")) == "bf16"
     unknown = [m for m in args.methods.split(",") if m not in METHODS]
     if unknown:
         p.error(f"--methods: unknown {unknown}; allowed: {list(METHODS)}")
     if args.steps < CAPTURE_STEP:
         p.error(f"--steps must be at least {CAPTURE_STEP} (step {CAPTURE_STEP}'s loss is compared with one process)")
-    if not args.worker and not args.config:
+    if not args.worker and not args.reference and not args.config:
         p.error("--config is required")
     return args
 
@@ -81,11 +94,58 @@ def grpo_config(method: str, args, output_dir: str):
     from trl import GRPOConfig
 
     return GRPOConfig(
-        output_dir=output_dir, report_to="none", use_cpu=args.cpu, bf16=not args.cpu,
+        output_dir=output_dir, report_to="none", use_cpu=args.cpu, bf16=args.bf16,
         per_device_train_batch_size=BATCH, num_generations=GENERATIONS, max_completion_length=COMPLETION,
         max_steps=args.steps, logging_steps=1, learning_rate=5e-3, beta=BETA, save_strategy="no", seed=0,
         disable_tqdm=True, **METHODS[method],
     )  # fmt: skip
+
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def make_trainer(method: str, args, checkpoint: str, output_dir: str):
+    """The GRPO trainer every rank (and the one-process reference) builds: the TRL backend, full
+    fine-tuning or (``--lora``) a LoRA adapter on every projection of the toy Llama."""
+    from transformers import AutoTokenizer
+    from trl import GRPOTrainer
+
+    import unsloth_adaptive_kl  # noqa: F401  (patches TRL)
+    from unsloth_adaptive_kl import toy
+
+    peft_config = None
+    if args.lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    return GRPOTrainer(
+        model=checkpoint, processing_class=tokenizer, reward_funcs=[toy.format_reward, toy.correctness_reward],
+        args=grpo_config(method, args, output_dir), train_dataset=same_length_prompts(tokenizer, 64), peft_config=peft_config,
+    )  # fmt: skip
+
+
+def fsdp_on_cpu() -> None:
+    """Let ``--cpu`` run an FSDP config as FSDP. accelerate sets FSDP up only on an accelerator (on CPU its state
+    says MULTI_CPU and the model gets DDP), while torch's ``fully_shard`` runs on CPU over gloo: when the launcher
+    asked for FSDP (``ACCELERATE_USE_FSDP``), make the state FSDP with the plugin it was given, as accelerate does
+    on GPU. Only the ``--cpu`` worker calls it."""
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType
+
+    original = AcceleratorState.__init__
+
+    def __init__(self, *a, **k):
+        original(self, *a, **k)
+        plugin = k.get("fsdp_plugin")
+        if plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+            # every AcceleratorState() copies PartialState's type: set both, as accelerate's own init does
+            self.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+            if self._mixed_precision != "no":
+                plugin.set_mixed_precision(self._mixed_precision)
+            self.fsdp_plugin = plugin
+
+    AcceleratorState.__init__ = __init__
 
 
 def same_length_prompts(tokenizer, n: int):
@@ -109,23 +169,18 @@ def same_length_prompts(tokenizer, n: int):
 # -- one rank (under accelerate launch) ------------------------------------------------------------------
 def worker(args):
     import torch
-    from transformers import AutoTokenizer, TrainerCallback
-    from trl import GRPOTrainer
+    from transformers import TrainerCallback
 
-    import unsloth_adaptive_kl  # noqa: F401  (patches TRL)
-    from unsloth_adaptive_kl import metrics, toy
+    from unsloth_adaptive_kl import metrics
 
     checkpoint = args.worker[0]
     rank = int(os.environ.get("RANK", "0"))
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    dataset = same_length_prompts(tokenizer, 64)
+    if args.cpu and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        fsdp_on_cpu()
     results = {"world_size": int(os.environ.get("WORLD_SIZE", "1")), "rank": rank}
 
     for method in args.methods.split(","):
-        trainer = GRPOTrainer(
-            model=checkpoint, processing_class=tokenizer, reward_funcs=[toy.format_reward, toy.correctness_reward],
-            args=grpo_config(method, args, tempfile.mkdtemp(prefix=f"mg-{method}-")), train_dataset=dataset,
-        )  # fmt: skip
+        trainer = make_trainer(method, args, checkpoint, tempfile.mkdtemp(prefix=f"mg-{method}-"))
         runtime = getattr(trainer, "_adaptive_kl", None)
         if runtime is None or not hasattr(runtime, "record"):
             raise RuntimeError("the trainer has no adaptive-KL runtime with record(): is unsloth_adaptive_kl's TRL patch applied?")
@@ -230,19 +285,10 @@ def single_process_loss(method, args, checkpoint, parts, beta):
     """The loss of the merged batch on one process, with the weights and β the ranks had at that step."""
     import torch
     from accelerate.state import AcceleratorState, PartialState
-    from transformers import AutoTokenizer
-    from trl import GRPOTrainer
-
-    import unsloth_adaptive_kl  # noqa: F401
-    from unsloth_adaptive_kl import toy
 
     AcceleratorState._reset_state(True)
     PartialState._reset_state()
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    trainer = GRPOTrainer(
-        model=checkpoint, processing_class=tokenizer, reward_funcs=[toy.format_reward, toy.correctness_reward],
-        args=grpo_config(method, args, tempfile.mkdtemp(prefix=f"mg-single-{method}-")), train_dataset=same_length_prompts(tokenizer, 64),
-    )  # fmt: skip
+    trainer = make_trainer(method, args, checkpoint, tempfile.mkdtemp(prefix=f"mg-single-{method}-"))
     device = trainer.accelerator.device
     weights = torch.load(os.path.join(args.out, f"{method}-weights.pt"), map_location="cpu", weights_only=True)
     trainer.model.load_state_dict(weights)
@@ -274,34 +320,116 @@ def rank_consistency(zero: dict, one: dict, steps: int) -> tuple[list[str], floa
             for got, want in zip((row["logged_raw"], row["logged_adapted"]), expected):
                 error = 0.0 if (math.isnan(got) and math.isnan(want)) else abs(got - want) / max(abs(want), 1e-12)
                 metric_error = max(metric_error, error)
-                if not error <= 1e-6:  # the package sums each shard's values in float32
+                if not error <= 1e-6:  # the package sums each shard's values in float64 (issue 24: bf16 sums were 5.9e-4 off)
                     failures.append(f"adaptive_kl logged {got!r}, global token-weighted mean {want!r}")
         if len(a["raw"]) == len(b["raw"]):
             failures.append("the ranks did not see different numbers of valid tokens")
     return failures, metric_error
 
 
-def check(args, checkpoint, ranks) -> dict:
+# -- the one-process reference (a child process that sees one device) -------------------------------------
+REFERENCE_REQUEST, REFERENCE_RESULT = "reference-request.json", "reference-result.json"
+ERROR_LINES = 15  # of a failed reference run's traceback, kept in the report
+
+
+def one_device_env(cpu: bool, environ=None) -> dict:
+    """The environment of the one-process reference run: exactly one visible GPU, the first this process
+    sees (none with --cpu). A Trainer that sees 2 GPUs in one process wraps the model in
+    ``nn.DataParallel``, which GRPOTrainer refuses."""
+    environ = dict(os.environ if environ is None else environ)
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    environ["CUDA_VISIBLE_DEVICES"] = "" if cpu else ("0" if visible is None else visible.split(",")[0].strip())
+    environ["TOKENIZERS_PARALLELISM"] = "false"
+    return environ
+
+
+def reference_command(args, checkpoint: str, methods) -> list[str]:
+    command = [sys.executable, os.path.abspath(__file__), "--reference", checkpoint, "--out", args.out, "--steps", str(args.steps)]
+    command += ["--methods", ",".join(methods), "--precision", "bf16" if args.bf16 else "fp32", "--timeout", str(args.timeout)]
+    return command + (["--cpu"] if args.cpu else []) + (["--lora"] if args.lora else [])
+
+
+def reference_losses(args, checkpoint: str, betas: dict) -> dict:
+    """Step 2's loss of the global batch for each method of ``betas`` (method: the β the ranks had), from a
+    child process that sees one device. Returns ``{"device": what the child saw, method: {"loss": x} or
+    {"error": why}}``; a child that failed before writing a method's result gives that method its stderr tail."""
+    with open(os.path.join(args.out, REFERENCE_REQUEST), "w") as f:
+        json.dump(betas, f)
+    result_path = os.path.join(args.out, REFERENCE_RESULT)
+    if os.path.exists(result_path):
+        os.remove(result_path)
+    env = one_device_env(args.cpu)
+    try:
+        proc = subprocess.run(reference_command(args, checkpoint, betas), env=env, capture_output=True, text=True, timeout=args.timeout)
+        why = f"the one-process reference run exited with status {proc.returncode}:\n" + tail(proc.stderr or proc.stdout)
+    except subprocess.TimeoutExpired as error:
+        why = f"the one-process reference run did not finish in {args.timeout} s:\n" + tail(error.stderr)
+    results = {}
+    if os.path.exists(result_path):
+        with open(result_path) as f:
+            results = json.load(f)
+    results.setdefault("device", {"CUDA_VISIBLE_DEVICES": env["CUDA_VISIBLE_DEVICES"]})
+    for method in betas:
+        results.setdefault(method, {"error": why})
+    return results
+
+
+def tail(text, lines: int = ERROR_LINES) -> str:
+    if isinstance(text, bytes):
+        text = text.decode(errors="replace")
+    return "\n".join((text or "(no output)").rstrip().splitlines()[-lines:])
+
+
+def reference(args) -> None:
+    """The child: for each requested method, the loss of the merged batch; one method's exception is recorded
+    (its traceback's tail) and the others still run. Results are written after each method."""
+    import traceback
+
     import torch
 
+    checkpoint = args.reference[0]
+    with open(os.path.join(args.out, REFERENCE_REQUEST)) as f:
+        betas = json.load(f)
+    gpus = torch.cuda.device_count()
+    results = {"device": {"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"), "cuda_device_count": gpus}}
+    for method, beta in betas.items():
+        try:
+            if gpus > 1:
+                raise RuntimeError(f"the one-process reference sees {gpus} GPUs (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
+            parts = [torch.load(os.path.join(args.out, f"{method}-rank{r}-inputs.pt"), weights_only=False) for r in (0, 1)]
+            results[method] = {"loss": single_process_loss(method, args, checkpoint, parts, beta)}
+        except Exception:  # noqa: BLE001  (reported as this method's failure, with its traceback)
+            results[method] = {"error": tail(traceback.format_exc())}
+        with open(os.path.join(args.out, REFERENCE_RESULT), "w") as f:
+            json.dump(results, f)
+
+
+def check(args, checkpoint, ranks) -> dict:
     report = {"methods": {}, "passed": True}
-    # float32 on CPU; bf16 autocast on GPU (the policy term is exact, exp(logp - logp.detach()) = 1; the
-    # tolerance is for the KL term, whose log-probs come from bf16 GEMMs of other batch shapes).
-    atol, rtol = (1e-6, 1e-5) if args.cpu else (2e-4, 2e-3)
-    for method in args.methods.split(","):
+    # float32: tight; bf16 (GPU, or --precision bf16): the policy term is exact, exp(logp - logp.detach()) = 1; the
+    # tolerance is for the KL term, whose log-probs come from bf16 GEMMs of other batch shapes.
+    atol, rtol = (2e-4, 2e-3) if args.bf16 else (1e-6, 1e-5)
+    methods = args.methods.split(",")
+    captured = {m: ranks[0][m]["loss_beta"] for m in methods if ranks[0][m]["loss"] is not None and ranks[1][m]["loss"] is not None}
+    one_process = reference_losses(args, checkpoint, captured) if captured else {}
+    report["reference_device"] = one_process.get("device")
+    for method in methods:
         zero, one = ranks[0][method], ranks[1][method]
         failures, metric_error = rank_consistency(zero, one, args.steps)
-        if zero["loss"] is None or one["loss"] is None:
+        single = distributed = math.nan
+        if method not in captured:
             failures.append(f"no loss captured at step {CAPTURE_STEP}")
-            single = distributed = math.nan
         else:
             if zero["loss_beta"] != one["loss_beta"]:
                 failures.append(f"beta at the compared step differs: {zero['loss_beta']} vs {one['loss_beta']}")
-            parts = [torch.load(os.path.join(args.out, f"{method}-rank{r}-inputs.pt"), weights_only=False) for r in (0, 1)]
             distributed = (zero["loss"] + one["loss"]) / 2
-            single = single_process_loss(method, args, checkpoint, parts, zero["loss_beta"])
-            if not abs(single - distributed) <= atol + rtol * abs(single):
-                failures.append(f"step-{CAPTURE_STEP} loss: mean of ranks {distributed!r}, one process on the global batch {single!r}")
+            result = one_process[method]
+            if "error" in result:
+                failures.append(f"step-{CAPTURE_STEP} loss on one process failed: {result['error']}")
+            else:
+                single = result["loss"]
+                if not abs(single - distributed) <= atol + rtol * abs(single):
+                    failures.append(f"step-{CAPTURE_STEP} loss: mean of ranks {distributed!r}, one process on the global batch {single!r}")
         report["methods"][method] = {
             "betas_rank0": zero["betas"], "betas_rank1": one["betas"], "max_metric_rel_error": metric_error,
             "loss_ranks": [zero["loss"], one["loss"]], "loss_mean_of_ranks": distributed, "loss_one_process": single,
@@ -313,9 +441,11 @@ def check(args, checkpoint, ranks) -> dict:
 
 
 def format_report(args, report) -> str:
+    mode = f" (--cpu: 2 processes, gloo, {'bf16' if args.bf16 else 'float32'})" if args.cpu else ""
     lines = [
-        f"config: {args.config}{' (--cpu: 2 processes, gloo, float32)' if args.cpu else ''}; {args.steps} steps; "
+        f"config: {args.config}{mode}{'; LoRA (peft)' if args.lora else '; full fine-tuning'}; {args.steps} steps; "
         f"accelerate distributed_type {report['distributed_type']}, wrapped model {report['wrapped_model']}",
+        f"one-process reference: {report.get('reference_device')}",
         "",
     ]
     lines += ["| method | step | β rank 0 | β rank 1 |", "|---|---|---|---|"]
@@ -324,12 +454,15 @@ def format_report(args, report) -> str:
             lines.append(f"| {method} | {step} | {b0:.8g} | {b1:.8g} |")
     lines += ["", "| method | valid tokens rank 0 / 1 (step 1) | adaptive_kl max rel. error | step-2 loss rank 0, rank 1 | mean of ranks | one process | result |", "|---|---|---|---|---|---|---|"]
     for method, r in report["methods"].items():
-        result = "ok" if not r["failures"] else "FAIL: " + "; ".join(r["failures"][:3])
+        result = "ok" if not r["failures"] else f"FAIL ({len(r['failures'])}, below)"
         tokens = "n/a" if r["tokens_per_rank"] is None else f"{r['tokens_per_rank'][0]} / {r['tokens_per_rank'][1]}"
         lines.append(
             f"| {method} | {tokens} | {r['max_metric_rel_error']:.1e} | {r['loss_ranks'][0]}, {r['loss_ranks'][1]} | "
             f"{r['loss_mean_of_ranks']:.8f} | {r['loss_one_process']:.8f} | {result} |"
         )
+    for method, r in report["methods"].items():
+        for failure in r["failures"]:
+            lines += ["", f"FAIL {method}:", "```", failure, "```"]
     if report.get("setup_failure"):
         lines += ["", "FAIL: " + report["setup_failure"]]
     lines += ["", "all checks passed" if report["passed"] else "SOME CHECKS FAILED"]
@@ -360,10 +493,10 @@ def launch(args, checkpoint) -> None:
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     if args.cpu:
         # --cpu with 2 processes needs MPI; the torchrun launcher with use_cpu=True (in GRPOConfig) uses gloo.
-        command += ["--mixed_precision", "no"]
+        command += ["--mixed_precision", "bf16" if args.bf16 else "no"]
         env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", TRITON_INTERPRET="1", ACCELERATE_USE_CPU="true")
     command += [os.path.abspath(__file__), "--worker", checkpoint, "--out", args.out, "--steps", str(args.steps), "--methods", args.methods]
-    command += ["--cpu"] if args.cpu else []
+    command += ["--precision", "bf16" if args.bf16 else "fp32"] + (["--cpu"] if args.cpu else []) + (["--lora"] if args.lora else [])
     print("launch:", " ".join(command), flush=True)
     proc = subprocess.Popen(command, env=env, start_new_session=True)
     try:
@@ -383,6 +516,9 @@ def main(argv=None) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     if args.worker:
         worker(args)
+        return 0
+    if args.reference:
+        reference(args)
         return 0
     from unsloth_adaptive_kl import toy
 

@@ -16,9 +16,30 @@
 # included), and bench_unsloth.py, LoRA, 8 completions per step (budget 165 s, import and compilation included);
 # writes bench-liger-fused.log, bench-trl.md, bench-unsloth.md (tables rewritten after
 # every round) and bench-1b-raw.tar.gz (bench-trl.md.json, bench-unsloth.md.json: every timing; both logs).
-# multi-gpu (2 GPUs): examples/multi_gpu/check_ranks.py with the DDP, FSDP2 and DeepSpeed ZeRO-2 configs;
-# writes multi-gpu-{ddp,fsdp2,deepspeed_zero2}/report.md (DeepSpeed needs deepspeed in .gpu-site).
+# multi-gpu (2 GPUs): examples/multi_gpu/check_ranks.py for each of MULTI_GPU_RUNS (below): DDP, FSDP2, FSDP2 with a
+# LoRA adapter, DeepSpeed ZeRO-2 and ZeRO-3 (full fine-tuning); multi-gpu:NAME,NAME runs those only (5 runs do
+# not fit one 10-minute call: see docs/gpu-verification.md). Writes multi-gpu-NAME.log and multi-gpu-NAME/report.md.
+# DeepSpeed: deepspeed importable from PYTHONPATH, or .gpu-site-ds.tgz (scripts/gpu/build-deepspeed-site.sh)
+# carried and unpacked here to /tmp/ds-site for the DeepSpeed runs.
 EVIDENCE_TIMEOUT=${EVIDENCE_TIMEOUT:-550}
+MULTI_GPU_RUNS="ddp:ddp fsdp2:fsdp2 fsdp2-lora:fsdp2:--lora deepspeed_zero2:deepspeed_zero2 deepspeed_zero3:deepspeed_zero3"
+MULTI_GPU_TIMEOUT=${MULTI_GPU_TIMEOUT:-280}
+multi_gpu() {  # $1: comma-separated names of MULTI_GPU_RUNS, or "" for all
+  local run name config flags pythonpath
+  for run in $MULTI_GPU_RUNS; do
+    IFS=: read -r name config flags <<< "$run"
+    case ",${1:-$name}," in *",$name,"*) ;; *) continue ;; esac
+    pythonpath=$PYTHONPATH
+    if [[ $config == deepspeed* ]] && ! python -c "import deepspeed" 2> /dev/null && [ -f .gpu-site-ds.tgz ]; then
+      mkdir -p /tmp/ds-site && tar xzf .gpu-site-ds.tgz -C /tmp/ds-site
+      pythonpath=$PYTHONPATH:/tmp/ds-site
+    fi
+    # shellcheck disable=SC2086
+    PYTHONPATH=$pythonpath timeout "$MULTI_GPU_TIMEOUT" python examples/multi_gpu/check_ranks.py --config "examples/multi_gpu/$config.yaml" \
+      $flags --out "$OUT/multi-gpu-$name" --steps 4 --timeout $((MULTI_GPU_TIMEOUT - 40)) > "$OUT/multi-gpu-$name.log" 2>&1
+    echo "== $name: exit status $?"; cat "$OUT/multi-gpu-$name/report.md" 2>/dev/null || tail -20 "$OUT/multi-gpu-$name.log"
+  done
+}
 evidence() {
   local name=$1 work=/tmp/evidence-$1 i=0 pids=()
   mkdir -p "$work"
@@ -79,11 +100,8 @@ for stage in "$@"; do
       echo "bench_unsloth exit status $?"; cat "$OUT/bench-unsloth.md" 2>/dev/null || tail -30 /tmp/bench-unsloth.log
       cp "$OUT"/bench-*.md.json /tmp/ 2>/dev/null; rm -f "$OUT"/bench-*.md.json
       tar czf "$OUT/bench-1b-raw.tar.gz" -C /tmp bench-trl.log bench-unsloth.log $(cd /tmp && ls bench-*.md.json 2>/dev/null) ;;
-    multi-gpu)
-      for config in ddp fsdp2 deepspeed_zero2; do
-        timeout 280 python examples/multi_gpu/check_ranks.py --config "examples/multi_gpu/$config.yaml" --out "$OUT/multi-gpu-$config" --steps 4 --timeout 240 > "$OUT/multi-gpu-$config.log" 2>&1
-        echo "== $config: exit status $?"; cat "$OUT/multi-gpu-$config/report.md" 2>/dev/null || tail -20 "$OUT/multi-gpu-$config.log"
-      done ;;
+    multi-gpu|multi-gpu:*)
+      names=${stage#multi-gpu}; multi_gpu "${names#:}" ;;
     evidence:*)
       evidence "${stage#evidence:}" ;;
     demo-3seeds)
