@@ -42,6 +42,30 @@ def test_rank_consistency_catches_a_beta_mismatch_a_local_mean_and_even_lengths(
     assert any("global token-weighted mean 0.275" in f for f in failures)
 
 
+def sums_row(raw, adapted, logged_raw, logged_adapted):
+    """A row as the worker records it under --backend unsloth: the rank's local sums (metrics.local_kl_sums' layout)."""
+    from unsloth_adaptive_kl import metrics
+
+    sums = [0.0] * metrics.NUM_SUMS
+    sums[metrics.RAW_SUM], sums[metrics.ADAPTED_SUM], sums[metrics.TOKENS] = sum(raw), sum(adapted), float(len(raw))
+    return {"sums": sums, "logged_raw": logged_raw, "logged_adapted": logged_adapted}
+
+
+def test_rank_consistency_from_local_sums_checks_the_global_token_weighted_mean():
+    """Unsloth's fused loss hands out only each rank's sums: the global mean is (sum_0 + sum_1) / (tokens_0 + tokens_1),
+    not the mean of the two ranks' means."""
+    a, b = sums_row([0.1, 0.3, 0.2], [0.1, 0.2, 0.2], 0.2, 0.15), sums_row([0.2], [0.1], 0.2, 0.15)
+    failures, error = check_ranks.rank_consistency(record([0.04, 0.036], [a]), record([0.04, 0.036], [b]), steps=1)
+    assert failures == [] and error < 1e-12
+    mean_of_means = (0.6 / 3 + 0.2) / 2, (0.5 / 3 + 0.1) / 2  # 0.2, 0.1333: right for raw by chance, wrong for adapted
+    a, b = sums_row([0.1, 0.3, 0.2], [0.1, 0.2, 0.2], *mean_of_means), sums_row([0.2], [0.1], *mean_of_means)
+    failures, _ = check_ranks.rank_consistency(record([0.04], [a]), record([0.04], [b]), steps=0)
+    assert failures == ["adaptive_kl logged 0.13333333333333333, global token-weighted mean 0.15"] * 2
+    same = sums_row([0.1, 0.2], [0.1, 0.2], 0.15, 0.15)
+    failures, _ = check_ranks.rank_consistency(record([0.04], [same]), record([0.04], [same]), steps=0)
+    assert failures == ["the ranks did not see different numbers of valid tokens"]
+
+
 def test_configured_type_reads_the_launcher_config():
     assert check_ranks.configured_type(os.path.join(EXAMPLE, "ddp.yaml"), cpu=True) == "MULTI_CPU"
     assert check_ranks.configured_type(os.path.join(EXAMPLE, "ddp.yaml"), cpu=False) == "MULTI_GPU"
@@ -65,7 +89,9 @@ def test_every_config_loads_in_accelerate_and_verify_sh_runs_it():
     with open(os.path.join(os.path.dirname(os.path.dirname(EXAMPLE)), "scripts", "gpu", "verify.sh")) as f:
         runs = re.search(r'^MULTI_GPU_RUNS="([^"]*)"', f.read(), re.M).group(1).split()
     assert {run.split(":")[1] for run in runs} == set(configs)  # every config runs in the multi-gpu stage
-    assert "fsdp2-lora:fsdp2:--lora" in runs
+    assert "fsdp2-lora:fsdp2:--lora" in runs and "unsloth-ddp:ddp:--backend=unsloth" in runs
+    for run in runs:  # the flags each run passes parse
+        check_ranks.parse_args(["--config", "x.yaml", "--out", "x", *run.split(":")[2:]])
 
 
 def test_ddp_on_two_cpu_processes_passes_every_check(tmp_path):
@@ -75,7 +101,7 @@ def test_ddp_on_two_cpu_processes_passes_every_check(tmp_path):
     proc = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "report.json").read_text())
-    assert report["passed"] and report["distributed_type"] == "DistributedType.MULTI_CPU"
+    assert report["passed"] and report["distributed_type"] == "DistributedType.MULTI_CPU" and report["trainable_fraction"] == 1.0
     for method in ("target", "clip"):
         r = report["methods"][method]
         assert r["betas_rank0"] == r["betas_rank1"] and len(r["betas_rank0"]) == 3
@@ -96,6 +122,7 @@ def test_fsdp2_with_lora_in_bf16_on_two_cpu_processes_passes_every_check(tmp_pat
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["passed"] and report["distributed_type"] == "DistributedType.FSDP"
     assert report["wrapped_model"].startswith("FSDP")  # fully_shard's class, not DDP
+    assert 0 < report["trainable_fraction"] < 0.5  # the LoRA adapter trains, the base model is frozen
     r = report["methods"]["clip"]
     assert r["betas_rank0"] == r["betas_rank1"] and r["max_metric_rel_error"] <= 1e-6
     assert r["tokens_per_rank"][0] != r["tokens_per_rank"][1]

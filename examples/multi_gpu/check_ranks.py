@@ -1,10 +1,11 @@
-"""Two-process GRPO with the TRL backend under ``accelerate launch``: are the ranks consistent?
+"""Two-process GRPO with the TRL backend (or ``--backend unsloth``) under ``accelerate launch``: are the ranks consistent?
 
     python examples/multi_gpu/check_ranks.py --config examples/multi_gpu/ddp.yaml --out /tmp/mg-ddp
     python examples/multi_gpu/check_ranks.py --config examples/multi_gpu/fsdp2.yaml --out /tmp/mg-fsdp
     python examples/multi_gpu/check_ranks.py --config examples/multi_gpu/fsdp2.yaml --lora --out /tmp/mg-fsdp-lora
     python examples/multi_gpu/check_ranks.py --config examples/multi_gpu/deepspeed_zero2.yaml --out /tmp/mg-ds2
     python examples/multi_gpu/check_ranks.py --config examples/multi_gpu/deepspeed_zero3.yaml --out /tmp/mg-ds3
+    python examples/multi_gpu/check_ranks.py --config examples/multi_gpu/ddp.yaml --backend unsloth --out /tmp/mg-unsloth
     python examples/multi_gpu/check_ranks.py --config examples/multi_gpu/ddp.yaml --cpu --out /tmp/mg-cpu   # 2 CPU processes, gloo
     python examples/multi_gpu/check_ranks.py --config examples/multi_gpu/fsdp2.yaml --cpu --precision bf16 --out /tmp/mg-cpu-fsdp
 
@@ -17,7 +18,8 @@ and cuts the others to 3 tokens, so the ranks see different completion lengths a
 Each rank records:
 
 * β at the start and after every optimizer step;
-* for every micro-batch, the per-token raw and adapted KL of its valid tokens, and the
+* for every micro-batch, the per-token raw and adapted KL of its valid tokens (with Unsloth, whose
+  fused loss keeps them inside its compiled region: the rank's local sums of them), and the
   ``adaptive_kl/*`` values the package computed (after its cross-process reduce);
 * the inputs and the loss of step 2's micro-batch, and the weights (gathered) that loss saw.
 
@@ -71,6 +73,8 @@ def parse_args(argv=None):
     p.add_argument("--cpu", action="store_true", help="2 CPU processes over gloo, float32 unless --precision bf16 (no GPU needed)")
     p.add_argument("--precision", choices=("bf16", "fp32"), help="mixed precision of the run (default: bf16 on GPU, fp32 with --cpu)")
     p.add_argument("--lora", action="store_true", help="train a LoRA adapter (peft) instead of the full model")
+    p.add_argument("--backend", choices=("trl", "unsloth"), default="trl",
+                   help="unsloth: Unsloth's generated GRPO trainer and fused loss, a LoRA model from FastLanguageModel (GPU only)")  # fmt: skip
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--timeout", type=int, default=300, help="seconds for the launched run; longer counts as a hang")
@@ -83,6 +87,9 @@ def parse_args(argv=None):
     unknown = [m for m in args.methods.split(",") if m not in METHODS]
     if unknown:
         p.error(f"--methods: unknown {unknown}; allowed: {list(METHODS)}")
+    if args.backend == "unsloth" and args.cpu:
+        p.error("--backend unsloth needs a GPU (Unsloth does not run on CPU)")
+    args.lora = args.lora or args.backend == "unsloth"
     if args.steps < CAPTURE_STEP:
         p.error(f"--steps must be at least {CAPTURE_STEP} (step {CAPTURE_STEP}'s loss is compared with one process)")
     if not args.worker and not args.reference and not args.config:
@@ -107,20 +114,28 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 def make_trainer(method: str, args, checkpoint: str, output_dir: str):
     """The GRPO trainer every rank (and the one-process reference) builds: the TRL backend, full
     fine-tuning or (``--lora``) a LoRA adapter on every projection of the toy Llama."""
+    import_backend(args)
     from transformers import AutoTokenizer
     from trl import GRPOTrainer
 
-    import unsloth_adaptive_kl  # noqa: F401  (patches TRL)
+    import unsloth_adaptive_kl  # noqa: F401  (patches TRL, or Unsloth's generated trainer)
     from unsloth_adaptive_kl import toy
 
-    peft_config = None
-    if args.lora:
+    peft_config, model, tokenizer = None, checkpoint, None
+    if args.backend == "unsloth":
+        import torch
+        from unsloth import FastLanguageModel
+
+        # Unsloth puts each rank's model on cuda:LOCAL_RANK under a launcher (unsloth/models/loader_utils.py)
+        model, tokenizer = FastLanguageModel.from_pretrained(model_name=checkpoint, max_seq_length=128, load_in_4bit=False, dtype=torch.bfloat16)
+        model = FastLanguageModel.get_peft_model(model, r=8, lora_alpha=16, target_modules=LORA_TARGETS, random_state=0)
+    elif args.lora:
         from peft import LoraConfig
 
         peft_config = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    tokenizer = tokenizer or AutoTokenizer.from_pretrained(checkpoint)
     return GRPOTrainer(
-        model=checkpoint, processing_class=tokenizer, reward_funcs=[toy.format_reward, toy.correctness_reward],
+        model=model, processing_class=tokenizer, reward_funcs=[toy.format_reward, toy.correctness_reward],
         args=grpo_config(method, args, output_dir), train_dataset=same_length_prompts(tokenizer, 64), peft_config=peft_config,
     )  # fmt: skip
 
@@ -167,7 +182,14 @@ def same_length_prompts(tokenizer, n: int):
 
 
 # -- one rank (under accelerate launch) ------------------------------------------------------------------
+def import_backend(args) -> None:
+    """Unsloth first, before transformers and trl (it patches them), in every process that builds a trainer."""
+    if args.backend == "unsloth":
+        import unsloth  # noqa: F401
+
+
 def worker(args):
+    import_backend(args)
     import torch
     from transformers import TrainerCallback
 
@@ -212,23 +234,27 @@ def worker(args):
 
         trainer._generate_and_score_completions = uneven
 
-        original_record = runtime.record
+        original_record, original_record_sums = runtime.record, runtime.record_sums
 
-        def record_values(raw, adapted, mask, *, training, beta):
+        def record_values(raw, adapted, mask, *, training, beta):  # the TRL backend: every valid token's KL
             values = original_record(raw, adapted, mask, training=training, beta=beta)
             if raw is not None and training:
                 valid = mask.bool()
-                record["rows"].append(
-                    {
-                        "raw": raw[valid].double().tolist(),
-                        "adapted": adapted[valid].double().tolist(),
-                        "logged_raw": values[metrics.RAW_KL],
-                        "logged_adapted": values[metrics.ADAPTED_KL],
-                    }
-                )
+                logged = {"logged_raw": values[metrics.RAW_KL], "logged_adapted": values[metrics.ADAPTED_KL]}
+                record["rows"].append({"raw": raw[valid].double().tolist(), "adapted": adapted[valid].double().tolist(), **logged})
             return values
 
-        runtime.record = record_values
+        def record_sums(local_sums, *, training, beta):  # Unsloth's fused loss: only this rank's sums leave it
+            values = original_record_sums(local_sums, training=training, beta=beta)
+            if local_sums is not None and training:
+                logged = {"logged_raw": values[metrics.RAW_KL], "logged_adapted": values[metrics.ADAPTED_KL]}
+                record["rows"].append({"sums": local_sums.double().tolist(), **logged})
+            return values
+
+        if args.backend == "unsloth":
+            runtime.record_sums = record_sums
+        else:
+            runtime.record = record_values
 
         compute_loss = trainer.compute_loss
 
@@ -245,6 +271,8 @@ def worker(args):
         # what the launcher set up: DistributedType and the class of the wrapped model (FSDP2 makes it FSDP<Llama...>)
         results["distributed_type"] = str(trainer.accelerator.distributed_type)
         results["wrapped_model"] = type(trainer.model_wrapped).__name__
+        parameters = list(trainer.model.parameters())  # under FSDP2 DTensors, whose numel() is the whole tensor's
+        results["trainable_fraction"] = sum(p.numel() for p in parameters if p.requires_grad) / sum(p.numel() for p in parameters)
         results[method] = record
         trainer.accelerator.wait_for_everyone()
         del trainer
@@ -314,17 +342,36 @@ def rank_consistency(zero: dict, one: dict, steps: int) -> tuple[list[str], floa
     if len(zero["rows"]) != len(one["rows"]) or not zero["rows"]:
         failures.append(f"micro-batches recorded: {len(zero['rows'])} vs {len(one['rows'])}")
     for a, b in zip(zero["rows"], one["rows"]):
-        raw, adapted = a["raw"] + b["raw"], a["adapted"] + b["adapted"]
-        expected = (math.fsum(raw) / len(raw), math.fsum(adapted) / len(adapted)) if raw else (math.nan, math.nan)
+        expected = global_means(a, b)
         for row in (a, b):
             for got, want in zip((row["logged_raw"], row["logged_adapted"]), expected):
                 error = 0.0 if (math.isnan(got) and math.isnan(want)) else abs(got - want) / max(abs(want), 1e-12)
                 metric_error = max(metric_error, error)
                 if not error <= 1e-6:  # the package sums each shard's values in float64 (issue 24: bf16 sums were 5.9e-4 off)
                     failures.append(f"adaptive_kl logged {got!r}, global token-weighted mean {want!r}")
-        if len(a["raw"]) == len(b["raw"]):
+        if valid_tokens(a) == valid_tokens(b):
             failures.append("the ranks did not see different numbers of valid tokens")
     return failures, metric_error
+
+
+def valid_tokens(row: dict) -> int:
+    from unsloth_adaptive_kl import metrics
+
+    return len(row["raw"]) if "raw" in row else int(row["sums"][metrics.TOKENS])
+
+
+def global_means(a: dict, b: dict) -> tuple[float, float]:
+    """The token-weighted means of raw and adapted KL over both ranks' rows, in float64: from every valid
+    token's value (TRL backend), or, where a rank's per-token values never leave Unsloth's compiled loss,
+    from each rank's local sums (what one process would compute on both shards)."""
+    from unsloth_adaptive_kl import metrics
+
+    if "sums" in a:
+        tokens = a["sums"][metrics.TOKENS] + b["sums"][metrics.TOKENS]
+        totals = [a["sums"][i] + b["sums"][i] for i in (metrics.RAW_SUM, metrics.ADAPTED_SUM)]
+        return tuple(t / tokens for t in totals) if tokens else (math.nan, math.nan)
+    raw, adapted = a["raw"] + b["raw"], a["adapted"] + b["adapted"]
+    return (math.fsum(raw) / len(raw), math.fsum(adapted) / len(adapted)) if raw else (math.nan, math.nan)
 
 
 # -- the one-process reference (a child process that sees one device) -------------------------------------
@@ -345,8 +392,14 @@ def one_device_env(cpu: bool, environ=None) -> dict:
 
 def reference_command(args, checkpoint: str, methods) -> list[str]:
     command = [sys.executable, os.path.abspath(__file__), "--reference", checkpoint, "--out", args.out, "--steps", str(args.steps)]
-    command += ["--methods", ",".join(methods), "--precision", "bf16" if args.bf16 else "fp32", "--timeout", str(args.timeout)]
-    return command + (["--cpu"] if args.cpu else []) + (["--lora"] if args.lora else [])
+    command += ["--methods", ",".join(methods), "--timeout", str(args.timeout)] + run_flags(args)
+    return command
+
+
+def run_flags(args) -> list[str]:
+    """The flags that make a worker or the reference build the same trainer as this run."""
+    flags = ["--precision", "bf16" if args.bf16 else "fp32", "--backend", args.backend]
+    return flags + (["--cpu"] if args.cpu else []) + (["--lora"] if args.lora else [])
 
 
 def reference_losses(args, checkpoint: str, betas: dict) -> dict:
@@ -385,6 +438,7 @@ def reference(args) -> None:
     (its traceback's tail) and the others still run. Results are written after each method."""
     import traceback
 
+    import_backend(args)
     import torch
 
     checkpoint = args.reference[0]
@@ -433,7 +487,7 @@ def check(args, checkpoint, ranks) -> dict:
         report["methods"][method] = {
             "betas_rank0": zero["betas"], "betas_rank1": one["betas"], "max_metric_rel_error": metric_error,
             "loss_ranks": [zero["loss"], one["loss"]], "loss_mean_of_ranks": distributed, "loss_one_process": single,
-            "tokens_per_rank": [len(zero["rows"][0]["raw"]), len(one["rows"][0]["raw"])] if zero["rows"] and one["rows"] else None,
+            "tokens_per_rank": [valid_tokens(zero["rows"][0]), valid_tokens(one["rows"][0])] if zero["rows"] and one["rows"] else None,
             "failures": failures,
         }  # fmt: skip
         report["passed"] &= not failures
@@ -443,8 +497,9 @@ def check(args, checkpoint, ranks) -> dict:
 def format_report(args, report) -> str:
     mode = f" (--cpu: 2 processes, gloo, {'bf16' if args.bf16 else 'float32'})" if args.cpu else ""
     lines = [
-        f"config: {args.config}{mode}{'; LoRA (peft)' if args.lora else '; full fine-tuning'}; {args.steps} steps; "
-        f"accelerate distributed_type {report['distributed_type']}, wrapped model {report['wrapped_model']}",
+        f"config: {args.config}{mode}; backend {args.backend}{'; LoRA (peft)' if args.lora else '; full fine-tuning'}; {args.steps} steps; "
+        f"accelerate distributed_type {report['distributed_type']}, wrapped model {report['wrapped_model']}, "
+        f"trainable fraction of the parameters {report.get('trainable_fraction')}",
         f"one-process reference: {report.get('reference_device')}",
         "",
     ]
@@ -496,7 +551,7 @@ def launch(args, checkpoint) -> None:
         command += ["--mixed_precision", "bf16" if args.bf16 else "no"]
         env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", TRITON_INTERPRET="1", ACCELERATE_USE_CPU="true")
     command += [os.path.abspath(__file__), "--worker", checkpoint, "--out", args.out, "--steps", str(args.steps), "--methods", args.methods]
-    command += ["--precision", "bf16" if args.bf16 else "fp32"] + (["--cpu"] if args.cpu else []) + (["--lora"] if args.lora else [])
+    command += run_flags(args)
     print("launch:", " ".join(command), flush=True)
     proc = subprocess.Popen(command, env=env, start_new_session=True)
     try:
@@ -531,7 +586,7 @@ def main(argv=None) -> int:
     if [r["world_size"] for r in ranks] != [2, 2]:
         raise SystemExit(f"expected 2 processes, got world sizes {[r['world_size'] for r in ranks]}")
     report = check(args, checkpoint, ranks)
-    report.update(distributed_type=ranks[0].get("distributed_type"), wrapped_model=ranks[0].get("wrapped_model"))
+    report.update({key: ranks[0].get(key) for key in ("distributed_type", "wrapped_model", "trainable_fraction")})
     expected = configured_type(args.config, args.cpu)
     if not str(report["distributed_type"]).endswith("." + expected):
         # e.g. accelerate runs an FSDP or DeepSpeed config as plain DDP (MULTI_CPU) when use_cpu is set

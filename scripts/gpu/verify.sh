@@ -17,12 +17,13 @@
 # writes bench-liger-fused.log, bench-trl.md, bench-unsloth.md (tables rewritten after
 # every round) and bench-1b-raw.tar.gz (bench-trl.md.json, bench-unsloth.md.json: every timing; both logs).
 # multi-gpu (2 GPUs): examples/multi_gpu/check_ranks.py for each of MULTI_GPU_RUNS (below): DDP, FSDP2, FSDP2 with a
-# LoRA adapter, DeepSpeed ZeRO-2 and ZeRO-3 (full fine-tuning); multi-gpu:NAME,NAME runs those only (5 runs do
-# not fit one 10-minute call: see docs/gpu-verification.md). Writes multi-gpu-NAME.log and multi-gpu-NAME/report.md.
+# LoRA adapter, DeepSpeed ZeRO-2 and ZeRO-3 (full fine-tuning), and the Unsloth backend (LoRA) under DDP;
+# multi-gpu:NAME,NAME runs those only (6 runs do not fit one 10-minute call: see docs/gpu-verification.md).
+# Writes multi-gpu-NAME.log and multi-gpu-NAME/report.md.
 # DeepSpeed: deepspeed importable from PYTHONPATH, or .gpu-site-ds.tgz (scripts/gpu/build-deepspeed-site.sh)
 # carried and unpacked here to /tmp/ds-site for the DeepSpeed runs.
 EVIDENCE_TIMEOUT=${EVIDENCE_TIMEOUT:-550}
-MULTI_GPU_RUNS="ddp:ddp fsdp2:fsdp2 fsdp2-lora:fsdp2:--lora deepspeed_zero2:deepspeed_zero2 deepspeed_zero3:deepspeed_zero3"
+MULTI_GPU_RUNS="ddp:ddp fsdp2:fsdp2 fsdp2-lora:fsdp2:--lora deepspeed_zero2:deepspeed_zero2 deepspeed_zero3:deepspeed_zero3 unsloth-ddp:ddp:--backend=unsloth"
 MULTI_GPU_TIMEOUT=${MULTI_GPU_TIMEOUT:-280}
 multi_gpu() {  # $1: comma-separated names of MULTI_GPU_RUNS, or "" for all
   local run name config flags pythonpath
