@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Builds the DeepSpeed site for the GPU machine (issue 24, item 5), from the project root on a CPU machine:
+# Builds the DeepSpeed site for the GPU machine (issue 24, item 5) on a CPU machine with network (paths are
+# relative to the project root; the PLAT list is that of scripts/gpu/build-site.sh):
 #   bash scripts/gpu/build-deepspeed-site.sh [DEST]        # DEST defaults to .gpu-site-ds
 # The GPU machine has torch 2.11, Python 3.12 and no package index (see /work/shared/gpu/README.md).
 # This makes:
@@ -13,6 +14,7 @@
 #   export PYTHONPATH=$PWD/.gpu-site:/tmp/ds-site:$PWD
 # (carry: [".gpu-site", ".gpu-site-ds.tgz"]). Keep both out of git (.git/info/exclude has /.gpu-site*/).
 set -euo pipefail
+cd "$(dirname "$0")/../.."
 DEST=${1:-.gpu-site-ds}
 DS_V=${DS_V:-0.19.8}
 CARRY_LIMIT=$((64 * 1024 * 1024))
