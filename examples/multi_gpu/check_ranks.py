@@ -271,8 +271,10 @@ def worker(args):
         # what the launcher set up: DistributedType and the class of the wrapped model (FSDP2 makes it FSDP<Llama...>)
         results["distributed_type"] = str(trainer.accelerator.distributed_type)
         results["wrapped_model"] = type(trainer.model_wrapped).__name__
-        parameters = list(trainer.model.parameters())  # under FSDP2 DTensors, whose numel() is the whole tensor's
-        results["trainable_fraction"] = sum(p.numel() for p in parameters if p.requires_grad) / sum(p.numel() for p in parameters)
+        # whole-tensor sizes: an FSDP2 DTensor's numel() is the whole tensor's; a ZeRO-3 parameter's is 0 (ds_numel has it)
+        sizes = [(getattr(p, "ds_numel", p.numel()), p.requires_grad) for p in trainer.model.parameters()]
+        total = sum(n for n, _ in sizes)
+        results["trainable_fraction"] = sum(n for n, trains in sizes if trains) / total if total else None
         results[method] = record
         trainer.accelerator.wait_for_everyone()
         del trainer
