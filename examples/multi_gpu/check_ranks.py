@@ -183,8 +183,13 @@ def same_length_prompts(tokenizer, n: int):
 
 # -- one rank (under accelerate launch) ------------------------------------------------------------------
 def import_backend(args) -> None:
-    """Unsloth first, before transformers and trl (it patches them), in every process that builds a trainer."""
+    """Unsloth first, before transformers and trl (it patches them), in every process that builds a trainer.
+    Each rank gets its own compile cache: two ranks writing Unsloth's generated trainer modules into one
+    folder at once is the race of unsloth issue #3031 ("module 'UnslothPPOTrainer' has no attribute ...")."""
     if args.backend == "unsloth":
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            base = os.environ.get("UNSLOTH_COMPILE_LOCATION", "unsloth_compiled_cache")
+            os.environ["UNSLOTH_COMPILE_LOCATION"] = f"{base}-rank{os.environ.get('RANK', '0')}"
         import unsloth  # noqa: F401
 
 
