@@ -162,6 +162,12 @@ def validate(config) -> Method:
     _require(beta >= 0, "beta", beta, "a number >= 0")
     beta_min = _number(config, "beta_min")
     _require(0 <= beta_min <= beta, "beta_min", beta_min, f"a number in [0, beta={beta}]")
+    if method.is_none and beta == 0 and get_estimator(config.kl_estimator).name != DEFAULTS["kl_estimator"]:
+        raise ValueError(
+            f"kl_estimator={config.kl_estimator!r} is not valid with beta=0.0: beta=0 removes the KL term (and TRL's "
+            f"default beta is 0.0), so the estimator would never act; allowed: beta > 0, or kl_estimator="
+            f"{DEFAULTS['kl_estimator']!r}"
+        )
     if not method.is_none and beta == 0:
         raise ValueError(
             f"beta=0.0 is not valid with kl_adaptation_method={config.kl_adaptation_method!r}: that method acts on "

@@ -150,7 +150,21 @@ class DynamicBeta(BetaController):
         self.rewards: deque[float] = deque(maxlen=config.reward_window)
         self.new_reward = False  # a reward arrived that no decay has used yet
         if config.beta_schedule_steps == 0:
+            if self.beta != config.beta_min:
+                self.log_schedule_floor(0)
             self.beta = float(config.beta_min)
+
+    def log_schedule_floor(self, global_step: int) -> None:
+        """Say, once, that the schedule set β to its floor: it does so whatever the reward did."""
+        cfg = self.config
+        reward = self.trailing_reward()
+        logger.warning(
+            "unsloth_adaptive_kl: dynamic: from optimizer step %d (beta_schedule_steps=%d) beta = beta_min = %s (it was "
+            "%s), whatever the reward (trailing mean %s, reward_threshold %s)%s",
+            global_step, cfg.beta_schedule_steps, cfg.beta_min, self.beta,
+            "none yet" if reward is None else f"{reward:.4g}", cfg.reward_threshold,
+            ": the KL term and the reference model are off from now on" if cfg.beta_min == 0 else "",
+        )
 
     def observe_reward(self, reward: float) -> None:
         if reward != reward:  # NaN: every reward of the batch was None (TRL logs NaN); no observation
@@ -169,6 +183,8 @@ class DynamicBeta(BetaController):
         if self.beta == 0.0:
             return self.beta
         if global_step >= cfg.beta_schedule_steps:
+            if self.beta != cfg.beta_min:
+                self.log_schedule_floor(global_step)
             self.beta = float(cfg.beta_min)
             return self.beta
         if not self.new_reward:  # no new reward since the last decay: the same observation is not counted twice

@@ -78,8 +78,12 @@ class TrainerAdaptiveKL(AdaptiveKL):
         """Hand the adaptive_kl/* values to the trainer's metrics, which its ``log()`` averages over the
         logging window: the KL values are appended (one per micro-batch); ``current_beta`` and
         ``skipped_updates`` keep only their latest value, so the log shows the β of the window's last
-        step and the running count, never an average of them."""
+        step and the running count, never an average of them. A KL value that was not observed (NaN:
+        β is 0, or no valid token) is not appended: TRL's ``log()`` would turn a window of only NaN into
+        ``None``, which TensorBoard and other loggers refuse with a warning at every logged step."""
         for name, value in values.items():
+            if name not in metrics.LATEST_VALUE_METRICS and value != value:
+                continue
             if name in metrics.LATEST_VALUE_METRICS:
                 self.trainer._metrics[mode][name][:] = [value]
             else:
