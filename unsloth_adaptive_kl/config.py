@@ -85,6 +85,14 @@ FIELDS: tuple[FieldSpec, ...] = (
         "beta *= 1 + clip(kl / kl_target - 1, -0.2, 0.2) * n / kl_horizon (> 0).",
     ),
     FieldSpec(
+        "restart_beta_controller",
+        bool,
+        False,
+        "On resume (resume_from_checkpoint), start the β controller fresh from beta instead of restoring its state "
+        "(β, reward window) from the checkpoint; needed to resume with another β controller than the checkpoint's "
+        "(e.g. 'none' -> 'dynamic').",
+    ),
+    FieldSpec(
         "kl_bottom_q",
         float,
         0.2,
@@ -146,6 +154,7 @@ def validate(config) -> Method:
         )
     method = parse_method(config.kl_adaptation_method)
     get_estimator(config.kl_estimator)
+    _require(isinstance(config.restart_beta_controller, bool), "restart_beta_controller", config.restart_beta_controller, "true or false")
     beta = _number(config, "beta")
     for name in ("kl_clip_threshold", "kl_target", "kl_horizon"):
         value = _number(config, name)
