@@ -75,7 +75,8 @@ FIELDS: tuple[FieldSpec, ...] = (
         "beta_schedule_steps",
         int,
         1000,
-        "'dynamic': from this optimizer step on (global_step >= beta_schedule_steps), beta = beta_min (>= 0).",
+        "'dynamic': from this optimizer step on (global_step >= beta_schedule_steps), beta = beta_min, whatever the "
+        "reward (logged once); set it above max_steps for no cut-off (>= 0).",
     ),
     FieldSpec(
         "kl_horizon",
