@@ -35,8 +35,6 @@ class AdaptiveKL:
         self.controller: BetaController = make_controller(self.term.method.controller, ControllerConfig.from_config(config))
         self.reduce = reduce or _no_reduce
         self._step_sums: torch.Tensor | None = None
-        self.method_name = str(config.kl_adaptation_method)
-        self.restart_controller = bool(config.restart_beta_controller)
 
     # -- the per-token math: the term's ---------------------------------------------------------
     @property
@@ -111,15 +109,22 @@ class AdaptiveKL:
         return self.controller.update(global_step=global_step, kl=kl, num_completions=completions)
 
     def state_dict(self) -> dict:
-        return {"controller": self.controller.state_dict(), "kl_adaptation_method": self.method_name}
+        return {"controller": self.controller.state_dict(), "kl_adaptation_method": self.method_text}
 
-    def load_state_dict(self, state: dict) -> None:
-        """Restore the controller from a checkpoint's state, unless ``restart_beta_controller`` is set.
+    @property
+    def method_text(self) -> str:
+        """The method as ``kl_adaptation_method`` writes it (controller first, shaping in applied order)."""
+        method = self.term.method
+        return "+".join([*([method.controller] if method.controller != "fixed" else []), *method.shaping]) or "none"
+
+    def load_state_dict(self, state: dict, *, restart: bool = False) -> None:
+        """Restore the controller from a checkpoint's state; ``restart`` (``restart_beta_controller``)
+        keeps the fresh controller instead.
 
         A checkpoint of another β controller (e.g. trained with ``none``, resumed with ``dynamic``)
         cannot be restored: ValueError naming both methods and the option that starts it fresh."""
         saved = state["controller"]
-        if self.restart_controller:
+        if restart:
             logger.warning(
                 "unsloth_adaptive_kl: restart_beta_controller=True: the %s controller starts fresh from beta=%s; the "
                 "checkpoint's controller state (kl_adaptation_method=%r, beta=%s) is not restored",
@@ -131,7 +136,7 @@ class AdaptiveKL:
             before = f"kl_adaptation_method={method!r}" if method is not None else "a method"
             raise ValueError(
                 f"cannot resume: the checkpoint was trained with {before} ({_controller_words(saved.get('name'))}) and this "
-                f"run has kl_adaptation_method={self.method_name!r} ({_controller_words(self.controller.name)}); one β "
+                f"run has kl_adaptation_method={self.method_text!r} ({_controller_words(self.controller.name)}); one β "
                 f"controller's state cannot be restored into another. Allowed: set restart_beta_controller=True to start "
                 f"the new controller fresh from beta={self.controller.beta} (the checkpoint's controller state is then not "
                 "restored), or resume with a method of the checkpoint's controller"

@@ -21,6 +21,7 @@ from .._source_patch import PatchError, set_attribute, version_of
 from ..adaptation import AdaptiveKL
 from ..config import FIELDS, validate
 from . import _callback
+from ._resume import observe_generated_reward, resume_generation_schedule
 
 logger = logging.getLogger("unsloth_adaptive_kl")
 
@@ -245,7 +246,7 @@ def _wrap_generate(original, runtime_cls):
                     f"trl {version_of('trl')}: _generate_and_score_completions did not log exactly one 'reward' "
                     "value; the dynamic β controller cannot see the reward."
                 )
-            observe_generated_reward(self._adaptive_kl, rewards[-1])
+            observe_generated_reward(self, rewards[-1])
         return output
 
     return _generate_and_score_completions
@@ -261,7 +262,7 @@ def _wrap_load_callback_state(original, runtime_cls):
         stored = self.state.stateful_callbacks.get(_callback.AdaptiveKLCallback.__name__)
         if stored is not None:
             stored = stored[0] if isinstance(stored, list) else stored
-            runtime.load_state_dict(stored["attributes"]["adaptive_kl_state"])
+            runtime.load_state_dict(stored["attributes"]["adaptive_kl_state"], restart=self.args.restart_beta_controller)
             self.beta = runtime.beta
             resume_generation_schedule(self, runtime)
         # With restore_callback_states_from_checkpoint=True the Trainer rebuilt our callback without
@@ -273,45 +274,6 @@ def _wrap_load_callback_state(original, runtime_cls):
             self.callback_handler.add_callback(_callback.AdaptiveKLCallback(runtime))
 
     return _load_callback_state
-
-
-def resume_generation_schedule(trainer, runtime) -> None:
-    """On resume with a β controller, keep the uninterrupted run's generation schedule.
-
-    TRL saves neither its buffer of generated completions nor its micro-step counter ``_step``: a
-    run resumed inside a generation batch (``steps_per_generation * num_iterations`` micro-steps)
-    regenerates at once, and from then on generates at micro-steps counted from the resume, not
-    from the start. The controller would see the regenerated batch's reward as a new one and every
-    later reward at other steps than the uninterrupted run. So ``_step`` is set to the micro-step of
-    the checkpoint (the next generations happen where the uninterrupted run has them), and the
-    reward of the regenerated batch is not observed (the uninterrupted run observed that batch's
-    reward before the checkpoint). The regenerated completions themselves differ: see README, resume.
-    Methods without a controller, and a controller started fresh (``restart_beta_controller``), keep
-    TRL's own behaviour."""
-    if not runtime.controller.adapts_beta or runtime.restart_controller:
-        return
-    args = trainer.args
-    if not all(hasattr(trainer, name) for name in ("_step", "num_iterations")):
-        raise PatchError(
-            f"{type(trainer).__qualname__} has no _step or num_iterations: the β controller cannot follow its generation "
-            "schedule across a resume (an unsupported TRL or Unsloth version)"
-        )
-    micro_step = trainer.state.global_step * args.gradient_accumulation_steps
-    trainer._step = micro_step
-    runtime.regenerated_reward_pending = micro_step % (args.steps_per_generation * trainer.num_iterations) != 0
-
-
-def observe_generated_reward(runtime, reward: float) -> None:
-    """Give the controller a new generation batch's reward, except the batch TRL regenerated after a
-    resume inside a generation batch (see :func:`resume_generation_schedule`)."""
-    if getattr(runtime, "regenerated_reward_pending", False):
-        runtime.regenerated_reward_pending = False
-        logger.info(
-            "unsloth_adaptive_kl: resumed inside a generation batch: TRL regenerated its completions; their reward (%s) "
-            "is not given to the %s controller, which saw that batch's reward before the checkpoint", reward, runtime.controller.name,
-        )
-        return
-    runtime.observe_reward(reward)
 
 
 def _check_loss_path(trainer, method_is_none: bool) -> None:
