@@ -158,3 +158,53 @@ def test_grpo_refuses_a_trl_cli_that_no_longer_looks_up_the_launcher(monkeypatch
     monkeypatch.setattr(TrainingCommand, "run", lambda self, args, context: 0)
     with pytest.raises(RuntimeError, match="launch_training_script"):
         trl_grpo.launch(["--config", RECIPE])
+
+
+def _recipe_with(tmp_path, replace: dict[str, str], extra: str = "") -> str:
+    """The recipe with keys renamed (``old -> new``, value kept) and lines appended."""
+    with open(RECIPE) as f:
+        lines = f.read().splitlines()
+    for old, new in replace.items():
+        assert any(line.startswith(f"{old}: ") for line in lines), old
+        lines = [f"{new}: {line.split(': ', 1)[1]}" if line.startswith(f"{old}: ") else line for line in lines]
+    config = tmp_path / "recipe.yaml"
+    config.write_text("\n".join(lines) + "\n" + extra)
+    return str(config)
+
+
+@pytest.mark.parametrize("entry", ["accelerate launch -m unsloth_adaptive_kl.trl_grpo", "unsloth-adaptive-kl grpo"])
+def test_a_misspelt_yaml_key_is_refused_by_every_entry_point_naming_it(toy_dir, tmp_path, entry):
+    # Before the fix, the training module parsed with fail_with_unknown_args=False: under `accelerate launch`
+    # this recipe exited 0 and trained kl_adaptation_method='none'.
+    config = _recipe_with(tmp_path, {"kl_adaptation_method": "kl_adaptaion_method"})
+    out = tmp_path / "out"
+    if entry.startswith("accelerate"):
+        command = [os.path.join(os.path.dirname(sys.executable), "accelerate"), "launch", "--num_processes", "1", "-m", "unsloth_adaptive_kl.trl_grpo"]
+    else:
+        command = [sys.executable, "-m", "unsloth_adaptive_kl", "grpo"]
+    proc = subprocess.run(
+        [*command, "--config", config, *_paths(toy_dir, out), "--max_steps", "1"],
+        capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=300,
+    )
+    assert proc.returncode != 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "kl_adaptaion_method" in proc.stderr, proc.stderr[-2000:]
+    assert not out.exists()  # refused before any training
+
+
+def test_the_training_module_lets_accelerate_keys_of_the_yaml_through_and_refuses_the_rest(toy_dir, tmp_path):
+    from unsloth_adaptive_kl import trl_grpo
+
+    # `trl grpo` hands accelerate's keys of the YAML to the launcher: a training process sees them too.
+    launcher_keys = "num_processes: 1\nmixed_precision: \"no\"\naccelerate_config: multi_gpu\n"
+    config = _recipe_with(tmp_path, {}, launcher_keys)
+    _, training_args, _, _ = trl_grpo.parse(["--config", config, *_paths(toy_dir, tmp_path / "out")])
+    assert training_args.kl_adaptation_method == "dynamic+length_normalized" and training_args.beta == BETA
+    bad = _recipe_with(tmp_path, {"reward_window": "reward_windows"}, launcher_keys)
+    with pytest.raises(ValueError, match=r"unknown key\(s\) 'reward_windows' \(did you mean 'reward_window'\?\)"):
+        trl_grpo.parse(["--config", bad, *_paths(toy_dir, tmp_path / "out")])
+
+
+def test_grpo_help_names_this_command():
+    proc = subprocess.run([sys.executable, "-m", "unsloth_adaptive_kl", "grpo", "--help"], capture_output=True, text=True, env=_env(), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith("usage: unsloth-adaptive-kl grpo ") and "--kl_adaptation_method" in proc.stdout

@@ -1,6 +1,7 @@
 """The GRPOConfig fields: presence, defaults, serialisation, CLI/YAML, import order, validation."""
 
 import ast
+import re
 import pathlib
 import subprocess
 import sys
@@ -11,6 +12,8 @@ import pytest
 import unsloth_adaptive_kl  # noqa: F401  (patches TRL)
 from trl import GRPOConfig
 from transformers import HfArgumentParser
+
+from unsloth_adaptive_kl.shaping import parse_method
 
 CPU = dict(output_dir="/tmp/uakl-config-test", use_cpu=True, bf16=False, report_to="none")
 
@@ -149,3 +152,17 @@ def test_a_config_made_before_the_import_trains_with_the_defaults(tiny_checkpoin
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().endswith("ok")
     assert "created before `import unsloth_adaptive_kl`" in out.stderr and "create the config after the import" in out.stderr
+
+
+@pytest.mark.parametrize("estimator", ["k1+", "bottom_q", "k2"])
+def test_a_kl_estimator_with_trls_default_beta_zero_is_refused(estimator):
+    # TRL's default beta is 0.0: before the fix GRPOConfig(kl_estimator=...) alone was accepted and did nothing.
+    with pytest.raises(ValueError, match=rf"kl_estimator='{re.escape(estimator)}' is not valid with beta=0.0.*allowed: beta > 0"):
+        GRPOConfig(output_dir="unused", use_cpu=True, bf16=False, kl_estimator=estimator)
+    assert GRPOConfig(output_dir="unused", use_cpu=True, bf16=False, kl_estimator=estimator, beta=0.01).kl_estimator == estimator
+    assert GRPOConfig(output_dir="unused", use_cpu=True, bf16=False).beta == 0.0  # TRL's default, with the default estimator, stays valid
+
+
+def test_none_joined_with_another_method_is_refused_clearly():
+    with pytest.raises(ValueError, match=r"kl_adaptation_method='none\+clip' joins 'none' \(no adaptation\) with other parts; allowed: 'none' alone"):
+        parse_method("none+clip")

@@ -204,3 +204,15 @@ def test_a_nan_kl_from_a_nan_reference_logprob_leaves_beta_and_is_counted():
     ref[1] = float("nan")  # one completion's reference log-probs are NaN
     state.record(*state.per_token(logp, ref, mask), mask, training=True, beta=state.beta)
     assert state.end_step(1) == 0.2 and state.skipped_updates == 1
+
+
+def test_dynamic_logs_once_when_the_schedule_drops_beta_to_its_floor_whatever_the_reward(caplog):
+    c = DynamicBeta(ControllerConfig(beta=0.1, beta_min=0.01, beta_schedule_steps=3, reward_threshold=0.8, reward_window=2))
+    with caplog.at_level("WARNING", logger="unsloth_adaptive_kl"):
+        for step in range(6):
+            c.observe_reward(0.1)  # far below the threshold: no decay, only the schedule acts
+            c.update(global_step=step + 1, kl=0.5, num_completions=4)
+    records = [r.getMessage() for r in caplog.records if "beta_schedule_steps" in r.getMessage()]
+    assert c.beta == 0.01 and len(records) == 1, records
+    assert "from optimizer step 3 (beta_schedule_steps=3) beta = beta_min = 0.01 (it was 0.1)" in records[0]
+    assert "whatever the reward (trailing mean 0.1, reward_threshold 0.8)" in records[0]

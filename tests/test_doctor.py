@@ -211,3 +211,22 @@ def test_doctor_says_whether_unsloths_loss_would_be_used_here(active, requested,
     finding = doctor.unsloth_used_finding(active, requested)
     assert finding.status == status and finding.topic == "unsloth used on this machine"
     assert ("Unsloth's fused loss" in finding.detail) if active else ("runs on TRL's eager loss" in finding.detail)
+
+
+def test_trl_fails_without_a_triton_driver_or_the_interpreter_and_names_the_fix(monkeypatch):
+    # Before the fix, doctor passed here ("every checked backend can work") and the recipe then died
+    # with Triton's "0 active drivers" at its first step.
+    if torch.cuda.is_available():
+        pytest.skip("a GPU gives Triton its driver; this checks a machine without one")
+    from triton.runtime import driver
+
+    with pytest.raises(RuntimeError, match="0 active drivers"):  # what TRL's kernel would hit here
+        driver.active.get_current_target()
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    status, text = report("trl")
+    assert status == 1, text
+    line = next(line for line in text.splitlines() if "trl Triton kernel on this machine" in line)
+    assert "[FAIL]" in line and "0 active drivers" in line and "export TRITON_INTERPRET=1" in line
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    status, text = report("trl")
+    assert status == 0 and "[  ok] trl Triton kernel on this machine: TRITON_INTERPRET=1" in text, text

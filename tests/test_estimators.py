@@ -170,3 +170,37 @@ def test_k3_and_k2_are_non_negative(pairs):
     assert (estimate_kl("k3", logp, ref) >= 0).all()
     assert (estimate_kl("k2", logp, ref) >= 0).all()
     assert (estimate_kl("abs", logp, ref) >= 0).all()
+
+
+@pytest.mark.parametrize(
+    "ref, q, selected, inflation",
+    [
+        (torch.linspace(-3.0, -1.0, 6), 0.01, 1, 16.7),  # 6 tokens: q * N = 0.06, one token gets 100x
+        (torch.full((32,), -2.0), 0.2, 32, 5.0),  # 32 tied reference log-probs: all are at the threshold
+        (torch.full((32,), -2.0), 0.01, 32, 100.0),
+    ],
+)
+def test_bottom_q_warns_once_when_few_or_tied_tokens_inflate_it(ref, q, selected, inflation, monkeypatch, caplog):
+    # Before the fix these inflated the KL (the numbers: 16.7, 5.0, 100) without a word.
+    monkeypatch.setattr(estimators, "_warned_bottom_q", False, raising=False)
+    logp = ref - 0.3  # the same log-ratio everywhere: every token's k3 is the same
+    mask = torch.ones(1, ref.numel(), dtype=torch.bool)
+    with caplog.at_level("WARNING", logger="unsloth_adaptive_kl"):
+        for _ in range(2):
+            out = estimate_kl("bottom_q", logp[None], ref[None], mask=mask, bottom_q=q)
+    k3_value = estimate_kl("k3", logp[None], ref[None])[0, 0].item()
+    assert int((out > 0).sum()) == selected
+    assert out.mean().item() / k3_value == pytest.approx(inflation, rel=0.01)  # the mean is inflated this much
+    warnings = [r.getMessage() for r in caplog.records if "bottom_q selected" in r.getMessage()]
+    assert len(warnings) == 1, warnings  # once
+    assert f"bottom_q selected {selected} of {ref.numel()} valid tokens" in warnings[0]
+    assert f"is {inflation:.3g} times the mean k3 of the selected tokens" in warnings[0]
+    assert ("tied" in warnings[0]) == (selected > 1)
+
+
+def test_bottom_q_on_enough_distinct_tokens_does_not_warn(monkeypatch, caplog):
+    monkeypatch.setattr(estimators, "_warned_bottom_q", False, raising=False)
+    ref = torch.linspace(-5.0, -0.1, 100)[None]
+    with caplog.at_level("WARNING", logger="unsloth_adaptive_kl"):
+        out = estimate_kl("bottom_q", ref - 0.3, ref, mask=torch.ones_like(ref, dtype=torch.bool), bottom_q=0.2)
+    assert int((out > 0).sum()) == 20 and "bottom_q selected" not in caplog.text

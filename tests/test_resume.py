@@ -1,14 +1,18 @@
 """Resume: a run checkpointed at step k and resumed continues with exactly the controller state of
 the uninterrupted run (β and the reward window), on TRL's loss and on the ``loss_class=`` (Liger)
-path. Saving checkpoints does not change training, so the checkpointing run is the uninterrupted one."""
+path. Saving checkpoints does not change training, so the checkpointing run is the uninterrupted one.
+Also: a resume inside a generation batch, and a resume with an edited config (beta, the method)."""
 
 import json
+import logging
 
 import pytest
+import torch
 from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 import reference
+import unsloth_adaptive_kl
 from unsloth_adaptive_kl import toy
 from unsloth_adaptive_kl.backends.liger import AdaptiveFusedLinearGRPOLoss
 
@@ -22,15 +26,18 @@ class RecordState(TrainerCallback):
         self.trainer, self.states = trainer, {}
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.states[state.global_step] = json.loads(json.dumps(self.trainer._adaptive_kl.state_dict()))
+        runtime = getattr(self.trainer, "_adaptive_kl", None)  # None: stock TRL (after unpatch())
+        if runtime is not None:
+            self.states[state.global_step] = json.loads(json.dumps(runtime.state_dict()))
 
 
 def train(checkpoint, out, resume_from=None, loss_class=None, **overrides):
-    args = GRPOConfig(
+    fields = dict(
         output_dir=str(out), use_cpu=True, bf16=False, report_to="none", per_device_train_batch_size=4, num_generations=4,
         max_completion_length=reference.MAX_COMPLETION, max_steps=STEPS, logging_steps=1, learning_rate=2e-2, beta=0.04,
-        save_strategy="steps", save_steps=SAVED_AT, seed=0, **overrides,
+        save_strategy="steps", save_steps=SAVED_AT, seed=0,
     )  # fmt: skip
+    args = GRPOConfig(**{**fields, **overrides})
     extra = {} if loss_class is None else {"loss_class": loss_class}
     trainer = GRPOTrainer(
         model=checkpoint, reward_funcs=[toy.format_reward, toy.correctness_reward], args=args, train_dataset=toy.prompt_dataset(64), **extra
@@ -70,3 +77,89 @@ def test_resumed_run_has_the_uninterrupted_controller_state_and_beta_series(tiny
     if "dynamic" in case:
         assert len(full_states[STEPS]["controller"]["rewards"]) == 3  # the window was full and was compared
     assert len(set(full_betas.values())) > 1, "β never changed: the test would not see a lost state"
+
+
+# -- a resume with an edited config --------------------------------------------------------------------
+EDITED_STEPS = 4  # the first run saves at SAVED_AT = 2; resumed runs train steps 3 and 4
+
+
+@pytest.fixture(scope="module")
+def none_checkpoint(tiny_checkpoint, tmp_path_factory):
+    """checkpoint-2 of a run with method none and beta 0.04."""
+    out = tmp_path_factory.mktemp("none_run")
+    train(tiny_checkpoint, out, max_steps=EDITED_STEPS)
+    return str(out / f"checkpoint-{SAVED_AT}")
+
+
+def _logged(trainer, key):
+    return {h["step"]: h[key] for h in trainer.state.log_history if key in h}
+
+
+def _resumed(logged: dict) -> dict:
+    """The steps a resumed run trained (its log_history also holds the checkpoint's)."""
+    return {step: value for step, value in logged.items() if step > SAVED_AT}
+
+
+def test_resuming_none_with_a_changed_beta_trains_as_stock_trl_bit_for_bit(tiny_checkpoint, none_checkpoint, tmp_path, caplog):
+    # Before the fix the patched run kept the checkpoint's beta 0.04 for steps 3-4; stock TRL uses the new 0.1.
+    with caplog.at_level(logging.INFO, logger="unsloth_adaptive_kl"):
+        ours, _, betas = train(tiny_checkpoint, tmp_path / "ours", resume_from=none_checkpoint, max_steps=EDITED_STEPS, beta=0.1)
+    assert _resumed(betas) == {3: 0.1, 4: 0.1} and ours.beta == 0.1
+    assert "resumed with the configured beta=0.1 (the checkpoint was trained with beta=0.04)" in caplog.text
+    unsloth_adaptive_kl.unpatch()
+    try:
+        stock, _, _ = train(tiny_checkpoint, tmp_path / "stock", resume_from=none_checkpoint, max_steps=EDITED_STEPS, beta=0.1)
+    finally:
+        unsloth_adaptive_kl.patch()
+    assert not hasattr(stock, "_adaptive_kl") and stock.beta == 0.1  # really stock TRL
+    for key in ("loss", "kl"):
+        assert _logged(ours, key) == _logged(stock, key) and sorted(_resumed(_logged(ours, key))) == [3, 4], key
+    for (name, mine), (_, theirs) in zip(ours.model.named_parameters(), stock.model.named_parameters()):
+        assert torch.equal(mine, theirs), name
+
+
+def test_a_controller_resumed_with_a_changed_beta_restarts_from_it_and_says_so(tiny_checkpoint, tmp_path, caplog):
+    # reward_threshold 100: dynamic never decays, so only the resume decides the β of steps 3-4
+    fields = dict(kl_adaptation_method="dynamic", reward_threshold=100.0, max_steps=EDITED_STEPS)
+    train(tiny_checkpoint, tmp_path / "run", **fields)
+    checkpoint = str(tmp_path / "run" / f"checkpoint-{SAVED_AT}")
+    with caplog.at_level(logging.INFO, logger="unsloth_adaptive_kl"):
+        _, _, kept = train(tiny_checkpoint, tmp_path / "kept", resume_from=checkpoint, **fields)
+        assert "the dynamic controller resumes from the checkpoint's beta=0.04" in caplog.text
+        _, states, raised = train(tiny_checkpoint, tmp_path / "raised", resume_from=checkpoint, **fields, beta=0.1)
+    assert _resumed(kept) == {3: 0.04, 4: 0.04}
+    assert _resumed(raised) == {3: 0.1, 4: 0.1}  # before the fix: 0.04, the checkpoint's
+    assert "beta was changed on resume (the checkpoint was configured with beta=0.04, this run with beta=0.1)" in caplog.text
+    assert len(states[3]["controller"]["rewards"]) == 3  # the rest of the state (the reward window) was kept
+
+
+@pytest.mark.parametrize("method", ["dynamic", "target"])
+def test_changing_the_controller_on_resume_names_both_methods_and_the_option_that_allows_it(tiny_checkpoint, none_checkpoint, tmp_path, method):
+    # Before the fix: "rewards=None is not valid" (dynamic), "cannot load β-controller state of 'fixed'" (target).
+    fields = dict(kl_adaptation_method=method, reward_threshold=-1.0, dynamic_beta_decay=0.5, max_steps=EDITED_STEPS, beta=0.08)
+    with pytest.raises(ValueError) as error:
+        train(tiny_checkpoint, tmp_path / "refused", resume_from=none_checkpoint, **fields)
+    message = str(error.value)
+    assert "kl_adaptation_method='none' (no β controller)" in message
+    assert f"kl_adaptation_method={method!r} (the {method!r} β controller)" in message
+    assert "restart_beta_controller=True" in message
+    trainer, states, betas = train(tiny_checkpoint, tmp_path / "fresh", resume_from=none_checkpoint, **fields, restart_beta_controller=True)
+    assert sorted(_resumed(betas)) == [3, 4] and betas[3] == 0.08  # started fresh from the configured beta
+    if method == "dynamic":  # a fresh window: the two rewards of steps 3 and 4, β halved after each
+        assert betas[4] == 0.04 and len(states[4]["controller"]["rewards"]) == 2
+    assert trainer.state.global_step == EDITED_STEPS
+
+
+def test_resume_inside_a_generation_batch_keeps_the_uninterrupted_beta_series(tiny_checkpoint, tmp_path):
+    # steps_per_generation=4: generations at steps 1 and 5; every reward is above -1, so β halves after each.
+    # Before the fix the resumed run counted TRL's regeneration at step 3 as a new reward and generated
+    # next at step 7: β .02 .01 .01 .01 for steps 3-6 instead of .02 .02 .02 .01.
+    fields = dict(kl_adaptation_method="dynamic", reward_threshold=-1.0, dynamic_beta_decay=0.5, steps_per_generation=4, max_steps=6)
+    _, full_states, full_betas = train(tiny_checkpoint, tmp_path / "run", **fields)
+    checkpoint = str(tmp_path / "run" / f"checkpoint-{SAVED_AT}")
+    _, states, betas = train(tiny_checkpoint, tmp_path / "resumed", resume_from=checkpoint, **fields)
+    assert [full_betas[s] for s in range(1, 7)] == [0.04, 0.02, 0.02, 0.02, 0.02, 0.01]
+    assert _resumed(betas) == {s: full_betas[s] for s in range(3, 7)}
+    assert states[3] == full_states[3] and states[4] == full_states[4]  # exact until the next generation
+    for step in range(3, 7):  # then the same rewards counted at the same steps (their values come from other completions)
+        assert len(states[step]["controller"]["rewards"]) == len(full_states[step]["controller"]["rewards"]), step

@@ -49,3 +49,25 @@ def test_tensorboard_event_files_hold_the_adaptive_kl_metrics_of_log_history(tin
     betas = [scalars[f"train/{CURRENT_BETA}"][step] for step in sorted(logged)]
     assert len(set(betas)) == STEPS  # the series varies, so matching steps to values is not vacuous
     assert any(scalars[f"train/{RAW_KL}"][s] != pytest.approx(scalars[f"train/{ADAPTED_KL}"][s]) for s in logged)
+
+
+def test_no_none_reaches_tensorboard_once_beta_is_zero(tiny_checkpoint, tmp_path, monkeypatch):
+    # Before the fix, once β was 0 the KL metrics were logged as None and TensorBoard's callback warned
+    # "Trainer is attempting to log a value of None" twice per logged step.
+    from transformers.integrations import integration_utils
+
+    warnings = []
+    monkeypatch.setattr(integration_utils.logger, "warning", lambda message, *a, **k: warnings.append(str(message)))
+    monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "tb"))
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, report_to="tensorboard", per_device_train_batch_size=4,
+        num_generations=4, max_completion_length=reference.MAX_COMPLETION, max_steps=STEPS, logging_steps=1, beta=0.04,
+        save_strategy="no", seed=0, kl_adaptation_method="dynamic", beta_schedule_steps=1, beta_min=0.0,
+    )  # fmt: skip
+    trainer = GRPOTrainer(model=tiny_checkpoint, reward_funcs=[toy.format_reward], args=args, train_dataset=toy.prompt_dataset(64))
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if CURRENT_BETA in h]
+    assert [h[CURRENT_BETA] for h in logged] == [0.04] + [0.0] * (STEPS - 1)
+    assert RAW_KL in logged[0] and all(RAW_KL not in h and ADAPTED_KL not in h for h in logged[1:])
+    assert not [h for h in trainer.state.log_history if any(v is None for v in h.values())]
+    assert not [w for w in warnings if "attempting to log a value" in w], warnings

@@ -7,6 +7,7 @@ Pure torch. A backend supplies a ``reduce`` (sum across processes) and a metrics
 
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 import torch
@@ -14,6 +15,8 @@ import torch
 from . import metrics
 from .controllers import BetaController, ControllerConfig, make_controller
 from .kl_term import KLTerm
+
+logger = logging.getLogger("unsloth_adaptive_kl")
 
 
 def _no_reduce(tensor: torch.Tensor) -> torch.Tensor:
@@ -106,7 +109,40 @@ class AdaptiveKL:
         return self.controller.update(global_step=global_step, kl=kl, num_completions=completions)
 
     def state_dict(self) -> dict:
-        return {"controller": self.controller.state_dict()}
+        return {"controller": self.controller.state_dict(), "kl_adaptation_method": self.method_text}
 
-    def load_state_dict(self, state: dict) -> None:
-        self.controller.load_state_dict(state["controller"])
+    @property
+    def method_text(self) -> str:
+        """The method as ``kl_adaptation_method`` writes it (controller first, shaping in applied order)."""
+        method = self.term.method
+        return "+".join([*([method.controller] if method.controller != "fixed" else []), *method.shaping]) or "none"
+
+    def load_state_dict(self, state: dict, *, restart: bool = False) -> None:
+        """Restore the controller from a checkpoint's state; ``restart`` (``restart_beta_controller``)
+        keeps the fresh controller instead.
+
+        A checkpoint of another β controller (e.g. trained with ``none``, resumed with ``dynamic``)
+        cannot be restored: ValueError naming both methods and the option that starts it fresh."""
+        saved = state["controller"]
+        if restart:
+            logger.warning(
+                "unsloth_adaptive_kl: restart_beta_controller=True: the %s controller starts fresh from beta=%s; the "
+                "checkpoint's controller state (kl_adaptation_method=%r, beta=%s) is not restored",
+                self.controller.name, self.controller.beta, state.get("kl_adaptation_method"), saved.get("beta"),
+            )
+            return
+        if saved.get("name") != self.controller.name:
+            method = state.get("kl_adaptation_method")  # absent in checkpoints written before it was saved
+            before = f"kl_adaptation_method={method!r}" if method is not None else "a method"
+            raise ValueError(
+                f"cannot resume: the checkpoint was trained with {before} ({_controller_words(saved.get('name'))}) and this "
+                f"run has kl_adaptation_method={self.method_text!r} ({_controller_words(self.controller.name)}); one β "
+                f"controller's state cannot be restored into another. Allowed: set restart_beta_controller=True to start "
+                f"the new controller fresh from beta={self.controller.beta} (the checkpoint's controller state is then not "
+                "restored), or resume with a method of the checkpoint's controller"
+            )
+        self.controller.load_state_dict(saved)
+
+
+def _controller_words(name) -> str:
+    return "no β controller" if name == "fixed" else f"the {name!r} β controller"

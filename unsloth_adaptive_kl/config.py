@@ -75,7 +75,8 @@ FIELDS: tuple[FieldSpec, ...] = (
         "beta_schedule_steps",
         int,
         1000,
-        "'dynamic': from this optimizer step on (global_step >= beta_schedule_steps), beta = beta_min (>= 0).",
+        "'dynamic': from this optimizer step on (global_step >= beta_schedule_steps), beta = beta_min, whatever the "
+        "reward (logged once); set it above max_steps for no cut-off (>= 0).",
     ),
     FieldSpec(
         "kl_horizon",
@@ -83,6 +84,14 @@ FIELDS: tuple[FieldSpec, ...] = (
         10000.0,
         "'target': the horizon of Ziegler et al.'s controller, in completions: "
         "beta *= 1 + clip(kl / kl_target - 1, -0.2, 0.2) * n / kl_horizon (> 0).",
+    ),
+    FieldSpec(
+        "restart_beta_controller",
+        bool,
+        False,
+        "On resume (resume_from_checkpoint), start the β controller fresh from beta instead of restoring its state "
+        "(β, reward window) from the checkpoint; needed to resume with another β controller than the checkpoint's "
+        "(e.g. 'none' -> 'dynamic').",
     ),
     FieldSpec(
         "kl_bottom_q",
@@ -146,6 +155,7 @@ def validate(config) -> Method:
         )
     method = parse_method(config.kl_adaptation_method)
     get_estimator(config.kl_estimator)
+    _require(isinstance(config.restart_beta_controller, bool), "restart_beta_controller", config.restart_beta_controller, "true or false")
     beta = _number(config, "beta")
     for name in ("kl_clip_threshold", "kl_target", "kl_horizon"):
         value = _number(config, name)
@@ -162,6 +172,12 @@ def validate(config) -> Method:
     _require(beta >= 0, "beta", beta, "a number >= 0")
     beta_min = _number(config, "beta_min")
     _require(0 <= beta_min <= beta, "beta_min", beta_min, f"a number in [0, beta={beta}]")
+    if method.is_none and beta == 0 and get_estimator(config.kl_estimator).name != DEFAULTS["kl_estimator"]:
+        raise ValueError(
+            f"kl_estimator={config.kl_estimator!r} is not valid with beta=0.0: beta=0 removes the KL term (and TRL's "
+            f"default beta is 0.0), so the estimator would never act; allowed: beta > 0, or kl_estimator="
+            f"{DEFAULTS['kl_estimator']!r}"
+        )
     if not method.is_none and beta == 0:
         raise ValueError(
             f"beta=0.0 is not valid with kl_adaptation_method={config.kl_adaptation_method!r}: that method acts on "

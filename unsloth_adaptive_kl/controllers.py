@@ -100,8 +100,11 @@ class BetaController:
         """Advance to the β of the step that starts at ``global_step``; return it."""
         return self.beta
 
+    #: Whether this controller moves β (False: β is the configured one at every step, as in stock TRL).
+    adapts_beta = False
+
     def state_dict(self) -> dict:
-        return {"name": self.name, "beta": self.beta, "skipped_updates": self.skipped_updates}
+        return {"name": self.name, "beta": self.beta, "skipped_updates": self.skipped_updates, "configured_beta": self.config.beta}
 
     def max_loaded_beta(self) -> float:
         """The largest β a checkpoint may hold for this controller."""
@@ -111,15 +114,44 @@ class BetaController:
         if state.get("name") != self.name:
             raise ValueError(f"cannot load β-controller state of {state.get('name')!r} into a {self.name!r} controller")
         beta = state.get("beta")
-        limit = self.max_loaded_beta()
-        if not _finite(beta) or not 0 <= beta <= limit:
-            allowed = "a finite number >= 0" + (f" and <= the configured beta={limit}" if math.isfinite(limit) else "")
-            raise ValueError(f"β-controller state: beta={beta!r} is not valid for the {self.name!r} controller; allowed: {allowed}")
+        if not _finite(beta) or not beta >= 0:
+            raise ValueError(f"β-controller state: beta={beta!r} is not valid for the {self.name!r} controller; allowed: a finite number >= 0")
         skipped = state.get("skipped_updates", 0)  # absent in checkpoints written before it existed
         if isinstance(skipped, bool) or not isinstance(skipped, int) or skipped < 0:
             raise ValueError(f"β-controller state: skipped_updates={skipped!r} is not valid; allowed: an integer >= 0")
-        self.beta = float(beta)
+        configured = state.get("configured_beta")  # absent in checkpoints written before it existed
+        if configured is not None and not (_finite(configured) and configured >= 0):
+            raise ValueError(f"β-controller state: configured_beta={configured!r} is not valid; allowed: a finite number >= 0")
+        self.beta = self.resumed_beta(float(beta), configured)
         self.skipped_updates = skipped
+
+    def resumed_beta(self, saved: float, configured: float | None) -> float:
+        """The β a resumed run continues with, from the checkpoint's β and the β configured when it was saved.
+
+        Without a controller, the configured β, as stock TRL (which saves no β): a ``beta`` changed on
+        resume is used. With a controller: the checkpoint's β when ``beta`` is unchanged (the run goes on
+        as if uninterrupted); the new ``beta`` when it was changed (the controller restarts from it and
+        keeps the rest of its state). Either way one line says which."""
+        new = float(self.config.beta)
+        if not self.adapts_beta:
+            if saved != new:
+                logger.info("unsloth_adaptive_kl: resumed with the configured beta=%s (the checkpoint was trained with beta=%s)", new, saved)
+            return new
+        if configured is not None and configured != new:
+            logger.warning(
+                "unsloth_adaptive_kl: beta was changed on resume (the checkpoint was configured with beta=%s, this run with "
+                "beta=%s): the %s controller restarts from beta=%s instead of the checkpoint's beta=%s, keeping the rest "
+                "of its state", configured, new, self.name, new, saved,
+            )
+            return new
+        limit = self.max_loaded_beta()
+        if saved > limit:
+            raise ValueError(
+                f"β-controller state: beta={saved!r} is not valid for the {self.name!r} controller; allowed: a finite "
+                f"number >= 0 and <= the configured beta={limit}"
+            )
+        logger.info("unsloth_adaptive_kl: the %s controller resumes from the checkpoint's beta=%s", self.name, saved)
+        return saved
 
 
 class FixedBeta(BetaController):
@@ -144,13 +176,28 @@ class DynamicBeta(BetaController):
     """
 
     name = "dynamic"
+    adapts_beta = True
 
     def __init__(self, config: ControllerConfig):
         super().__init__(config)
         self.rewards: deque[float] = deque(maxlen=config.reward_window)
         self.new_reward = False  # a reward arrived that no decay has used yet
         if config.beta_schedule_steps == 0:
+            if self.beta != config.beta_min:
+                self.log_schedule_floor(0)
             self.beta = float(config.beta_min)
+
+    def log_schedule_floor(self, global_step: int) -> None:
+        """Say, once, that the schedule set β to its floor: it does so whatever the reward did."""
+        cfg = self.config
+        reward = self.trailing_reward()
+        logger.warning(
+            "unsloth_adaptive_kl: dynamic: from optimizer step %d (beta_schedule_steps=%d) beta = beta_min = %s (it was "
+            "%s), whatever the reward (trailing mean %s, reward_threshold %s)%s",
+            global_step, cfg.beta_schedule_steps, cfg.beta_min, self.beta,
+            "none yet" if reward is None else f"{reward:.4g}", cfg.reward_threshold,
+            ": the KL term and the reference model are off from now on" if cfg.beta_min == 0 else "",
+        )
 
     def observe_reward(self, reward: float) -> None:
         if reward != reward:  # NaN: every reward of the batch was None (TRL logs NaN); no observation
@@ -169,6 +216,8 @@ class DynamicBeta(BetaController):
         if self.beta == 0.0:
             return self.beta
         if global_step >= cfg.beta_schedule_steps:
+            if self.beta != cfg.beta_min:
+                self.log_schedule_floor(global_step)
             self.beta = float(cfg.beta_min)
             return self.beta
         if not self.new_reward:  # no new reward since the last decay: the same observation is not counted twice
@@ -213,6 +262,7 @@ class TargetKLBeta(BetaController):
     """
 
     name = "target"
+    adapts_beta = True
 
     def check_step_size(self, num_completions: int) -> None:
         minimum = 0.2 * num_completions

@@ -139,10 +139,36 @@ def trl_backend_findings() -> list[Finding]:
     findings.append(targets_exist(owners["GRPOTrainer"], _trainer.WRAPPED_TRAINER_METHODS, "trl GRPOTrainer"))
     if findings[-1].status == OK:
         findings.extend(plan_findings(trl_backend.PLAN, owners))
+    findings.append(triton_finding())
     findings.append(
         Finding("trl used when", INFO, "trl.GRPOTrainer is TRL's own class (Unsloth not active: see Backend unsloth) and no loss_class= is given")
     )
     return findings
+
+
+def triton_finding() -> Finding:
+    """Whether TRL's Triton log-prob kernel (``trl.kernels``, used by its GRPO loss whenever Triton is
+    installed) can run here: it needs a Triton driver (a GPU Triton sees) or ``TRITON_INTERPRET=1``
+    (the CPU interpreter, slow). Without either, training dies at its first step with Triton's
+    ``RuntimeError: 0 active drivers``."""
+    topic = "trl Triton kernel on this machine"
+    try:
+        from triton.runtime import driver
+    except ImportError:
+        return Finding(topic, OK, "triton is not installed: TRL computes its log-probs in torch")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return Finding(topic, OK, "TRITON_INTERPRET=1: TRL's Triton kernel runs in the CPU interpreter (slowly)")
+    try:
+        target = driver.active.get_current_target()
+    except Exception as error:  # noqa: BLE001 - Triton says why it has no driver; report it
+        return Finding(
+            topic,
+            FAIL,
+            f"no Triton driver ({type(error).__name__}: {error}), so TRL's Triton log-prob kernel cannot run and "
+            "training would stop at its first step. Fix: export TRITON_INTERPRET=1 before starting Python (CPU, slow), "
+            "or train where Triton sees a GPU",
+        )
+    return Finding(topic, OK, f"Triton driver for {getattr(target, 'backend', target)}")
 
 
 def _generated_unsloth_module():

@@ -33,6 +33,7 @@ tokens, gradient); built-in ones are trusted.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -40,6 +41,7 @@ from typing import Callable
 import torch
 
 Estimator = Callable[..., torch.Tensor]
+logger = logging.getLogger("unsloth_adaptive_kl")
 
 
 @dataclass(frozen=True)
@@ -162,13 +164,48 @@ def k3_plus(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 
 
 def bottom_q_threshold(ref_logp: torch.Tensor, mask: torch.Tensor, *, q: float) -> torch.Tensor:
-    """The :func:`bottom_q_count`-th smallest reference log-prob over the valid tokens of the whole
-    batch (detached): the tokens at or below it get the KL."""
+    """The :func:`bottom_q_count`-th smallest reference log-prob over the valid tokens of the batch the
+    backend gives it (detached): the tokens at or below it get the KL.
+
+    That batch is one loss call's: on TRL's and Unsloth's loss a micro-batch of one process, on the
+    Liger module the batch of its forward call; never the whole generation batch nor all processes.
+    Where it selects a fraction of the valid tokens other than ``q`` (too few tokens, ``q * N < 1``,
+    or tied reference log-probs at the threshold), the 1/q scale no longer keeps the mean on k3's
+    scale: :func:`warn_bottom_q_selection` says so, once."""
     valid = ref_logp.detach()[mask.bool()]
     if valid.numel() == 0:
         return torch.tensor(float("-inf"), dtype=ref_logp.dtype, device=ref_logp.device)
     # torch.quantile refuses inputs above 2**24 elements, kthvalue does not.
-    return valid.kthvalue(bottom_q_count(q, valid.numel())).values
+    threshold = valid.kthvalue(bottom_q_count(q, valid.numel())).values
+    warn_bottom_q_selection(int((valid <= threshold).sum()), valid.numel(), q)
+    return threshold
+
+
+#: Selected fraction / q beyond which :func:`warn_bottom_q_selection` warns.
+BOTTOM_Q_INFLATION_WARNING = 1.5
+_warned_bottom_q = False
+
+
+def bottom_q_inflation(selected: int, num_tokens: int, q: float) -> float:
+    """How many times the mean of ``bottom_q`` over the batch exceeds the mean k3 of its selected tokens:
+    ``selected / (q * num_tokens)`` (1 when exactly a fraction q is selected)."""
+    return selected / (q * num_tokens)
+
+
+def warn_bottom_q_selection(selected: int, num_tokens: int, q: float) -> None:
+    """Warn once per process when ``bottom_q`` selects far more than a fraction ``q`` of the valid tokens."""
+    global _warned_bottom_q
+    inflation = bottom_q_inflation(selected, num_tokens, q)
+    if _warned_bottom_q or inflation < BOTTOM_Q_INFLATION_WARNING:
+        return
+    _warned_bottom_q = True
+    why = "tied reference log-probs at the threshold" if selected > bottom_q_count(q, num_tokens) else f"q * N = {q * num_tokens:.3g} < 1"
+    logger.warning(
+        "unsloth_adaptive_kl: bottom_q selected %d of %d valid tokens (%s) where kl_bottom_q=%s asks for a fraction %s: "
+        "scaled by 1/q, the batch's KL is %.3g times the mean k3 of the selected tokens, not on k3's scale. The threshold "
+        "is taken per loss call (a micro-batch of one process): use more tokens per micro-batch or a larger kl_bottom_q "
+        "(warned once)", selected, num_tokens, why, q, q, inflation,
+    )
 
 
 def bottom_q_count(q: float, num_tokens: int) -> int:
@@ -188,9 +225,11 @@ def bottom_q_count(q: float, num_tokens: int) -> int:
 def bottom_q(logp: torch.Tensor, ref_logp: torch.Tensor, *, statistic: torch.Tensor, q: float) -> torch.Tensor:
     """k3 on the tokens whose reference log-prob lies in the lowest ``q`` fraction, scaled by 1/q.
 
-    The seed project's variant 1. ``statistic`` is :func:`bottom_q_threshold` of the whole batch
-    (valid tokens only, detached), so the result does not depend on chunking. Dividing by ``q``
-    keeps the estimate on the scale of the full-batch k3 mean.
+    The seed project's variant 1. ``statistic`` is :func:`bottom_q_threshold` of the batch of the loss
+    call (valid tokens only, detached), so the result does not depend on chunking within it. Dividing
+    by ``q`` keeps the batch mean on the scale of the selected tokens' mean k3 only where a fraction q
+    of the tokens is selected; with few or tied tokens it is inflated (warned once, see
+    :func:`warn_bottom_q_selection`).
     """
     selected = ref_logp <= statistic.to(ref_logp.dtype)
     return torch.where(selected, k3(logp, ref_logp) / q, torch.zeros_like(logp))

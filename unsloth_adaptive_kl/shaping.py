@@ -49,7 +49,9 @@ def parse_method(method: str) -> Method:
     parts = [p.strip() for p in method.split("+")]
     if parts == ["none"]:
         return Method("fixed", ())
-    unknown = [p for p in parts if p not in METHOD_NAMES or p == "none"]
+    if "none" in parts:
+        raise ValueError(f"kl_adaptation_method={method!r} joins 'none' (no adaptation) with other parts; allowed: 'none' alone, or the other parts without it")
+    unknown = [p for p in parts if p not in METHOD_NAMES]
     if unknown:
         raise ValueError(f"kl_adaptation_method={method!r} has unknown part(s) {unknown}; allowed: {allowed}")
     if len(set(parts)) != len(parts):

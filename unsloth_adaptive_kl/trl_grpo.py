@@ -41,12 +41,51 @@ def train(argv: list[str] | None = None) -> None:
     _require_patch()
     from trl.scripts import grpo
 
-    parser = grpo.make_parser(prog="python -m unsloth_adaptive_kl.trl_grpo")
-    # As TRL's script: keys of the YAML that are not fields (accelerate's, say num_processes) were
-    # for the launcher; a misspelt field is refused there, by accelerate's parser.
-    script_args, training_args, model_args, dataset_args = parser.parse_args_and_config(argv, fail_with_unknown_args=False)
+    script_args, training_args, model_args, dataset_args = parse(argv)
     grpo.main(script_args, training_args, model_args, dataset_args)
     _close_process_group()
+
+
+def parse(argv: list[str] | None) -> tuple:
+    """The training process's arguments, as TRL's script parses them, with every YAML key checked.
+
+    TRL's script parses with ``fail_with_unknown_args=False``: a YAML key that is no field is
+    dropped without a word (a misspelt ``kl_adaptaion_method`` would train method ``none``). Its
+    reason is that the YAML may also hold ``accelerate launch`` options (``num_processes``,
+    ``accelerate_config``), which ``trl grpo`` hands to the launcher. Here those, and only those,
+    are let through; any other unknown key raises ``ValueError`` naming it. (An unknown flag on
+    the command line is refused by the parser itself.)"""
+    from trl.scripts import grpo
+
+    parser = grpo.make_parser(prog="python -m unsloth_adaptive_kl.trl_grpo")
+    *parsed, config_remaining, _cli_remaining = parser.parse_args_and_config(
+        argv, return_remaining_strings=True, separate_remaining_strings=True
+    )
+    unknown = [key for key in config_remaining[::2] if key not in _launcher_options()]
+    if unknown:
+        import difflib
+
+        known = [action.dest for action in parser._actions if action.option_strings]
+        hints = {key[2:]: difflib.get_close_matches(key[2:], known, n=1) for key in unknown}
+        described = ", ".join(f"{key!r}" + (f" (did you mean {hint[0]!r}?)" if hint else "") for key, hint in hints.items())
+        raise ValueError(
+            f"--config: unknown key(s) {described}: not a field of TRL's GRPO script (GRPOScriptArguments, GRPOConfig, "
+            "ModelConfig, DatasetMixtureConfig, with the adaptive-KL fields) nor an `accelerate launch` option; "
+            "allowed: those fields and options (fix or remove the key)"
+        )
+    if _cli_remaining:  # the parser refuses these itself; kept as a guard should TRL's parser change
+        raise ValueError(f"unknown argument(s) {_cli_remaining}; allowed: the fields of TRL's GRPO script")
+    return tuple(parsed)
+
+
+def _launcher_options() -> set[str]:
+    """The ``--name`` options of ``accelerate launch``, and TRL's ``--accelerate_config``: YAML keys
+    that ``trl grpo`` passes to the launcher, so a training process may find them in its YAML."""
+    from accelerate.commands.launch import launch_command_parser
+
+    options = {option for action in launch_command_parser()._actions for option in action.option_strings}
+    underscored = {"--" + option[2:].replace("-", "_") for option in options if option.startswith("--")}
+    return options | underscored | {"--accelerate_config"}
 
 
 def _close_process_group() -> None:
@@ -70,6 +109,11 @@ def launch(argv: list[str]) -> int:
     import subprocess
 
     _require_patch()
+    if "-h" in argv or "--help" in argv:  # TRL's CLI would print its own name ("usage: trl grpo")
+        from trl.scripts import grpo
+
+        grpo.make_parser(prog="unsloth-adaptive-kl grpo").print_help()
+        return 0
     from accelerate.commands.launch import launch_command, launch_command_parser
     from trl.cli import accelerate_launcher, main as trl_main
     from trl.cli.commands.training import TrainingCommand

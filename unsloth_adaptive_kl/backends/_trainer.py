@@ -21,6 +21,7 @@ from .._source_patch import PatchError, set_attribute, version_of
 from ..adaptation import AdaptiveKL
 from ..config import FIELDS, validate
 from . import _callback
+from ._resume import observe_generated_reward, resume_generation_schedule
 
 logger = logging.getLogger("unsloth_adaptive_kl")
 
@@ -78,8 +79,12 @@ class TrainerAdaptiveKL(AdaptiveKL):
         """Hand the adaptive_kl/* values to the trainer's metrics, which its ``log()`` averages over the
         logging window: the KL values are appended (one per micro-batch); ``current_beta`` and
         ``skipped_updates`` keep only their latest value, so the log shows the β of the window's last
-        step and the running count, never an average of them."""
+        step and the running count, never an average of them. A KL value that was not observed (NaN:
+        β is 0, or no valid token) is not appended: TRL's ``log()`` would turn a window of only NaN into
+        ``None``, which TensorBoard and other loggers refuse with a warning at every logged step."""
         for name, value in values.items():
+            if name not in metrics.LATEST_VALUE_METRICS and value != value:
+                continue
             if name in metrics.LATEST_VALUE_METRICS:
                 self.trainer._metrics[mode][name][:] = [value]
             else:
@@ -241,7 +246,7 @@ def _wrap_generate(original, runtime_cls):
                     f"trl {version_of('trl')}: _generate_and_score_completions did not log exactly one 'reward' "
                     "value; the dynamic β controller cannot see the reward."
                 )
-            self._adaptive_kl.observe_reward(rewards[-1])
+            observe_generated_reward(self, rewards[-1])
         return output
 
     return _generate_and_score_completions
@@ -257,8 +262,9 @@ def _wrap_load_callback_state(original, runtime_cls):
         stored = self.state.stateful_callbacks.get(_callback.AdaptiveKLCallback.__name__)
         if stored is not None:
             stored = stored[0] if isinstance(stored, list) else stored
-            runtime.load_state_dict(stored["attributes"]["adaptive_kl_state"])
+            runtime.load_state_dict(stored["attributes"]["adaptive_kl_state"], restart=self.args.restart_beta_controller)
             self.beta = runtime.beta
+            resume_generation_schedule(self, runtime)
         # With restore_callback_states_from_checkpoint=True the Trainer rebuilt our callback without
         # its runtime: drop such copies and keep exactly one bound callback.
         for callback in list(self.callback_handler.callbacks):
