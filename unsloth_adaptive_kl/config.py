@@ -94,6 +94,8 @@ FIELDS: tuple[FieldSpec, ...] = (
 )
 
 FIELD_NAMES = tuple(f.name for f in FIELDS)
+#: The fields a KL term (``kl_term.KLTerm``) reads; the rest configure the β controller.
+TERM_FIELD_NAMES = ("kl_adaptation_method", "kl_estimator", "kl_clip_threshold", "kl_target", "kl_bottom_q")
 #: Each field's default, declared once (above): the controllers, the Liger module and the docs read it here.
 DEFAULTS = {f.name: f.default for f in FIELDS}
 
