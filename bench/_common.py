@@ -38,9 +38,20 @@ import torch
 
 BOOTSTRAP = 2000
 MIN_ROUNDS_FOR_PAIRED = 10  # below this, a bootstrap over rounds says little: the table marks it
-METHODS = ["none", "clip", "sigmoid", "length_normalized", "dynamic", "target", "dynamic+length_normalized"]
 ZERO = "beta -> 0 (dynamic, beta_min=0)"
-ROW_KEYS = ["stock", *METHODS, "zero"]
+
+
+def methods() -> list[str]:
+    """Every registered method alone (none, the shaping methods, the controllers) and one composition.
+
+    Imported when called: bench_unsloth must import Unsloth before this package."""
+    from unsloth_adaptive_kl.shaping import method_names
+
+    return [*method_names(), "dynamic+length_normalized"]
+
+
+def row_keys() -> list[str]:
+    return ["stock", *methods(), "zero"]
 
 
 # -- the command line and the rows ----------------------------------------------------------------------------
@@ -57,7 +68,7 @@ def parse_args(argv, *, description: str, batch: int, first_warmup: int, first_w
     p.add_argument("--min-completion", type=int, default=512)
     p.add_argument("--max-completion", type=int, default=1024)
     p.add_argument("--modes", default="lora,full")
-    p.add_argument("--rows", default="all", help=f"comma-separated subset of: stock,{','.join(METHODS)},zero")
+    p.add_argument("--rows", default="all", help="comma-separated subset of: stock, the methods (every one alone, and dynamic+length_normalized), zero")
     p.add_argument("--rounds", type=int, default=40, help="at most this many rounds per mode (the budget usually stops them first)")
     p.add_argument("--steps", type=int, default=1, help="timed steps per row per round")
     p.add_argument("--warmup", type=int, default=0, help="untimed steps per row per round, after its first round")
@@ -81,13 +92,14 @@ def check_modes(p: argparse.ArgumentParser, args) -> None:
 
 def wanted_rows(args) -> list[str]:
     """The row keys of ``--rows`` (``stock``, a method, ``zero``), in the tables' order."""
+    keys = row_keys()
     if args.rows == "all":
-        return list(ROW_KEYS)
+        return keys
     chosen = args.rows.split(",")
-    unknown = [n for n in chosen if n not in ROW_KEYS]
+    unknown = [n for n in chosen if n not in keys]
     if unknown:
-        raise SystemExit(f"--rows: unknown {unknown}; allowed: {ROW_KEYS}")
-    return [n for n in ROW_KEYS if n in chosen]
+        raise SystemExit(f"--rows: unknown {unknown}; allowed: {keys}")
+    return [n for n in keys if n in chosen]
 
 
 def row_name_and_fields(key: str, stock_name: str) -> tuple[str, dict]:

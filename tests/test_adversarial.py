@@ -21,7 +21,8 @@ from unsloth_adaptive_kl.config import FIELDS
 from unsloth_adaptive_kl.shaping import length_normalized_term, parse_method
 
 BUILTINS = ["k1", "k2", "k3", "abs", "k1+", "k3+", "bottom_q"]
-SHAPINGS = ["none", "clip", "sigmoid", "clip+sigmoid+length_normalized"]
+#: Every built-in shaping method alone, and all of them joined.
+SHAPINGS = ["none", *reference.BUILTIN_SHAPING, "+".join(reference.BUILTIN_SHAPING)]
 GARBAGE = [float("nan"), float("inf"), float("-inf")]
 NAN = float("nan")
 
@@ -59,12 +60,7 @@ def float64_kl(name, logp, ref, *, q=0.2, mask=None):
 
 
 def float64_shaped(method, kl):
-    parts = method.split("+")
-    if "clip" in parts:
-        kl = kl.clamp(max=0.5)
-    if "sigmoid" in parts:
-        kl = torch.sigmoid(kl - 0.2) * kl
-    return kl
+    return reference.shaped64(kl, method, 0.5, 0.2)
 
 
 def kl_loss(state, raw, adapted, mask):

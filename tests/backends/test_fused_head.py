@@ -17,7 +17,7 @@ from unsloth_adaptive_kl.config import DEFAULTS
 from unsloth_adaptive_kl.estimators import register_estimator, unregister_estimator
 
 LOCAL_LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo"]
-METHODS = ["none", "clip", "sigmoid", "length_normalized", "dynamic", "target+clip+sigmoid+length_normalized"]
+METHODS = ["none", *reference.BUILTIN_SHAPING, "dynamic", "+".join(["target", *reference.BUILTIN_SHAPING])]
 B, T, H, V = 4, 6, 8, 40
 
 

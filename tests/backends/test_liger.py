@@ -430,7 +430,7 @@ def test_liger_own_class_with_an_adaptive_method_is_refused(loss_class_trainer):
         configure(loss_class_trainer, "dapo", "clip", loss_class=LigerFusedLinearGRPOLoss, beta=0.04)
 
 
-METHODS = ["none", "clip", "sigmoid", "length_normalized", "dynamic", "target", "dynamic+length_normalized"]
+METHODS = reference.METHODS
 
 
 @pytest.mark.parametrize("method", METHODS)

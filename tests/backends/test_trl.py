@@ -17,7 +17,7 @@ from unsloth_adaptive_kl.backends import trl as trl_backend
 from trl import GRPOConfig, GRPOTrainer
 
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
-METHODS = ["none", "clip", "sigmoid", "length_normalized", "dynamic", "target", "dynamic+length_normalized", "target+clip+sigmoid"]
+METHODS = [*reference.METHODS, "target+clip+sigmoid"]
 MAX_COMPLETION = reference.MAX_COMPLETION
 TRL_VERSION = version_of("trl")
 OFFERED = versions.offered_loss_types(TRL_VERSION)  # loss type -> None where offered, else why not
@@ -122,6 +122,8 @@ def _capture_logps(trainer, monkeypatch):
 
 SHAPING_CASES = [
     ("clip", "k3"),
+    ("soft_clip", "k3"),
+    ("soft_clip+sigmoid", "k2"),
     ("sigmoid", "k3"),
     ("length_normalized", "k3"),
     ("clip+sigmoid+length_normalized", "k3"),
@@ -207,11 +209,11 @@ def test_grpo_trains_end_to_end_logging_metrics_and_beta_trajectory(tiny_checkpo
         assert h["adaptive_kl/raw_kl"] == pytest.approx(h["kl"], rel=1e-6)  # k3 raw == TRL's kl
     # dynamic: the reward is always above its threshold, so beta decays at every optimizer step
     assert betas == pytest.approx(reference.expected_betas(method, logs), rel=1e-9)
-    if "clip" in method:
+    if "clip" in method.split("+") or "soft_clip" in method.split("+"):
         assert all(h["adaptive_kl/adapted_kl"] <= 0.05 + 1e-9 for h in logs)
     # once the policy has left the reference, the shaping is visible in the adapted KL
     moved = [h for h in logs if h["adaptive_kl/raw_kl"] > 0.06]
-    if method in ("clip", "sigmoid", "target+clip+sigmoid"):
+    if method in ("clip", "soft_clip", "sigmoid", "target+clip+sigmoid"):
         assert moved, "the policy never left the reference: the test proves nothing"
         assert all(h["adaptive_kl/adapted_kl"] < h["adaptive_kl/raw_kl"] for h in moved)
     if method == "none":
@@ -456,3 +458,24 @@ def test_a_trl_trainer_with_unsloth_imported_warns_that_it_runs_on_trls_loss(tin
     assert "backend: TRL eager loss" in caplog.text
     warning = [r for r in caplog.records if r.levelname == "WARNING" and "unsloth is imported" in r.getMessage()]
     assert len(warning) == 1 and "trains on TRL's eager loss, not Unsloth's fused one" in warning[0].getMessage()
+
+
+# -- a shaping method registered outside the package ----------------------------------------------------
+def test_a_method_registered_outside_the_package_changes_the_loss_and_halves_the_adapted_kl(trainer, tiny_checkpoint, tmp_path, monkeypatch, half_kl):
+    beta = 0.3
+    set_method(trainer, "half_kl", "dapo", kl_estimator="k3", beta=beta, use_bias_correction_kl=BIAS_CORRECTION)
+    inputs = loss_inputs(trainer, seed=1)
+    seen = _capture_logps(trainer, monkeypatch)
+    with torch.no_grad():
+        loss_with_kl = GRPOTrainer._compute_loss(trainer, trainer.model, inputs)
+        trainer.beta = 0.0
+        loss_without_kl = GRPOTrainer._compute_loss(trainer, trainer.model, inputs)
+    unshaped, _, _ = reference.kl_part(
+        "none", seen["logp"], inputs, "dapo", beta=beta, estimator="k3", clip_threshold=1.0, kl_target=0.1, bias_correction=BIAS_CORRECTION
+    )
+    got = (loss_with_kl.double() - loss_without_kl.double()).item()
+    assert got == pytest.approx(0.5 * unshaped.item(), rel=2e-4, abs=1e-7) and abs(got - unshaped.item()) > 1e-4
+    _, logs = _run(tiny_checkpoint, tmp_path, kl_adaptation_method="half_kl", max_steps=2, learning_rate=2e-2)
+    assert len(logs) == 2 and logs[-1]["adaptive_kl/raw_kl"] > 0
+    for h in logs:
+        assert h["adaptive_kl/adapted_kl"] == pytest.approx(0.5 * h["adaptive_kl/raw_kl"], rel=1e-6)

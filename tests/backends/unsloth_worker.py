@@ -200,7 +200,7 @@ def scenario_identity():
     results["patched_again"] = generated.grpo_compute_loss is not unsloth_adaptive_kl.backends.trl.original(generated, "grpo_compute_loss")
 
 
-CASES = [("clip", "k3"), ("sigmoid", "k3"), ("length_normalized", "k3"), ("clip+sigmoid+length_normalized", "k3"), ("none", "k1"), ("clip", "k2"), ("none", "abs")]
+CASES = [("clip", "k3"), ("soft_clip", "k3"), ("sigmoid", "k3"), ("length_normalized", "k3"), ("clip+sigmoid+length_normalized", "k3"), ("none", "k1"), ("clip", "k2"), ("none", "abs")]
 
 
 def scenario_kl_part():
@@ -248,7 +248,7 @@ def scenario_kl_part():
     results["kl_part"] = out
 
 
-METHODS = ["none", "clip", "sigmoid", "length_normalized", "dynamic", "target", "dynamic+length_normalized"]
+METHODS = reference.METHODS
 
 
 def scenario_train():

@@ -25,7 +25,7 @@ import unsloth_adaptive_kl  # noqa: E402
 from unsloth_adaptive_kl import toy  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
-METHODS = ["none", "clip", "sigmoid", "length_normalized", "dynamic", "target", "dynamic+length_normalized"]
+METHODS = reference.METHODS
 REPORT = {}
 
 

@@ -117,8 +117,8 @@ class AdaptiveFusedLinearGRPOLoss(nn.Module):
         return self.adaptive_kl.term.estimate(logp, ref_logp, mask, statistic)
 
     def kl_terms(self, logp, ref_logp, mask, coef, statistic) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(raw, adapted)`` per-token KL: the core's order (estimator, × importance ratio, clip,
-        sigmoid) with this module's :meth:`per_token_kl` as the estimator."""
+        """``(raw, adapted)`` per-token KL: the core's order (estimator, × importance ratio, the per-token
+        shaping) with this module's :meth:`per_token_kl` as the estimator."""
         return self.adaptive_kl.per_token(logp, ref_logp, mask, coef, statistic, estimator=self.per_token_kl)
 
     # -- Liger's forward ---------------------------------------------------------------------------------
@@ -230,6 +230,7 @@ class AdaptiveFusedLinearGRPOLoss(nn.Module):
             reason = fallback_reason(
                 loss_type=self.loss_type, level=self.importance_sampling_level, with_kl=with_kl, use_ref_model=self.use_ref_model,
                 builtin_estimator=get_estimator(self.adaptive_kl.estimator).builtin, num_items_given=num_items_in_batch is not None,
+                builtin_shaping=all(step.builtin for step in self.adaptive_kl.method.per_token_steps),
                 own_kl=type(self).per_token_kl is not AdaptiveFusedLinearGRPOLoss.per_token_kl,
                 inputs=dict(advantages=advantages, ref_per_token_logps=ref, old_per_token_logps=old, vllm_is_ratio=vllm_is_ratio),
             )  # fmt: skip
