@@ -218,11 +218,7 @@ def reference_kl_part(batch, logps, *, beta, estimator, method="none", loss_type
         kl = torch.where(ref <= threshold, k3 / q, torch.zeros_like(k3))
     else:
         kl = {"k3": k3, "k3+": k3, "k1": -r, "k1+": -r, "k2": 0.5 * r**2, "squared": 0.5 * r**2}[estimator]
-    if "clip" in method:
-        kl = kl.clamp(max=clip)
-    if "sigmoid" in method:
-        kl = torch.sigmoid(kl - target) * kl
-    kl = torch.where(mask, kl, torch.zeros_like(kl))
+    kl = torch.where(mask, reference.shaped64(kl, method, clip, target), torch.zeros_like(kl))
     if "length_normalized" in method:
         return beta * (kl.sum(-1) / mask.sum(-1).clamp(min=1)).mean()
     assert loss_type == "dapo"
@@ -246,7 +242,7 @@ def kl_part(module, batch):
 
 @pytest.mark.parametrize(
     "method, estimator",
-    [("none", "k3"), ("none", "bottom_q"), ("none", "squared"), ("none", "k1+"), ("none", "k3+"), ("clip", "k3"), ("sigmoid", "k2"), ("length_normalized", "k3"), ("clip+sigmoid+length_normalized", "bottom_q")],
+    [("none", "k3"), ("none", "bottom_q"), ("none", "squared"), ("none", "k1+"), ("none", "k3+"), ("clip", "k3"), ("soft_clip", "k3"), ("soft_clip+sigmoid", "k2"), ("sigmoid", "k2"), ("length_normalized", "k3"), ("clip+sigmoid+length_normalized", "bottom_q")],
 )
 def test_kl_part_matches_float64_reference(method, estimator):
     batch = make_batch(seed=1)
@@ -449,10 +445,23 @@ def test_loss_class_trains_end_to_end_logging_metrics_and_beta_trajectory(tiny_c
         assert h[unsloth_adaptive_kl.RAW_KL] == pytest.approx(h["kl"], rel=1e-6)
     # dynamic: the reward is always above its threshold, so beta decays at every optimizer step
     assert betas == pytest.approx(reference.expected_betas(method, logs), rel=1e-9)
-    if method == "clip":
+    if method in ("clip", "soft_clip"):
         assert all(h[unsloth_adaptive_kl.ADAPTED_KL] <= 0.05 + 1e-9 for h in logs)
     if method == "none":
         assert all(h[unsloth_adaptive_kl.ADAPTED_KL] == h[unsloth_adaptive_kl.RAW_KL] for h in logs)
+
+
+def test_a_method_registered_outside_the_package_runs_in_the_module_and_through_loss_class(tiny_checkpoint, tmp_path, half_kl):
+    batch = make_batch(seed=1)
+    halved = AdaptiveFusedLinearGRPOLoss(**liger_kwargs("dapo", beta=0.3, compiled=False), kl_adaptation_method="half_kl")
+    unshaped = reference_kl_part(batch, module_logps(halved, batch), beta=0.3, estimator="k3")
+    assert kl_part(halved, batch).item() == pytest.approx(0.5 * unshaped.item(), rel=1e-5, abs=1e-8) and unshaped.item() > 1e-3
+    trainer = make_trainer(tiny_checkpoint, tmp_path, kl_adaptation_method="half_kl", max_steps=2, learning_rate=2e-2)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if unsloth_adaptive_kl.CURRENT_BETA in h]
+    assert len(logs) == 2 and logs[-1][unsloth_adaptive_kl.RAW_KL] > 0
+    for h in logs:
+        assert h[unsloth_adaptive_kl.ADAPTED_KL] == pytest.approx(0.5 * h[unsloth_adaptive_kl.RAW_KL], rel=1e-6)
 
 
 def test_example_subclass_overriding_only_the_kl_trains(tmp_path):

@@ -95,7 +95,7 @@ def _kl_cases(tmp_path_factory):
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_kl_part_of_the_fused_loss_matches_float64_reference_for_every_method(loss_type, tmp_path_factory):
     cases = [c for c in _kl_cases(tmp_path_factory) if c["loss_type"] == loss_type]
-    assert len(cases) == 7
+    assert len(cases) == 9 and cases[0]["method"] == "half_kl"  # registered by the worker, outside the package
     for c in cases:
         assert c["got"] == pytest.approx(c["expected"], rel=2e-4, abs=1e-6), c
         length_only_on_sequence_mean = c["method"] == "length_normalized" and loss_type in ("grpo", "sapo")
@@ -129,6 +129,13 @@ def test_unsloth_grpo_trains_with_each_method(method, tmp_path_factory):
     if method in ("clip", "soft_clip", "sigmoid"):
         assert all(h["adaptive_kl/adapted_kl"] < h["adaptive_kl/raw_kl"] for h in moved)
         assert any(h["adaptive_kl/adapted_kl"] < h["adaptive_kl/raw_kl"] for h in logs[1:])
+
+
+def test_a_method_registered_outside_the_package_trains_and_halves_the_adapted_kl(tmp_path_factory):
+    logs = run_worker("ours-first", "train", tmp_path_factory)["train"]["half_kl"]["logs"]
+    assert len(logs) == 3 and logs[-1]["adaptive_kl/raw_kl"] > 0
+    for h in logs:
+        assert h["adaptive_kl/adapted_kl"] == pytest.approx(0.5 * h["adaptive_kl/raw_kl"], rel=1e-6)
 
 
 def test_changing_beta_never_recompiles_the_fused_loss(tmp_path_factory):

@@ -200,7 +200,14 @@ def scenario_identity():
     results["patched_again"] = generated.grpo_compute_loss is not unsloth_adaptive_kl.backends.trl.original(generated, "grpo_compute_loss")
 
 
-CASES = [("clip", "k3"), ("soft_clip", "k3"), ("sigmoid", "k3"), ("length_normalized", "k3"), ("clip+sigmoid+length_normalized", "k3"), ("none", "k1"), ("clip", "k2"), ("none", "abs")]
+# half_kl: a shaping method registered here, outside the package, as a user would (with its float64 reference).
+@unsloth_adaptive_kl.register_shaping("half_kl")
+def half_kl(kl):
+    return 0.5 * kl
+
+
+reference.SHAPING64["half_kl"] = lambda kl, c, t: 0.5 * kl
+CASES = [("half_kl", "k3"), ("clip", "k3"), ("soft_clip", "k3"), ("sigmoid", "k3"), ("length_normalized", "k3"), ("clip+sigmoid+length_normalized", "k3"), ("none", "k1"), ("clip", "k2"), ("none", "abs")]
 
 
 def scenario_kl_part():
@@ -255,7 +262,7 @@ def scenario_train():
     import logging
 
     runs = {}
-    for method in METHODS:
+    for method in [*METHODS, "half_kl"]:
         out = io.StringIO()
         lines = []
         handler = logging.Handler()
