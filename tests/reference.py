@@ -12,7 +12,7 @@ MAX_COMPLETION = 6
 SHAPING64 = {
     "clip": lambda kl, c, t: torch.minimum(kl, torch.tensor(c, dtype=torch.float64)),
     "soft_clip": lambda kl, c, t: c * torch.tanh(kl / c),
-    "sigmoid": lambda kl, c, t: kl / (1 + torch.exp(-(kl - t))),
+    "sigmoid": lambda kl, c, t: torch.sigmoid(kl - t) * kl,
 }
 BUILTIN_SHAPING = [name for name in shaping_names() if SHAPING[name].builtin]
 #: The methods the backend tests train with: every built-in alone, each controller, one composition.

@@ -512,3 +512,15 @@ def test_a_module_given_a_state_uses_its_controller_and_refuses_a_second_set_of_
     assert module.adaptive_kl is state and state.controller.name == "dynamic"
     with pytest.raises(ValueError, match=r"\['kl_target'\] given together with adaptive_kl="):
         AdaptiveFusedLinearGRPOLoss(beta=0.1, compiled=False, adaptive_kl=state, kl_target=0.3)
+
+
+def test_a_module_beta_is_its_state_controller_beta():
+    module = AdaptiveFusedLinearGRPOLoss(**liger_kwargs("dapo", beta=0.3, compiled=False))
+    assert module.beta == module.adaptive_kl.controller.beta == 0.3
+    module.beta = 0.7
+    assert module.adaptive_kl.controller.beta == 0.7
+    shared = AdaptiveFusedLinearGRPOLoss(compiled=False, adaptive_kl=module.adaptive_kl)  # as loss_class= builds it
+    module.beta = 0.2
+    assert shared.beta == 0.2
+    with pytest.raises(ValueError, match=r"\['beta'\] given together with adaptive_kl="):
+        AdaptiveFusedLinearGRPOLoss(beta=0.9, compiled=False, adaptive_kl=module.adaptive_kl)

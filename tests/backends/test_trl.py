@@ -479,3 +479,38 @@ def test_a_method_registered_outside_the_package_changes_the_loss_and_halves_the
     assert len(logs) == 2 and logs[-1]["adaptive_kl/raw_kl"] > 0
     for h in logs:
         assert h["adaptive_kl/adapted_kl"] == pytest.approx(0.5 * h["adaptive_kl/raw_kl"], rel=1e-6)
+
+
+# -- β has one owner: the controller -------------------------------------------------------------------
+def test_beta_set_through_each_public_way_is_the_beta_the_loss_uses(tiny_checkpoint, tmp_path):
+    """Config, ``trainer.beta = x``, the controller's update and a resumed controller state: each sets the
+    one β (the controller's), and the loss's KL part is that β times the same KL."""
+    trainer = make_trainer(tiny_checkpoint, tmp_path, beta=0.2, kl_adaptation_method="dynamic", reward_threshold=-1.0, dynamic_beta_decay=0.5)
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    runtime, inputs = trainer._adaptive_kl, loss_inputs(trainer, seed=3)
+
+    def loss():
+        with torch.no_grad():
+            return GRPOTrainer._compute_loss(trainer, trainer.model, inputs).double().item()
+
+    assert trainer.beta == runtime.controller.beta == 0.2  # from the config
+    with_config_beta = loss()
+    trainer.beta = 0.0  # assignment: the controller's β
+    assert runtime.controller.beta == 0.0
+    policy_only = loss()
+    trainer.beta = 1.0
+    unit_kl = loss() - policy_only
+    assert abs(unit_kl) > 1e-4
+    assert with_config_beta - policy_only == pytest.approx(0.2 * unit_kl, rel=1e-6)
+    trainer.beta = 0.2
+    runtime.observe_reward(1.0)
+    runtime.end_step(1)  # the controller's own update (the callback calls this after each optimizer step)
+    assert trainer.beta == 0.1 and loss() - policy_only == pytest.approx(0.1 * unit_kl, rel=1e-6)
+    saved = runtime.state_dict()
+    saved["controller"]["beta"] = 0.05
+    trainer.state.stateful_callbacks["AdaptiveKLCallback"] = {"args": {}, "attributes": {"adaptive_kl_state": saved}}
+    trainer._load_callback_state()  # what resume_from_checkpoint runs
+    assert trainer.beta == 0.05 and loss() - policy_only == pytest.approx(0.05 * unit_kl, rel=1e-6)
+    with pytest.raises(ValueError, match="beta=-1.0 is not valid"):
+        trainer.beta = -1.0

@@ -83,11 +83,12 @@ class AdaptiveFusedLinearGRPOLoss(nn.Module):
         check_liger_version()
         check_liger_arguments(**arguments)
         for name in LIGER_PARAMETER_NAMES:
-            setattr(self, name, arguments[name])
+            if name != "beta":  # β lives in the state's controller (the property below)
+                setattr(self, name, arguments[name])
         fields = {name: arguments[name] for name in TERM_FIELD_NAMES}
         adaptive_kl = arguments["adaptive_kl"]
         if adaptive_kl is None:
-            config = types.SimpleNamespace(**{**DEFAULTS, **fields}, beta=float(self.beta))  # the other fields: defaults
+            config = types.SimpleNamespace(**{**DEFAULTS, **fields}, beta=float(arguments["beta"]))  # the other fields: defaults
             self.adaptive_kl = AdaptiveKL(config)
             if self.adaptive_kl.method.controller != "fixed":
                 raise ValueError(
@@ -99,6 +100,8 @@ class AdaptiveFusedLinearGRPOLoss(nn.Module):
                 )
         else:  # the caller's state (GRPOTrainer(loss_class=...) passes its own), with its controller
             changed = [name for name, value in fields.items() if value != DEFAULTS[name]]
+            if arguments["beta"] not in (_SIGNATURE.parameters["beta"].default, adaptive_kl.beta):
+                changed.append("beta")
             if changed:
                 raise ValueError(f"{changed} given together with adaptive_kl=; allowed: the KL settings in one place (adaptive_kl's)")
             self.adaptive_kl = adaptive_kl
@@ -106,6 +109,15 @@ class AdaptiveFusedLinearGRPOLoss(nn.Module):
         self.fused_head, self.fused_chunk_tokens = arguments["fused_head"], arguments["fused_chunk_tokens"]
         self.head_path: str | None = None  # "fused" or "log-prob kernel": the path of the last call
         self._compiled_terms, self._warned = None, set()
+
+    @property
+    def beta(self) -> float:
+        """β, read from (and set on) :attr:`adaptive_kl`'s controller: with ``GRPOTrainer(loss_class=...)``, the trainer's."""
+        return self.adaptive_kl.beta
+
+    @beta.setter
+    def beta(self, value) -> None:
+        self.adaptive_kl.beta = value
 
     # -- the override point ----------------------------------------------------------------------------
     def per_token_kl(self, logp: torch.Tensor, ref_logp: torch.Tensor, *, mask: torch.Tensor, statistic: torch.Tensor | None) -> torch.Tensor:

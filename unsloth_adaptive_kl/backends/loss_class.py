@@ -117,9 +117,11 @@ def compute_loss(trainer, model, inputs):
     accumulation = trainer.current_gradient_accumulation_steps if mode == "train" else 1
     generation_split = trainer.args.steps_per_generation if mode == "train" else 1
     beta = trainer.beta
-    module.beta, module.use_ref_model = beta, beta != 0.0
+    module.use_ref_model = beta != 0.0
     if isinstance(module, AdaptiveFusedLinearGRPOLoss):
-        module.adaptive_kl = trainer._adaptive_kl
+        module.adaptive_kl = trainer._adaptive_kl  # its β is the trainer's (one owner: the controller)
+    else:
+        module.beta = beta  # Liger's own class keeps a plain attribute
     mask = inputs["completion_mask"] if "tool_mask" not in inputs else inputs["completion_mask"] * inputs["tool_mask"]
     _, head = _backbone_and_head(trainer.accelerator.unwrap_model(model))
     vllm_ratio = inputs.get("importance_sampling_ratio") if trainer.use_vllm and trainer.vllm_importance_sampling_correction else None
