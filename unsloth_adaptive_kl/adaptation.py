@@ -50,7 +50,9 @@ class AdaptiveKL:
 
     @beta.setter
     def beta(self, value) -> None:
-        """Set β by hand (``trainer.beta = x``, ``module.beta = x``): the controller goes on from it."""
+        """Set β by hand (``trainer.beta = x``, ``module.beta = x``; a number or a 0-dim tensor): the controller goes on from it."""
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
             raise ValueError(f"beta={value!r} is not valid; allowed: a finite number >= 0")
         self.controller.beta = float(value)
