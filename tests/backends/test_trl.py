@@ -133,22 +133,27 @@ SHAPING_CASES = [
 ]
 
 
+def kl_part_of_the_loss(trainer, monkeypatch, inputs) -> tuple[float, dict]:
+    """The loss at the trainer's β minus the loss at β = 0, and the log-probs the KL term saw."""
+    seen = _capture_logps(trainer, monkeypatch)
+    with torch.no_grad():
+        loss_with_kl = GRPOTrainer._compute_loss(trainer, trainer.model, inputs)
+        trainer.beta = 0.0
+        loss_without_kl = GRPOTrainer._compute_loss(trainer, trainer.model, inputs)
+    return (loss_with_kl.double() - loss_without_kl.double()).item(), seen
+
+
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 @pytest.mark.parametrize("method, estimator", SHAPING_CASES)
 def test_kl_part_of_the_loss_matches_float64_reference(trainer, monkeypatch, loss_type, method, estimator):
     beta, clip_threshold, kl_target = 0.3, 0.4, 0.2
     set_method(trainer, method, loss_type, kl_estimator=estimator, beta=beta, kl_clip_threshold=clip_threshold, kl_target=kl_target, use_bias_correction_kl=BIAS_CORRECTION)
     inputs = loss_inputs(trainer, seed=1)
-    seen = _capture_logps(trainer, monkeypatch)
-    with torch.no_grad():
-        loss_with_kl = GRPOTrainer._compute_loss(trainer, trainer.model, inputs)
-        trainer.beta = 0.0
-        loss_without_kl = GRPOTrainer._compute_loss(trainer, trainer.model, inputs)
+    got, seen = kl_part_of_the_loss(trainer, monkeypatch, inputs)
     expected, _, _ = reference.kl_part(
         method, seen["logp"], inputs, loss_type, beta=beta, estimator=estimator, clip_threshold=clip_threshold, kl_target=kl_target,
         bias_correction=BIAS_CORRECTION,
     )
-    got = (loss_with_kl.double() - loss_without_kl.double()).item()
     assert got == pytest.approx(expected.item(), rel=2e-4, abs=1e-6)
     sequence_mean_loss = loss_type in ("grpo", "sapo")  # length normalisation is what these already do
     if method != "none" and not (method == "length_normalized" and sequence_mean_loss):
@@ -465,15 +470,10 @@ def test_a_method_registered_outside_the_package_changes_the_loss_and_halves_the
     beta = 0.3
     set_method(trainer, "half_kl", "dapo", kl_estimator="k3", beta=beta, use_bias_correction_kl=BIAS_CORRECTION)
     inputs = loss_inputs(trainer, seed=1)
-    seen = _capture_logps(trainer, monkeypatch)
-    with torch.no_grad():
-        loss_with_kl = GRPOTrainer._compute_loss(trainer, trainer.model, inputs)
-        trainer.beta = 0.0
-        loss_without_kl = GRPOTrainer._compute_loss(trainer, trainer.model, inputs)
+    got, seen = kl_part_of_the_loss(trainer, monkeypatch, inputs)
     unshaped, _, _ = reference.kl_part(
         "none", seen["logp"], inputs, "dapo", beta=beta, estimator="k3", clip_threshold=1.0, kl_target=0.1, bias_correction=BIAS_CORRECTION
     )
-    got = (loss_with_kl.double() - loss_without_kl.double()).item()
     assert got == pytest.approx(0.5 * unshaped.item(), rel=2e-4, abs=1e-7) and abs(got - unshaped.item()) > 1e-4
     _, logs = _run(tiny_checkpoint, tmp_path, kl_adaptation_method="half_kl", max_steps=2, learning_rate=2e-2)
     assert len(logs) == 2 and logs[-1]["adaptive_kl/raw_kl"] > 0
