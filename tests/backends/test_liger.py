@@ -17,13 +17,13 @@ import torch
 from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
 
 import unsloth_adaptive_kl
-from unsloth_adaptive_kl import toy
+from unsloth_adaptive_kl import toy, versions
 from unsloth_adaptive_kl.backends import trl as trl_backend
 from unsloth_adaptive_kl.backends.liger import AdaptiveFusedLinearGRPOLoss
 from trl import GRPOConfig, GRPOTrainer
 
 ROOT = Path(__file__).resolve().parents[2]
-LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
+LOSS_TYPES = list(versions.ALL_LOSS_TYPES)
 TOKEN_LEVEL_ONLY = ("cispo", "sapo", "vespo")
 B, T, H, V = 3, 5, 8, 20
 

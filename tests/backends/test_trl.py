@@ -16,7 +16,7 @@ from unsloth_adaptive_kl._source_patch import version_of
 from unsloth_adaptive_kl.backends import trl as trl_backend
 from trl import GRPOConfig, GRPOTrainer
 
-LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
+LOSS_TYPES = list(versions.ALL_LOSS_TYPES)
 METHODS = [*reference.METHODS, "target+clip+sigmoid"]
 MAX_COMPLETION = reference.MAX_COMPLETION
 TRL_VERSION = version_of("trl")

@@ -13,6 +13,7 @@ import sys
 
 import pytest
 import reference
+from unsloth_adaptive_kl import versions
 
 
 
@@ -35,7 +36,7 @@ pytestmark = [
     ),
 ]
 WORKER = os.path.join(os.path.dirname(__file__), "unsloth_worker.py")
-LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
+LOSS_TYPES = list(versions.ALL_LOSS_TYPES)
 _cache = {}
 
 

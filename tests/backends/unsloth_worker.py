@@ -77,7 +77,7 @@ import trl  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 import reference  # noqa: E402
-from unsloth_adaptive_kl import toy  # noqa: E402
+from unsloth_adaptive_kl import toy, versions  # noqa: E402
 
 generated = sys.modules["UnslothGRPOTrainer"]
 CHECKPOINT = toy.build_checkpoint(tempfile.mkdtemp(prefix="tiny-"), hidden_size=32)
@@ -170,7 +170,7 @@ def scenario_config():
     results["cli_method"] = parsed.kl_adaptation_method
 
 
-LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
+LOSS_TYPES = list(versions.ALL_LOSS_TYPES)
 
 
 def scenario_identity():
