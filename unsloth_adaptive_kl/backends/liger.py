@@ -23,8 +23,8 @@ same ``(loss, (kl_mean, clip_ratio))`` (``(loss, (clip_ratio,))`` when β is 0).
 ``chunk_size`` is accepted and has no effect: the kernel tiles tokens and vocabulary itself and the
 elementwise loss is a few ``B × T`` tensors, so the whole batch is one chunk.
 
-**β** is read from ``self.beta`` on every call and enters the compiled graph as a tensor (no
-recompilation when it changes). Standalone, a method with a β controller (``dynamic``,
+**β** is ``self.beta``, which is ``self.adaptive_kl.beta`` (the controller's: one owner), read on
+every call; it enters the compiled graph as a tensor (no recompilation when it changes). Standalone, a method with a β controller (``dynamic``,
 ``target``, alone or joined) raises ValueError: a loss module sees no optimizer step to update β
 at. Under ``GRPOTrainer(loss_class=...)`` the module shares the trainer's state, whose controller
 sets β.
