@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import inspect
+import linecache
 import os
 import textwrap
 from dataclasses import dataclass
@@ -82,7 +83,9 @@ def rewrite_function(
     if namespace is None:
         namespace = dict(func.__globals__)
     namespace.update(extra_globals or {})
-    filename = f"<unsloth_adaptive_kl patched {func.__module__}.{func.__qualname__}>"
+    filename = source_filename(func)
+    # Registered so that a traceback, pdb and profilers show the rewritten lines (mtime None: kept by checkcache).
+    linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
     exec(compile(source, filename, "exec"), namespace)  # noqa: S102 - our own literal rewrite of installed code
     new = namespace[func.__name__]
     target = getattr(new, "__func__", new)  # a @staticmethod in the source comes back wrapped
@@ -91,6 +94,13 @@ def rewrite_function(
     target.__wrapped_original__ = func
     target.__wrapped__ = func  # inspect.getsource/signature see the installed original (Unsloth reads them)
     return new
+
+
+def source_filename(func: Callable) -> str:
+    """The file name a rewritten ``func`` is compiled under, and its source registered in ``linecache`` as:
+    ``<unsloth_adaptive_kl:module.Qualified.name>``. ``inspect.getsource(f.__code__)`` gives the rewritten
+    source (``inspect.getsource(f)`` follows ``__wrapped__`` to the installed original, which Unsloth reads)."""
+    return f"<unsloth_adaptive_kl:{func.__module__}.{func.__qualname__}>"
 
 
 # -- the patch ledger ---------------------------------------------------------------------------------

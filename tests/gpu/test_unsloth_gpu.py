@@ -25,7 +25,9 @@ import unsloth_adaptive_kl  # noqa: E402
 from unsloth_adaptive_kl import toy  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
-METHODS = ["none", "clip", "sigmoid", "length_normalized", "dynamic", "target", "dynamic+length_normalized"]
+import reference  # noqa: E402
+
+METHODS = reference.METHODS
 REPORT = {}
 
 
@@ -105,7 +107,7 @@ def test_unsloth_grpo_run_on_gpu(checkpoint, method, load_in_4bit):
     for h in logs:
         assert math.isfinite(h["adaptive_kl/raw_kl"]) and math.isfinite(h["adaptive_kl/adapted_kl"]) and math.isfinite(h["loss"])
     betas = [h["adaptive_kl/current_beta"] for h in logs]
-    if method in ("none", "clip", "sigmoid", "length_normalized"):
+    if method in ("none", *reference.BUILTIN_SHAPING):
         assert betas == [0.04] * 6
     else:
         assert betas[0] == 0.04 and len(set(betas)) > 1  # the controller acted
