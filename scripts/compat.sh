@@ -6,6 +6,8 @@
 #   bash scripts/compat.sh            # every stack
 #   bash scripts/compat.sh ci         # what .ci/run runs: oldest and newest TRL and Unsloth
 #   bash scripts/compat.sh trl-0.24 unsloth-2026.9 ...
+#   bash scripts/compat.sh latest     # today's newest TRL, transformers, Liger, peft, accelerate, datasets
+#                                     # within versions.py's ranges (a check by hand; rebuilt once a day)
 #
 # The venvs live in $UAKL_COMPAT_CACHE (default ~/.cache/uakl-compat), outside the repository:
 # _base holds the CPU torch 2.13 (from this machine's disk; never an unpinned torch), triton and
@@ -21,8 +23,6 @@ ROOT=$PWD
 CACHE=${UAKL_COMPAT_CACHE:-$HOME/.cache/uakl-compat}
 PYTHON=${PYTHON:-python3}
 BASE_PINS="torch==2.13.0 triton==3.9.0 numpy==2.4.6 pytest==9.2.0 hypothesis==6.170.15 packaging==26.3 PyYAML==6.0.3"
-# Installed in every stack beside its pins, resolved against them (our own dependencies).
-COMMON="peft>=0.17 accelerate>=1.10 datasets>=3.0,<5 pillow"
 # The version-sensitive tests: identity with the stock loss, shaping against float64, metrics,
 # β controllers inside a trainer (end to end, β -> 0, resume), patch/unpatch, version guards,
 # import order; on an Unsloth stack the CPU side door into Unsloth's generated trainer too.
@@ -50,6 +50,7 @@ build_stack() {  # build_stack STACK: the venv, unless it exists with the same p
   pins=$(stack_field "$name" 1) || return 1
   nodeps=$(stack_field "$name" 2)
   key="$pins | $nodeps | $COMMON | $BASE_PINS"
+  [ "$name" = latest ] && key="$key | $(date -u +%F)"  # unpinned: resolved again each day
   if [ "$(cat "$dir/.uakl-ready" 2>/dev/null)" = "$key" ]; then return 0; fi
   echo "building $name: $pins ${nodeps:+(--no-deps: $nodeps)}" >&2
   rm -rf "$dir"
@@ -74,7 +75,7 @@ run_stack() {  # run_stack STACK: prints its table row
   versions=$("$dir/bin/python" - <<'EOF'
 import importlib.metadata as m
 out = []
-for d in ("trl", "transformers", "liger-kernel", "unsloth", "unsloth_zoo"):
+for d in ("trl", "transformers", "liger-kernel", "unsloth", "unsloth_zoo", "torch"):
     try:
         out.append(f"{d} {m.version(d)}")
     except m.PackageNotFoundError:
@@ -100,6 +101,8 @@ EOF
 }
 
 build_base || { echo "could not build $CACHE/_base" >&2; exit 1; }
+# Installed in every stack beside its pins, resolved against them (our own dependencies, versions.py's COMMON).
+COMMON="$("$CACHE/_base/bin/python" "$ROOT/unsloth_adaptive_kl/versions.py" common) pillow"
 ALL=$("$CACHE/_base/bin/python" -c "import runpy; print(' '.join(runpy.run_path('$ROOT/unsloth_adaptive_kl/versions.py')['STACKS']))")
 CI=$("$CACHE/_base/bin/python" -c "import runpy; print(' '.join(runpy.run_path('$ROOT/unsloth_adaptive_kl/versions.py')['CI_STACKS']))")
 case "${1:-all}" in
