@@ -21,7 +21,7 @@ import textwrap
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
-from .versions import Supported
+from .versions import Supported, requirement
 
 ALLOW_UNTESTED_ENV = "UNSLOTH_ADAPTIVE_KL_ALLOW_UNTESTED"
 
@@ -43,7 +43,8 @@ def check_version(distribution: str, supported: Callable[[str], bool], supported
     if not supported(version) and os.environ.get(ALLOW_UNTESTED_ENV) != "1":
         raise PatchError(
             f"unsloth_adaptive_kl supports {distribution} {supported_text}, but {distribution} {version} is installed. "
-            f"Install a supported version, or set {ALLOW_UNTESTED_ENV}=1 to try anyway (every patch anchor is "
+            f"Install a supported version (pip install '{requirement(distribution)}'), or set {ALLOW_UNTESTED_ENV}=1 "
+            "to try anyway (every patch anchor is "
             "still checked and a missing one still raises)."
         )
     return version

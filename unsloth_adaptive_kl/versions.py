@@ -164,7 +164,8 @@ STACKS: dict[str, Stack] = {
         # Unsloth 2026.8 and 2026.9 cap trl at 0.24.0 (and datasets below 4.4); 2026.10 at 1.15.0.
         Stack("unsloth-2026.8", ("trl==0.24.0", _TRANSFORMERS_4, _LIGER, "datasets==4.3.0"), ("unsloth==2026.8.22", "unsloth_zoo==2026.8.17")),
         Stack("unsloth-2026.9", ("trl==0.24.0", _TRANSFORMERS_4, _LIGER, "datasets==4.3.0"), ("unsloth==2026.9.14", "unsloth_zoo==2026.9.9")),
-        Stack("unsloth-2026.10", ("trl==1.15.0", _TRANSFORMERS_5, _LIGER), ("unsloth==2026.10.9", "unsloth_zoo==2026.10.9")),
+        # The main suite's own stack (scripts/_venv.sh); datasets pinned below 5, as Unsloth 2026.10 asks.
+        Stack("unsloth-2026.10", ("trl==1.15.0", _TRANSFORMERS_5, _LIGER, "datasets==4.8.5"), ("unsloth==2026.10.9", "unsloth_zoo==2026.10.9")),
         # The transformers range admits either major with any TRL line: its two ends, crossed.
         Stack("trl-0.24-transformers-5", ("trl==0.24.0", _TRANSFORMERS_5, _LIGER)),
         Stack("trl-1.16-transformers-4", ("trl==1.16.0", "transformers==4.56.2", _LIGER)),  # TRL 1.16 asks >=4.56.2
