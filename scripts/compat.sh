@@ -19,6 +19,7 @@
 # passes -k EXPR to pytest.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+source scripts/_pytest_counts.sh
 ROOT=$PWD
 CACHE=${UAKL_COMPAT_CACHE:-$HOME/.cache/uakl-compat}
 PYTHON=${PYTHON:-python3}
@@ -69,7 +70,7 @@ build_stack() {  # build_stack STACK: the venv, unless it exists with the same p
 }
 
 run_stack() {  # run_stack STACK: prints its table row
-  local name=$1 dir=$CACHE/$1 log=$CACHE/logs/$1.log tests versions summary passed failed skipped errors start
+  local name=$1 dir=$CACHE/$1 log=$CACHE/logs/$1.log tests versions passed failed skipped start
   tests=("${TESTS_TRL[@]}")
   [ -n "$(stack_field "$name" 2)" ] && tests+=("${TESTS_UNSLOTH[@]}")
   versions=$("$dir/bin/python" - <<'EOF'
@@ -89,15 +90,10 @@ EOF
       env PYTHONPATH="$ROOT" TRITON_INTERPRET=1 TOKENIZERS_PARALLELISM=false UNSLOTH_COMPILE_LOCATION="$CACHE/unsloth_compiled_cache-$name" \
         "$dir/bin/python" -m pytest -q -p no:cacheprovider -o addopts="" ${K_EXPR:+-k "$K_EXPR"} "${tests[@]}"
   ) > "$log" 2>&1
-  summary=$(grep -E "^=*.*( passed| failed| error| skipped| no tests ran)" "$log" | tail -1)
-  passed=$(grep -oE "[0-9]+ passed" <<< "$summary" | cut -d' ' -f1)
-  failed=$(grep -oE "[0-9]+ failed" <<< "$summary" | cut -d' ' -f1)
-  errors=$(grep -oE "[0-9]+ errors?" <<< "$summary" | cut -d' ' -f1)
-  skipped=$(grep -oE "[0-9]+ skipped" <<< "$summary" | cut -d' ' -f1)
-  failed=$(( ${failed:-0} + ${errors:-0} ))
-  printf '| %s | %s | %s | %s | %s | %s s | %s | %s |\n' "$name" "$versions" "${passed:-0}" "$failed" "${skipped:-0}" \
+  pytest_counts "$log"
+  printf '| %s | %s | %s | %s | %s | %s s | %s | %s |\n' "$name" "$versions" "$passed" "$failed" "$skipped" \
     "$(( SECONDS - start ))" "$(date -u +%F)" "$(git -C "$ROOT" rev-parse --short HEAD)$(git -C "$ROOT" diff --quiet HEAD -- unsloth_adaptive_kl tests || echo +changes)"
-  [ "${passed:-0}" -gt 0 ] && [ "$failed" -eq 0 ]
+  [ "$passed" -gt 0 ] && [ "$failed" -eq 0 ]
 }
 
 build_base || { echo "could not build $CACHE/_base" >&2; exit 1; }

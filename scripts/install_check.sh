@@ -16,6 +16,7 @@
 # Exit status 1 if an install failed, changed a pinned version, or a test failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+source scripts/_pytest_counts.sh
 ROOT=$PWD
 CACHE=${UAKL_COMPAT_CACHE:-$HOME/.cache/uakl-compat}
 PYTHON=${PYTHON:-python3}
@@ -26,7 +27,7 @@ mkdir -p "$CACHE/logs"
 DEPS=$("$PYTHON" -c "import tomllib; print(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies'])")
 
 check() {  # check PIN...: build (or reuse) the venv, verify the versions, run the tests; prints a row
-  local name dir log key start installed summary passed failed errors skipped
+  local name dir log key start installed passed failed skipped
   name=install-$(tr ' =' '_-' <<< "$*")
   dir=$CACHE/$name
   log=$CACHE/logs/$name.log
@@ -65,14 +66,9 @@ EOF
     unset PYTHONPATH
     env TRITON_INTERPRET=1 TOKENIZERS_PARALLELISM=false "$dir/bin/python" -m pytest -q -p no:cacheprovider -o addopts="" "${TESTS[@]}"
   ) >> "$log" 2>&1
-  summary=$(grep -E "^=*.*( passed| failed| error| skipped| no tests ran)" "$log" | tail -1)
-  passed=$(grep -oE "[0-9]+ passed" <<< "$summary" | cut -d' ' -f1)
-  failed=$(grep -oE "[0-9]+ failed" <<< "$summary" | cut -d' ' -f1)
-  errors=$(grep -oE "[0-9]+ errors?" <<< "$summary" | cut -d' ' -f1)
-  skipped=$(grep -oE "[0-9]+ skipped" <<< "$summary" | cut -d' ' -f1)
-  failed=$(( ${failed:-0} + ${errors:-0} ))
-  printf '| %s | %s | %s | %s | %s | %s s |\n' "$*" "$installed" "${passed:-0}" "$failed" "${skipped:-0}" "$(( SECONDS - start ))"
-  [ "${passed:-0}" -gt 0 ] && [ "$failed" -eq 0 ] || { grep -E "^(FAILED|ERROR)|^E  " "$log" | head -20 >&2; return 1; }
+  pytest_counts "$log"
+  printf '| %s | %s | %s | %s | %s | %s s |\n' "$*" "$installed" "$passed" "$failed" "$skipped" "$(( SECONDS - start ))"
+  [ "$passed" -gt 0 ] && [ "$failed" -eq 0 ] || { grep -E "^(FAILED|ERROR)|^E  " "$log" | head -20 >&2; return 1; }
 }
 
 echo "| pip install -e . with | installed | passed | failed | skipped | time |"
