@@ -90,7 +90,7 @@ for stage in "$@"; do
         (
           export PYTHONPATH="${site[$stack]}:$PWD" UNSLOTH_COMPILE_LOCATION=/tmp/unsloth_cache-$stack
           echo "$stack: $(python -c "import importlib.metadata as m; print(', '.join(d + ' ' + m.version(d) for d in ('unsloth', 'unsloth_zoo', 'trl', 'transformers', 'torch')))")"
-          UAKL_GPU_REPORT="$OUT/gpu-report-$stack.json" timeout "${LINE_TIMEOUT:-540}" python -m pytest -q -s -p no:cacheprovider \
+          UAKL_GPU_REPORT="$OUT/gpu-report-$stack.json" timeout "${LINE_TIMEOUT:-520}" python -m pytest -q -s -p no:cacheprovider \
             tests/gpu/test_unsloth_gpu.py -k "never_recompiles${UAKL_LINES_K:+ or ($UAKL_LINES_K)}" > "$OUT/gpu-tests-$stack.log" 2>&1
           echo "$stack: pytest exit status $?; $(grep -E "passed|failed|error" "$OUT/gpu-tests-$stack.log" | tail -1)"
         ) &
