@@ -48,9 +48,9 @@ SUPPORTED: dict[str, Supported] = {
         # 4.56.1: TRL 0.24's own floor (TRL 1.16 asks 4.56.2). No cap: the patches anchor on TRL's and
         # Unsloth's source, which the runtime anchor check guards whatever transformers is installed.
         Supported("transformers", ">=4.56.1", "4.56.1 and newer", guarded=False, tested="4.56.1 (TRL 0.24), 4.57.6 (TRL 0.2x, Unsloth 2026.8/9), 5.17.0 (TRL 1.x), 5.24.0 (TRL 1.16)"),
-        Supported("peft", ">=0.17", "0.17 and newer", guarded=False, tested="the newest each stack resolves (0.21.x)"),
-        Supported("accelerate", ">=1.10", "1.10 and newer", guarded=False, tested="the newest each stack resolves (1.15.x)"),
-        Supported("datasets", ">=3.0", "3.0 and newer", guarded=False, tested="4.3.0 (Unsloth 2026.8/9), the newest each other stack resolves"),
+        Supported("peft", ">=0.17", "0.17 and newer", guarded=False, tested="0.21.2 (the newest; every stack resolves it)"),
+        Supported("accelerate", ">=1.10", "1.10 and newer", guarded=False, tested="1.15.0 (the newest; every stack resolves it)"),
+        Supported("datasets", ">=3.0", "3.0 and newer", guarded=False, tested="4.3.0 (Unsloth 2026.8/9), 4.8.5 (2026.10), 5.0.1 (transformers 4.x), 5.2.0 (TRL 1.16)"),
         Supported("liger-kernel", ">=0.8.0,<0.9", "0.8.x", guarded=True, tested="0.8.5"),
         Supported("unsloth", ">=2026.8.0,<2026.11", "2026.8.x to 2026.10.x", guarded=True, tested="2026.8.22, 2026.9.14, 2026.10.9"),
         Supported("unsloth_zoo", ">=2026.8.0,<2026.11", "2026.8.x to 2026.10.x", guarded=True, tested="2026.8.17, 2026.9.9, 2026.10.9"),
