@@ -17,12 +17,7 @@
 # venv serves every commit. Logs: $UAKL_COMPAT_CACHE/logs/STACK.log. Exit status 1 if any stack
 # failed a test or could not be built. UAKL_COMPAT_BUILD_ONLY=1 only builds; UAKL_COMPAT_K=EXPR
 # passes -k EXPR to pytest.
-set -uo pipefail
-cd "$(dirname "$0")/.."
-source scripts/_pytest_counts.sh
-ROOT=$PWD
-CACHE=${UAKL_COMPAT_CACHE:-$HOME/.cache/uakl-compat}
-PYTHON=${PYTHON:-python3}
+source "$(dirname "$0")/_compat_env.sh"
 BASE_PINS="torch==2.13.0 triton==3.9.0 numpy==2.4.6 pytest==9.2.0 hypothesis==6.170.15 packaging==26.3 PyYAML==6.0.3"
 # The version-sensitive tests: identity with the stock loss, shaping against float64, metrics,
 # β controllers inside a trainer (end to end, β -> 0, resume), patch/unpatch, version guards,
@@ -32,7 +27,6 @@ BASE_PINS="torch==2.13.0 triton==3.9.0 numpy==2.4.6 pytest==9.2.0 hypothesis==6.
 TESTS_TRL=(tests/backends/test_trl.py tests/test_versions.py tests/test_patching.py tests/test_lifecycle.py)
 TESTS_UNSLOTH=(tests/backends/test_unsloth.py tests/backends/test_unsloth_lines.py)
 K_EXPR=${UAKL_COMPAT_K:-}
-mkdir -p "$CACHE/logs"
 
 stack_field() {  # stack_field STACK 1|2: its pins, or its --no-deps pins
   "$CACHE/_base/bin/python" "$ROOT/unsloth_adaptive_kl/versions.py" "$1" | sed -n "${2}p"

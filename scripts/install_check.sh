@@ -14,16 +14,10 @@
 # afresh whenever its pins, pyproject.toml's dependencies or this tree's path change (the install is
 # what is checked), else reused: then only the tests run. Logs: $UAKL_COMPAT_CACHE/logs/install-*.log.
 # Exit status 1 if an install failed, changed a pinned version, or a test failed.
-set -uo pipefail
-cd "$(dirname "$0")/.."
-source scripts/_pytest_counts.sh
-ROOT=$PWD
-CACHE=${UAKL_COMPAT_CACHE:-$HOME/.cache/uakl-compat}
-PYTHON=${PYTHON:-python3}
+source "$(dirname "$0")/_compat_env.sh"
 TORCH=torch==2.13.0  # the CPU build on this machine's disk: never an unpinned (CUDA) torch
 TEST_PINS="pytest==9.2.0 hypothesis==6.170.15"
 TESTS=(tests/backends/test_trl.py -k "bit_identical or (float64_reference and clip)")
-mkdir -p "$CACHE/logs"
 DEPS=$("$PYTHON" -c "import tomllib; print(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies'])")
 
 check() {  # check PIN...: build (or reuse) the venv, verify the versions, run the tests; prints a row
