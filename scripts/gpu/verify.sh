@@ -88,9 +88,13 @@ for stage in "$@"; do
       pids=()
       for stack in $LINES; do
         (
-          export PYTHONPATH="${site[$stack]}:$PWD" UNSLOTH_COMPILE_LOCATION=/tmp/unsloth_cache-$stack
+          # One CPU share per line: the test's warm start runs on the CPU, and three processes of nproc
+          # OpenMP threads each sat 9 minutes without printing a line (two calls, 2026-11-24). A hang
+          # still shows its stacks: the time-out sends SIGABRT, which faulthandler answers with a traceback.
+          export PYTHONPATH="${site[$stack]}:$PWD" UNSLOTH_COMPILE_LOCATION=/tmp/unsloth_cache-$stack PYTHONFAULTHANDLER=1 \
+            OMP_NUM_THREADS=$(( $(nproc) / $(wc -w <<< "$LINES") )) TORCHINDUCTOR_COMPILE_THREADS=4
           echo "$stack: $(python -c "import importlib.metadata as m; print(', '.join(d + ' ' + m.version(d) for d in ('unsloth', 'unsloth_zoo', 'trl', 'transformers', 'torch')))")"
-          UAKL_GPU_REPORT="$OUT/gpu-report-$stack.json" timeout "${LINE_TIMEOUT:-520}" python -m pytest -q -s -p no:cacheprovider \
+          UAKL_GPU_REPORT="$OUT/gpu-report-$stack.json" timeout -s ABRT "${LINE_TIMEOUT:-520}" python -m pytest -q -s -p no:cacheprovider \
             tests/gpu/test_unsloth_gpu.py -k "never_recompiles${UAKL_LINES_K:+ or ($UAKL_LINES_K)}" > "$OUT/gpu-tests-$stack.log" 2>&1
           echo "$stack: pytest exit status $?; $(grep -E "passed|failed|error" "$OUT/gpu-tests-$stack.log" | tail -1)"
         ) &
