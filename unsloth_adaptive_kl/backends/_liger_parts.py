@@ -99,6 +99,26 @@ def aggregate(per_token, mask, loss_type: str, *, max_completion_length=None, nu
     raise ValueError(f"loss_type={loss_type!r} is not valid; allowed: {list(LOSS_TYPES)}")
 
 
+def normaliser_tensor(num_items_in_batch, device) -> torch.Tensor | None:
+    """``num_items_in_batch`` as a 0-dim float32 tensor on ``device`` (None stays None): the value Liger's dapo
+    normaliser makes of an int or a tensor, but an input of the compiled loss rather than a constant, so
+    that a count changing every step does not recompile it (a Python number is specialised into the graph)."""
+    if num_items_in_batch is None:
+        return None
+    if isinstance(num_items_in_batch, torch.Tensor):
+        return num_items_in_batch.detach().to(device=device, dtype=torch.float32)
+    return torch.tensor(float(num_items_in_batch), device=device, dtype=torch.float32)
+
+
+def mark_sequence_dynamic(*tensors) -> None:
+    """Mark the sequence dimension (1) of each ``(B, T)`` input of the compiled loss dynamic, as Liger's engine
+    does (``fused_linear_ppo.py``): completion lengths change every step, and without the mark the first
+    graph is specialised to the first length (a recompile at the second, a guard on every size after)."""
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[1] > 1:
+            torch._dynamo.maybe_mark_dynamic(t, 1)
+
+
 VOCAB_TILE = 32768  # vocabulary tile width TRL 1.15 uses (trl/trainer/utils.py, _CHUNKED_LOGPROB_CHUNK_SIZE)
 
 

@@ -60,7 +60,9 @@ from ._liger_parts import (  # noqa: F401  (LOSS_TYPES, LossTerms: names of this
     check_liger_configuration,
     check_liger_version,
     log_importance_weights,
+    mark_sequence_dynamic,
     neutral_padding,
+    normaliser_tensor,
     selected_token_logps,
 )
 
@@ -255,12 +257,14 @@ class AdaptiveFusedLinearGRPOLoss(nn.Module):
             ref, old = neutral_padding(mask, ref, old)
         statistic = self.adaptive_kl.batch_statistic(ref, mask) if with_kl else None
         beta = torch.as_tensor(self.beta, dtype=torch.float32, device=mask.device)
-        return mask, advantages, ref, old, vllm_is_ratio, beta, statistic, num_items_in_batch
+        return mask, advantages, ref, old, vllm_is_ratio, beta, statistic, normaliser_tensor(num_items_in_batch, mask.device)
 
     def _evaluate(self, logps, inputs) -> LossTerms:
         mask = inputs[0]
         if self.loss_type != "luspo":
             (logps,) = neutral_padding(mask, logps)
+        if self.compiled:
+            mark_sequence_dynamic(logps, *inputs)
         loss, raw, adapted, clip_ratio = self._terms_function()(logps, *inputs)
         if raw is None:
             return LossTerms(loss, None, None, None, clip_ratio.detach())
