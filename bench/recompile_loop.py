@@ -33,15 +33,16 @@ ACCUMULATION = 3  # num_items_in_batch counts the tokens of this many micro-batc
 
 def loop_batches(calls: int, *, batch: int, lengths: tuple[int, int], hidden: int, vocab: int, dtype, device, num_items: str = "mixed", seed: int = 0):
     """What a training loop gives the loss in ``calls`` successive calls: a new padded length T (uniform in
-    ``lengths``; the first two calls at the ends of the range), completion lengths in ``[1, T]`` with one at T,
+    ``lengths``, distinct while the range lasts; the first two calls at its ends), completion lengths in ``[1, T]`` with one at T,
     new hidden states, token ids, advantages, old and reference log-probs, ``num_items_in_batch``
     (``ACCUMULATION`` × this micro-batch's valid tokens, as ``num_items`` says) and β."""
     if num_items not in NUM_ITEMS:
         raise ValueError(f"num_items={num_items!r} is not valid; allowed: {list(NUM_ITEMS)}")
     g = torch.Generator().manual_seed(seed)
     low, high = lengths
+    inner = (low + 1 + torch.randperm(max(1, high - low - 1), generator=g)).tolist()  # distinct while they last
     for call in range(calls):
-        length = (high, low)[call] if call < 2 else int(torch.randint(low, high + 1, (1,), generator=g))
+        length = (high, low)[call] if call < 2 else inner[(call - 2) % len(inner)]
         valid = torch.randint(1, length + 1, (batch,), generator=g)
         valid[int(torch.randint(0, batch, (1,), generator=g))] = length
         mask = (torch.arange(length)[None, :] < valid[:, None]).long()
