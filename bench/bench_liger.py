@@ -35,6 +35,7 @@ if "--smoke" in sys.argv:
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 METHODS = ["none", "clip", "sigmoid", "length_normalized", "dynamic", "target", "dynamic+length_normalized"]
 TARGET_TIME, TARGET_MEMORY = 1.15, 1.05
 
@@ -65,6 +66,14 @@ def parse_args(argv=None):
     )
     parser.add_argument("--peak-tflops", type=float, help="bf16 dense peak of the GPU for the GEMM floor (default: from the device name)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on CPU, eager (compiled=False)")
+    parser.add_argument(
+        "--recompile-loop", action="store_true",
+        help="instead of timing: the realistic loop of bench/recompile_loop.py (compiled module, B 8, H 1024, V 32000, "
+        "lengths 300-1030, num_items_in_batch an int and a tensor in turn, β changing) for every loss type × method × head; "
+        "prints the graphs compiled in calls 1-2 + after them (the target: +0)",
+    )
+    parser.add_argument("--loop-calls", type=int, default=8, help="calls per configuration in --recompile-loop")
+    parser.add_argument("--loop-workers", type=int, default=8, help="processes compiling configurations in parallel in --recompile-loop")
     args = parser.parse_args(argv)
     if args.smoke:
         args.tokens, args.seq_len, args.hidden, args.vocab, args.dtype, args.iters, args.warmup = 64, 16, 32, 300, "fp32", 2, 1
@@ -265,12 +274,42 @@ def table(rows, baseline_name, floor_ms=None) -> str:
     return "\n".join(lines)
 
 
+def run_recompile_loop(args, argv) -> int:
+    import recompile_loop
+
+    cuda = torch.cuda.is_available() and not args.smoke
+    base = dict(calls=args.loop_calls, batch=8, lengths=(300, 1030), hidden=1024, vocab=32000, dtype="bfloat16", device="cuda", num_items="mixed", backend=None)
+    grid = {}
+    if not cuda:  # dynamo only, tiny: what the CPU can do in seconds per configuration
+        base.update(batch=3, lengths=(5, 24), hidden=8, vocab=40, dtype="float64", device="cpu", backend="eager")
+        grid = dict(loss_types=("dapo", "luspo"), methods=("none", "dynamic+length_normalized"))
+    start = time.perf_counter()
+    results = recompile_loop.grid(base, workers=args.loop_workers if cuda else 1, **grid)
+    print(f"machine: {torch.cuda.get_device_name() if cuda else platform.machine()}; torch {torch.__version__}")
+    print(f"command: python bench/bench_liger.py {' '.join(argv if argv is not None else sys.argv[1:])}")
+    print(f"loop: {base}; {len(results)} configurations in {time.perf_counter() - start:.0f} s\n")
+    print("graphs compiled in calls 1-2 + after call 2 (target: +0), per loss type, head and kl_adaptation_method:\n")
+    print(recompile_loop.table(results))
+    bad = [r for r in results if recompile_loop.after_warmup(r)]
+    for r in bad:
+        print(f"\n{r['loss_type']} {r['method']} {r['head']}: graphs per call {r['graphs']}; reasons:\n" + "\n".join(r["reasons"][-3:]))
+    warm = [s for r in results for s in r["seconds"][2:]]
+    first = [sum(r["seconds"][:2]) for r in results]
+    print(f"\ncalls 1-2 (compiling): median {statistics.median(first):.1f} s, max {max(first):.1f} s per configuration; "
+          f"later calls: median {statistics.median(warm) * 1e3:.1f} ms, max {max(warm) * 1e3:.1f} ms")  # fmt: skip
+    print("recompiles after warm-up: " + ("none" if not bad else f"{len(bad)} configurations"))
+    return 0 if not bad else 1
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.recompile_loop:
+        return run_recompile_loop(args, argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     x = make_inputs(args, device)
     rows = []
     for name, fn in paths(args):
+        torch._dynamo.reset()  # every module compiles the same function: past recompile_limit (8) later rows ran uncompiled
         ms, peak = measure(fn, x, args, device)
         if getattr(fn, "module", None) is not None and fn.module.head_path != "fused":
             name += f" [ran the {fn.module.head_path} path]"

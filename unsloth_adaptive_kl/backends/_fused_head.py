@@ -36,11 +36,17 @@ that require grad, and the dapo/cispo normaliser without ``num_items_in_batch`` 
 ``torch.distributed`` (Liger all-reduces it on every evaluation, and the number of chunks differs
 between ranks).
 
-**Memory.** The logits buffer holds ``chunk_tokens × V`` values: by default what TRL's kernel tile
-takes (4096 × 32768) plus, when the weight needs a gradient, the weight's own size, which the
-fp32 accumulator's conversion to the weight's dtype needs at the end anyway (the buffer is freed
-first). So the peak stays at or below the log-prob kernel's, whose backward holds the fp32
-accumulator, the converted gradient and its tile at once.
+**Memory and the chunk schedule.** Over several chunks the weight gradient is accumulated in an
+fp32 buffer (4 bytes × V·H) and converted to the weight's dtype at the end (2 bytes × V·H more,
+after the logits buffer is freed), so that path peaks at no less than 6 bytes × V·H. The logits
+buffer holds ``chunk_tokens × V`` values: by default what TRL's kernel tile takes (4096 × 32768)
+plus, when the weight needs a gradient, the weight's own size. When all N tokens fit in one chunk
+within that same 6 bytes × V·H (``N · V ≤ 2 · V · H``, i.e. N ≤ 2H: 2·N·V bytes of logits and
+the gradient in the weight's dtype), there is one chunk and no accumulator: the weight gradient
+is one GEMM written in the weight's dtype (accumulated in fp32 inside the GEMM and rounded once,
+as the accumulator's conversion rounds once), which saves zeroing, reading and writing the fp32
+accumulator per chunk and the final conversion. Either way the peak stays at or below the
+log-prob kernel's, whose backward holds the fp32 accumulator, the converted gradient and its tile at once.
 """
 
 from __future__ import annotations
@@ -88,10 +94,13 @@ def fallback_reason(*, loss_type, level, with_kl, use_ref_model, builtin_estimat
 
 
 def default_chunk_tokens(tokens: int, vocab: int, weight_needs_grad: bool, hidden: int) -> int:
-    """Tokens per chunk: a buffer of ``KERNEL_TILE`` values (+ the weight's, when it gets a gradient),
-    then chunks of equal size, multiples of 128 where the budget allows."""
+    """Tokens per chunk: all of them when the weight gets a gradient and N ≤ 2H (one chunk, no accumulator);
+    else a buffer of ``KERNEL_TILE`` values (+ the weight's, when it gets a gradient), then chunks of equal
+    size, multiples of 128 where the budget allows."""
     if tokens == 0:
         return 1
+    if weight_needs_grad and tokens <= 2 * hidden:  # one chunk, no fp32 accumulator, within the same peak (docstring)
+        return tokens
     budget = KERNEL_TILE + (vocab * hidden if weight_needs_grad else 0)
     most = max(1, budget // vocab)
     if most >= 128:
@@ -186,6 +195,18 @@ def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
 
 
+def _full_precision_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` in the inputs' dtype, reduced in fp32 (no reduced-precision split-K for bf16/fp16 on CUDA): one
+    rounding of the fp32 sum, as the fp32 accumulator's conversion."""
+    matmul = torch.backends.cuda.matmul
+    saved = matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction
+    matmul.allow_bf16_reduced_precision_reduction = matmul.allow_fp16_reduced_precision_reduction = False
+    try:
+        return torch.mm(a, b)
+    finally:
+        matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction = saved
+
+
 class FusedLinearLogProbs(torch.autograd.Function):
     """``(logps, anchor)``: the log-probs ``(N,)`` of ``ids`` under ``softmax((hidden @ weightᵀ + bias) / τ)``
     (float32, float64 for a float64 weight; no gradient through them) and a 0-dim zero carrying the loss's gradient.
@@ -203,7 +224,8 @@ class FusedLinearLogProbs(torch.autograd.Function):
         inv_t = 1.0 / temperature
         logps = torch.empty(tokens, device=hidden.device, dtype=acc_dtype)
         grad_hidden = torch.empty_like(hidden) if needs_hidden else None
-        grad_weight = torch.zeros(weight.shape, device=weight.device, dtype=acc_dtype) if needs_weight else None
+        one_chunk = 0 < tokens <= chunk_tokens  # the weight gradient in one GEMM, no accumulator (module docstring)
+        grad_weight = torch.zeros(weight.shape, device=weight.device, dtype=acc_dtype) if needs_weight and not one_chunk else None
         grad_bias = torch.zeros(vocab, device=weight.device, dtype=acc_dtype) if needs_bias else None
         buffer = torch.empty(min(tokens, chunk_tokens), vocab, device=hidden.device, dtype=hidden.dtype)
         logits = None
@@ -221,7 +243,9 @@ class FusedLinearLogProbs(torch.autograd.Function):
             logits_to_grad_(logits, ids[start:end], lse, grad_logp, inv_t)
             if needs_hidden:
                 torch.mm(logits, weight, out=grad_hidden[start:end])
-            if needs_weight:
+            if needs_weight and one_chunk:
+                grad_weight = _full_precision_mm(logits.t(), h)
+            elif needs_weight:
                 _accumulate(grad_weight, logits.t(), h)
             if needs_bias:
                 grad_bias += logits.sum(0, dtype=acc_dtype)
