@@ -146,6 +146,17 @@ def test_changing_beta_never_recompiles_the_fused_loss(tmp_path_factory):
     assert to_zero["raw_kl"][3:] == [None, None]
 
 
+def test_a_loop_with_changing_shapes_compiles_no_more_than_stock_unsloth(tmp_path_factory):
+    """Issue 22: completion lengths, valid-token counts and num_items_in_batch changing every call (β too, patched):
+    after the first two calls no method compiles a graph, and no call compiles more than stock Unsloth's."""
+    runs = run_worker("unsloth-first", "compiled_loop", tmp_path_factory)["compiled_loop"]
+    stock = runs.pop("stock")
+    assert stock[0] >= 1
+    for method, graphs in runs.items():
+        assert graphs[0] >= 1 and sum(graphs[2:]) == 0, (method, graphs, stock)
+        assert all(ours <= theirs for ours, theirs in zip(graphs[1:], stock[1:])), (method, graphs, stock)
+
+
 @pytest.mark.parametrize("method", ["dynamic", "target"])
 def test_resume_from_checkpoint_continues_beta_and_controller_state(method, tmp_path_factory):
     r = run_worker("ours-first", "resume", tmp_path_factory)["resume"][method]
