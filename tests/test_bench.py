@@ -180,6 +180,37 @@ def test_bench_trl_smoke_times_interleaved_rows_and_moves_beta_only_where_asked(
     assert rows["beta -> 0 (dynamic, beta_min=0)"]["beta_now"] == 0.0
 
 
+def test_bench_loss_class_smoke_times_the_module_through_trl_on_each_head(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    import bench_loss_class
+
+    import unsloth_adaptive_kl
+
+    out = tmp_path / "loss-class.md"
+    try:
+        assert bench_loss_class.main(["--smoke", "--rounds", "2", "--out", str(out)]) == 0
+    finally:
+        unsloth_adaptive_kl.patch()  # the stock row unpatches; leave the suite patched, as it started
+    text = out.read_text()
+    assert "### full: full fine-tuning" in text and "rounds completed: 2 of 2" in text
+    (raw,) = json.loads((tmp_path / "loss-class.md.json").read_text()).values()
+    rows = {r["name"]: r for r in raw}
+    assert list(rows) == list(bench_loss_class.ROWS)
+    assert all(r["rounds"] == [0, 1] and min(r["times_s"]) > 0 for r in rows.values())
+    # each module ran the head its row names; the stock row has no module
+    assert "head_path" not in rows["stock TRL (unpatched)"]
+    assert rows["loss_class (fused head)"]["head_path"] == rows["loss_class target (fused head)"]["head_path"] == "fused"
+    assert rows["loss_class (log-prob kernel)"]["head_path"] == "log-prob kernel"
+    assert rows["loss_class target (fused head)"]["beta_now"] != rows["loss_class target (fused head)"]["beta_start"]
+
+
+def test_bench_liger_recompile_loop_smoke_counts_graphs_per_call(capsys):
+    assert bench_liger.main(["--recompile-loop", "--smoke", "--loop-calls", "3"]) == 0
+    text = capsys.readouterr().out
+    assert "| dapo | fused | 2+0 | 2+0 |" in text and "| luspo | log-prob kernel | 1+0 | 1+0 |" in text
+    assert "recompiles after warm-up: none" in text
+
+
 @pytest.mark.skipif(importlib.util.find_spec("unsloth") is None, reason="unsloth is not installed")
 def test_bench_unsloth_smoke_runs_the_generated_trainer_interleaved_with_stock_and_patched_rows(tmp_path):
     # In a fresh process: ``import unsloth`` rebinds TRL's classes process-wide.
