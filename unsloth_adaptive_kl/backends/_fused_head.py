@@ -32,7 +32,7 @@ sequence-level importance sampling (GSPO: a token's ratio is its completion's me
 detached weight is a function of the completion's summed log-ratio), ``use_ref_model=False`` with a
 KL (the reference is the batch's own log-probs), an estimator registered by the user or an
 overridden ``per_token_kl`` (locality unknown), inputs other than hidden states, weight and bias
-that require grad, and the dapo/cispo normaliser without ``num_items_in_batch`` under
+that require grad, hidden states and weight (or bias) of different dtypes, and the dapo/cispo normaliser without ``num_items_in_batch`` under
 ``torch.distributed`` (Liger all-reduces it on every evaluation, and the number of chunks differs
 between ranks).
 
@@ -64,15 +64,18 @@ TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def check_fused_arguments(fused_head, chunk_tokens) -> None:
-    if not isinstance(fused_head, bool):
-        raise ValueError(f"fused_head={fused_head!r} is not valid; allowed: True or False")
+    if not (isinstance(fused_head, bool) or fused_head == "auto"):
+        raise ValueError(
+            f"fused_head={fused_head!r} is not valid; allowed: 'auto' (the fused head wherever it is exact, the default), "
+            "True (required: a call where it is not exact warns with the reason) or False (the log-prob kernel path)"
+        )
     if chunk_tokens is not None and (isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1):
         raise ValueError(f"fused_chunk_tokens={chunk_tokens!r} is not valid; allowed: None (from the memory rule) or an int >= 1")
 
 
-def fallback_reason(*, loss_type, level, with_kl, use_ref_model, builtin_estimator, own_kl, num_items_given, inputs):
+def fallback_reason(*, loss_type, level, with_kl, use_ref_model, builtin_estimator, own_kl, num_items_given, inputs, head=()):
     """Why the fused head would not be exact for this call (see the module docstring), or None. ``inputs``: the
-    loss's tensor inputs other than hidden states, weight and bias, by name."""
+    loss's tensor inputs other than hidden states, weight and bias, by name; ``head``: hidden states, weight, bias."""
     dist = torch.distributed
     distributed_normaliser = loss_type in ("dapo", "cispo") and not num_items_given and dist.is_available() and dist.is_initialized()
     grad_inputs = [name for name, t in inputs.items() if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -90,6 +93,9 @@ def fallback_reason(*, loss_type, level, with_kl, use_ref_model, builtin_estimat
         return f"loss_type={loss_type!r} without num_items_in_batch under torch.distributed: Liger all-reduces its normaliser per call"
     if grad_inputs:
         return f"{grad_inputs} require grad"
+    dtypes = sorted({str(t.dtype) for t in head if t is not None})
+    if len(dtypes) > 1:
+        return f"hidden states, weight and bias of different dtypes ({', '.join(dtypes)}): the logits GEMM takes one"
     return None
 
 

@@ -8,9 +8,11 @@ same ``(loss, (kl_mean, clip_ratio))`` (``(loss, (clip_ratio,))`` when β is 0).
 :mod:`unsloth_adaptive_kl.config`. One call is three steps:
 
 1. **Per-token log-probs** from the final hidden states and the LM head, logits never
-   materialised (TRL's chunked log-prob kernel: ``backends/_liger_parts.py``; with ``fused_head=True``,
-   where exact, the gradient computed in the forward, 3 GEMMs instead of 4: ``backends/_fused_head.py``;
-   ``module.head_path`` names the last call's path; a fallback from ``fused_head=True`` warns once per reason).
+   materialised: by default (``fused_head="auto"``), wherever it is exact, the fused LM head: the gradient
+   computed in the forward, 3 GEMMs instead of 4 (``backends/_fused_head.py``); elsewhere, or with
+   ``fused_head=False``, TRL's chunked log-prob kernel (``backends/_liger_parts.py``).
+   ``module.head_path`` names the last call's path; with ``fused_head=True`` (required) a fallback
+   warns once per reason.
 2. **Batch-level quantities**, from the whole batch before anything else: the estimator's
    statistic (``bottom_q``'s threshold) and the number of completions (``length_normalized``).
 3. **The elementwise loss** (``torch.compile``d when ``compiled=True``). The policy part *is*
@@ -102,7 +104,7 @@ class AdaptiveFusedLinearGRPOLoss(nn.Module):
         kl_target: float = DEFAULTS["kl_target"],
         kl_bottom_q: float = DEFAULTS["kl_bottom_q"],
         adaptive_kl: AdaptiveKL | None = None,
-        fused_head: bool = False,
+        fused_head: bool | str = "auto",
         fused_chunk_tokens: int | None = None,
     ):
         super().__init__()
@@ -193,7 +195,8 @@ class AdaptiveFusedLinearGRPOLoss(nn.Module):
             raise ValueError("use_ref_model=True needs ref_per_token_logps or ref_input (with ref_weight, ref_bias)")
         # Liger's unmasked luspo also weighs padded positions, so it needs their log-probs.
         rows = None if self.loss_type == "luspo" else attention_mask
-        if self._takes_fused_head(with_kl, advantages, ref_per_token_logps, old_per_token_logps, vllm_is_ratio, num_items_in_batch):
+        head = (_input, lin_weight, bias)
+        if self._takes_fused_head(with_kl, advantages, ref_per_token_logps, old_per_token_logps, vllm_is_ratio, num_items_in_batch, head):
             ref = self._reference_logps(None, selected_token_ids, rows, ref_per_token_logps, ref_input, ref_weight, ref_bias) if with_kl else None
             inputs = self._elementwise_inputs(attention_mask, advantages, ref, old_per_token_logps, vllm_is_ratio, num_items_in_batch)
             evaluate = functools.partial(self._evaluate, inputs=inputs)
@@ -273,16 +276,16 @@ class AdaptiveFusedLinearGRPOLoss(nn.Module):
         return LossTerms(loss, raw, adapted, kl_mean.float(), clip_ratio.detach())
 
     # -- the fused head (backends/_fused_head.py) ----------------------------------------------------------
-    def _takes_fused_head(self, with_kl, advantages, ref, old, vllm_is_ratio, num_items_in_batch) -> bool:
+    def _takes_fused_head(self, with_kl, advantages, ref, old, vllm_is_ratio, num_items_in_batch, head) -> bool:
         reason = "fused_head=False"
-        if self.fused_head:
+        if self.fused_head is not False:  # "auto" or True
             reason = fallback_reason(
                 loss_type=self.loss_type, level=self.importance_sampling_level, with_kl=with_kl, use_ref_model=self.use_ref_model,
                 builtin_estimator=get_estimator(self.adaptive_kl.estimator).builtin, num_items_given=num_items_in_batch is not None,
                 own_kl=type(self).per_token_kl is not AdaptiveFusedLinearGRPOLoss.per_token_kl,
-                inputs=dict(advantages=advantages, ref_per_token_logps=ref, old_per_token_logps=old, vllm_is_ratio=vllm_is_ratio),
+                inputs=dict(advantages=advantages, ref_per_token_logps=ref, old_per_token_logps=old, vllm_is_ratio=vllm_is_ratio), head=head,
             )  # fmt: skip
-            if reason is not None and reason not in self._warned:
+            if reason is not None and self.fused_head is True and reason not in self._warned:  # required: say why not
                 self._warned.add(reason)
                 warnings.warn(f"{type(self).__name__}(fused_head=True) runs the log-prob kernel path (4 GEMMs): {reason}", stacklevel=3)
         self.head_path = "log-prob kernel" if reason else "fused"
