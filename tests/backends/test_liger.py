@@ -382,6 +382,7 @@ def test_loss_class_matches_trl_loss_and_grads(loss_class_trainer, monkeypatch, 
         spy.setattr(trainer, "_get_per_token_logps_and_entropies", lambda *a, **k: calls.append(1))
         loss_module, grads_module = loss_and_grads(trainer, inputs)
     assert not calls  # TRL's per-token path was not used
+    assert trainer._adaptive_loss_module.head_path == ("log-prob kernel" if loss_type == "vespo" else "fused")  # the default: fused where exact
     module, trainer._adaptive_loss_module = trainer._adaptive_loss_module, None
     try:
         loss_trl, grads_trl = loss_and_grads(trainer, inputs)
@@ -391,6 +392,16 @@ def test_loss_class_matches_trl_loss_and_grads(loss_class_trainer, monkeypatch, 
     assert len(grads_module) == len(grads_trl) > 0
     for a, b in zip(grads_module, grads_trl):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("value, setting", [("auto", "auto"), (False, False), ("false", False), (True, True)])
+def test_the_liger_fused_head_field_sets_the_module_path(loss_class_trainer, value, setting):
+    trainer = loss_class_trainer
+    configure(trainer, "dapo", "none", liger_fused_head=value, epsilon_high=None)
+    trainer.current_gradient_accumulation_steps = 1
+    assert trainer._adaptive_loss_module.fused_head == setting
+    loss_and_grads(trainer, loss_inputs(trainer))
+    assert trainer._adaptive_loss_module.head_path == ("log-prob kernel" if setting is False else "fused")
 
 
 def test_liger_own_class_as_loss_class_matches_trl(loss_class_trainer):

@@ -358,14 +358,22 @@ def scenario_compiled_loop():
     """The compiled fused loss in a loop whose shapes change every call, as in training: a new completion length
     (max_completion_length at most), new valid-token counts and num_items_in_batch, and (patched) a new β.
     Graphs compiled per call, for stock Unsloth (unpatched in place, fixed β) and each method (dapo)."""
+    import logging
+
     from torch._dynamo.utils import counters
 
+    reasons = []
+    handler = logging.Handler()
+    handler.emit = lambda record: reasons.append(record.getMessage())
+    torch._logging.set_logs(recompiles=True)
+    logging.getLogger("torch._dynamo.guards.__recompiles").addHandler(handler)
     t = trainer(loss_type="dapo")
     t.model.train()
     lengths = [reference.MAX_COMPLETION, 2, 4, 5, 3]
 
     def loop(vary_beta):
         torch._dynamo.reset()
+        reasons.clear()
         per_call = []
         for call, length in enumerate(lengths):
             inputs = reference.loss_inputs(
@@ -377,7 +385,7 @@ def scenario_compiled_loop():
             before = counters["stats"]["unique_graphs"]
             loss_and_grads(t, inputs)
             per_call.append(counters["stats"]["unique_graphs"] - before)
-        return per_call
+        return {"graphs": per_call, "recompile_reasons": list(reasons)}
 
     set_method(t, "none", "dapo")
     unsloth_adaptive_kl.unpatch()

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from .. import metrics
+from ..config import fused_head_setting
 from .liger import AdaptiveFusedLinearGRPOLoss, LossTerms, check_liger_version
 
 _LIGER_INIT_PARAMETERS = (
@@ -93,6 +94,8 @@ def module_arguments(trainer, loss_class) -> dict:
         vespo_k_neg=args.vespo_k_neg,
         vespo_lambda_neg=args.vespo_lambda_neg,
     )
+    if "fused_head" in inspect.signature(loss_class).parameters:  # ours; Liger's own class has no fused head
+        kwargs["fused_head"] = fused_head_setting(getattr(args, "liger_fused_head", "auto"))
     return kwargs  # the adaptive-KL fields reach the module as the trainer's state (make_loss_module)
 
 
