@@ -284,7 +284,10 @@ def run_recompile_loop(args, argv) -> int:
         base.update(batch=3, lengths=(5, 24), hidden=8, vocab=40, dtype="float64", device="cpu", backend="eager")
         grid = dict(loss_types=("dapo", "luspo"), methods=("none", "dynamic+length_normalized"))
     start = time.perf_counter()
-    results = recompile_loop.grid(base, workers=args.loop_workers if cuda else 1, **grid)
+    def report(r):
+        print(f"{r['loss_type']} {r['method']} {r['head']}: graphs per call {r['graphs']}, first two calls {sum(r['seconds'][:2]):.1f} s", flush=True)
+
+    results = recompile_loop.grid(base, workers=args.loop_workers if cuda else 1, on_result=report, **grid)
     print(f"machine: {torch.cuda.get_device_name() if cuda else platform.machine()}; torch {torch.__version__}")
     print(f"command: python bench/bench_liger.py {' '.join(argv if argv is not None else sys.argv[1:])}")
     print(f"loop: {base}; {len(results)} configurations in {time.perf_counter() - start:.0f} s\n")

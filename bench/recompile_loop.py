@@ -149,16 +149,26 @@ def _compile_as(compile_function):
         torch.compile = original
 
 
-def grid(base: dict, *, loss_types=LOSS_TYPES, methods=METHODS, heads=HEADS, workers: int = 1) -> list[dict]:
-    """:func:`run_case` for every loss type × method × head; ``workers`` > 1: in that many spawned processes."""
+def grid(base: dict, *, loss_types=LOSS_TYPES, methods=METHODS, heads=HEADS, workers: int = 1, on_result=None) -> list[dict]:
+    """:func:`run_case` for every loss type × method × head; ``workers`` > 1: in that many spawned processes.
+    ``on_result(result)`` is called as each one comes in (in order), so a run cut short still reports."""
     cases = [dict(base, loss_type=lt, method=m, head=h) for lt in loss_types for m in methods for h in heads]
+    results = []
+
+    def collect(iterator):
+        for result in iterator:
+            results.append(result)
+            if on_result is not None:
+                on_result(result)
+        return results
+
     if workers <= 1:
-        return [run_case(c) for c in cases]
+        return collect(map(run_case, cases))
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return list(pool.map(run_case, cases))
+        return collect(pool.map(run_case, cases))
 
 
 def after_warmup(result: dict, warmup_calls: int = 2) -> int:

@@ -1,5 +1,6 @@
-"""The fused LM head of the Liger module (``fused_head=True``): the gradient computed in the forward,
-3 GEMMs of 2·N·H·V FLOP instead of the 4 of a forward that recomputes the logits in its backward.
+"""The fused LM head of the Liger module (its default, ``fused_head="auto"``, wherever exact; ``True`` requires it):
+the gradient computed in the forward, 3 GEMMs of 2·N·H·V FLOP instead of the 4 of a forward that recomputes
+the logits in its backward.
 
 **Why it can be done.** The loss is ``L = Σ_t w_t ℓ_t(logp_t)``: every loss type aggregates its
 per-token loss linearly, with weights ``w_t`` known before any logit (token counts from the mask,
