@@ -396,6 +396,12 @@ def scenario_compiled_loop():
     for method in ("none", "clip+sigmoid+length_normalized", "dynamic"):
         set_method(t, method, "dapo", reward_threshold=-1.0)
         runs[method] = loop(vary_beta=True)
+    set_method(t, "none", "dapo")
+    unsloth_adaptive_kl.unpatch()
+    try:
+        runs["stock_again"] = loop(vary_beta=False)  # stock after a patched run: what a loop position alone gives
+    finally:
+        unsloth_adaptive_kl.patch()
     results["compiled_loop"] = runs
 
 
