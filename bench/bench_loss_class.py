@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 if "--smoke" in sys.argv:
@@ -60,25 +59,8 @@ def build_rows(args, common) -> tuple[list, list]:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    if not args.smoke and not torch.cuda.is_available():
-        sys.exit("bench_loss_class.py needs a CUDA GPU (or --smoke for a CPU pass)")
-    start = time.monotonic()
-    n_params = _common.parameter_count(args.hidden, args.layers, args.vocab)
-    header = (
-        f"## TRL, GRPOTrainer(loss_class=AdaptiveFusedLinearGRPOLoss) vs TRL's own loss: training part of a GRPO step\n\n"
-        f"machine: {_common.machine()}\n"
-        f"model: Llama hidden {args.hidden}, {args.layers} layers, vocab {args.vocab} ({n_params / 1e9:.2f} B parameters), "
-        f"{'float32' if args.smoke else 'bf16'}; batch {args.batch} x (prompt {args.prompt} + completions {args.min_completion}-{args.max_completion} tokens); "
-        f"beta {args.beta}; per row and round {args.steps} timed step(s) after {args.warmup} untimed ({args.first_warmup} in its first round), "
-        f"interleaved, up to {args.rounds} rounds within --budget {args.budget:.0f} s\n"
-        f"command: python bench/bench_loss_class.py {' '.join(argv if argv is not None else sys.argv[1:])}"
-    )
-    report = _common.Report(args.out, header)
-    _common.run_modes(args, start, lambda mode, deadline: bench_trl.run_mode(mode, args, report, deadline, build=build_rows))
-    print(report.text())
-    print(f"wall time: {time.monotonic() - start:.0f} s")
-    return 0
+    title = "TRL, GRPOTrainer(loss_class=AdaptiveFusedLinearGRPOLoss) vs TRL's own loss: training part of a GRPO step"
+    return bench_trl.main(argv, args=parse_args(argv), script="bench_loss_class.py", title=title, build=build_rows)
 
 
 if __name__ == "__main__":

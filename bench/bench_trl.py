@@ -158,24 +158,26 @@ def run_mode(mode, args, report, deadline, build=build_rows):
     return rows
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def main(argv=None, *, args=None, script="bench_trl.py", title="TRL backend: training part of a GRPO step", build=build_rows) -> int:
+    """The benchmark; ``args`` (parsed already), ``script``, ``title`` and ``build`` (the rows) let another
+    script run its own rows through the same method (bench_loss_class.py)."""
+    args = args or parse_args(argv)
     if not args.smoke and not torch.cuda.is_available():
-        sys.exit("bench_trl.py needs a CUDA GPU (or --smoke for a CPU pass)")
+        sys.exit(f"{script} needs a CUDA GPU (or --smoke for a CPU pass)")
     start = time.monotonic()
     import unsloth_adaptive_kl  # noqa: F401
 
     n_params = _common.parameter_count(args.hidden, args.layers, args.vocab)
     header = (
-        f"## TRL backend: training part of a GRPO step\n\nmachine: {_common.machine()}\n"
+        f"## {title}\n\nmachine: {_common.machine()}\n"
         f"model: Llama hidden {args.hidden}, {args.layers} layers, vocab {args.vocab} ({n_params / 1e9:.2f} B parameters), "
         f"{'float32' if args.smoke else 'bf16'}; batch {args.batch} x (prompt {args.prompt} + completions {args.min_completion}-{args.max_completion} tokens); "
         f"beta {args.beta}; per row and round {args.steps} timed step(s) after {args.warmup} untimed ({args.first_warmup} in its first round), "
         f"interleaved, up to {args.rounds} rounds within --budget {args.budget:.0f} s\n"
-        f"command: python bench/bench_trl.py {' '.join(argv if argv is not None else sys.argv[1:])}"
+        f"command: python bench/{script} {' '.join(argv if argv is not None else sys.argv[1:])}"
     )
     report = _common.Report(args.out, header)
-    _common.run_modes(args, start, lambda mode, deadline: run_mode(mode, args, report, deadline))
+    _common.run_modes(args, start, lambda mode, deadline: run_mode(mode, args, report, deadline, build=build))
     print(report.text())
     print(f"wall time: {time.monotonic() - start:.0f} s")
     return 0
