@@ -64,6 +64,11 @@ def parse_args(argv=None):
         help="comma-separated token chunk sizes for the module with fused_head=True ('auto': its memory rule); each adds "
         "rows 'AdaptiveFusedLinearGRPOLoss (METHOD, fused head, chunk C)'. Default: none",
     )
+    parser.add_argument(
+        "--fused-blocks", default="",
+        help="comma-separated vocabulary widths per Triton program of the fused head's two passes over the logits "
+        "(default 1024); each adds rows 'AdaptiveFusedLinearGRPOLoss (METHOD, fused head, chunk auto, block K)'",
+    )
     parser.add_argument("--peak-tflops", type=float, help="bf16 dense peak of the GPU for the GEMM floor (default: from the device name)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on CPU, eager (compiled=False)")
     parser.add_argument(
@@ -89,6 +94,10 @@ def parse_args(argv=None):
     if not all(c == "auto" or (c.isdigit() and int(c) > 0) for c in chunks):
         parser.error(f"--fused-chunks: {args.fused_chunks!r} is not a list of 'auto' or positive integers")
     args.fused_chunks = [None if c == "auto" else int(c) for c in chunks]
+    blocks = [b.strip() for b in args.fused_blocks.split(",") if b.strip()]
+    if not all(b.isdigit() and int(b) >= 16 and int(b) & (int(b) - 1) == 0 for b in blocks):
+        parser.error(f"--fused-blocks: {args.fused_blocks!r} is not a list of powers of two >= 16")
+    args.fused_blocks = [int(b) for b in blocks]
     return args
 
 
@@ -187,6 +196,19 @@ def paths(args):
                 compiled=compiled, adaptive_kl=adaptive_state(method, args), fused_head=True, fused_chunk_tokens=chunk, **common
             )
             yield f"AdaptiveFusedLinearGRPOLoss ({method}, fused head, chunk {chunk or 'auto'})", fused_path(module)
+    yield from blocked_paths(args, common, compiled)
+
+
+def blocked_paths(args, common, compiled):
+    """The fused head (chunks auto) with the Triton passes' vocabulary block of each ``--fused-blocks``."""
+    from unsloth_adaptive_kl.backends.liger import AdaptiveFusedLinearGRPOLoss
+
+    for block in args.fused_blocks:
+        for method in args.methods.split(","):
+            module = AdaptiveFusedLinearGRPOLoss(compiled=compiled, adaptive_kl=adaptive_state(method, args), fused_head=True, **common)
+            run = fused_path(module)
+            run.block = block
+            yield f"AdaptiveFusedLinearGRPOLoss ({method}, fused head, chunk auto, block {block})", run
 
 
 def fused_path(module):
@@ -234,13 +256,28 @@ def tiled(tile):
         chunked_logprob.TOKEN_CHUNK_SIZE, _liger_parts.VOCAB_TILE = saved
 
 
+@contextlib.contextmanager
+def fused_block(block):
+    """The fused head's Triton passes with ``block`` vocabulary columns per program inside; None: unchanged."""
+    if block is None:
+        yield
+        return
+    from unsloth_adaptive_kl.backends import _fused_head
+
+    saved, _fused_head.BLOCK = _fused_head.BLOCK, block
+    try:
+        yield
+    finally:
+        _fused_head.BLOCK = saved
+
+
 # -- measuring ------------------------------------------------------------------------------------------------
 def measure(fn, x, args, device):
     cuda = device.type == "cuda"
 
     def step():
         x["hidden"].grad = x["weight"].grad = None
-        with tiled(getattr(fn, "tile", None)):
+        with tiled(getattr(fn, "tile", None)), fused_block(getattr(fn, "block", None)):
             fn(x, args).backward()
 
     for _ in range(args.warmup):

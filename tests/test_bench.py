@@ -2,6 +2,7 @@
 the CPU smoke paths of bench_trl.py and bench_unsloth.py (TRITON_INTERPRET=1): the scripts the GPU run
 (scripts/gpu/verify.sh, stage bench-1b) depends on."""
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -42,25 +43,50 @@ def test_gemm_floor_is_three_gemms_at_the_peak():
     assert bench_liger.peak_tflops("Some GPU", None) is None and bench_liger.peak_tflops("Some GPU", 500.0) == 500.0
 
 
+def loss_and_grads_per_setting(fused_head, settings, context):
+    """bench_liger's module path on the smoke inputs, once inside ``context(setting)`` for each of ``settings``."""
+    from unsloth_adaptive_kl.backends import liger
+
+    args = bench_liger.parse_args(["--smoke"])
+    x = bench_liger.make_inputs(args, torch.device("cpu"))
+    module = liger.AdaptiveFusedLinearGRPOLoss(compiled=False, beta=0.04, loss_type="dapo", kl_adaptation_method="clip", fused_head=fused_head)
+    results = []
+    for setting in settings:
+        x["hidden"].grad = x["weight"].grad = None
+        with context(setting):
+            loss = bench_liger.module_path(module)(x, args)
+            loss.backward()
+        results.append((loss.detach(), x["hidden"].grad.clone(), x["weight"].grad.clone()))
+    assert module.head_path == ("fused" if fused_head else "log-prob kernel")
+    return results
+
+
 def test_a_smaller_kernel_tile_gives_the_same_loss_and_gradients(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     from trl.kernels import chunked_logprob
 
-    from unsloth_adaptive_kl.backends import _liger_parts, liger
+    from unsloth_adaptive_kl.backends import _liger_parts
 
-    args = bench_liger.parse_args(["--smoke"])
-    x = bench_liger.make_inputs(args, torch.device("cpu"))
-    module = liger.AdaptiveFusedLinearGRPOLoss(compiled=False, beta=0.04, loss_type="dapo", kl_adaptation_method="clip")
-    results = []
-    for tile in (None, (16, 128)):  # 64 tokens x 300 vocabulary: 4 token tiles x 3 vocabulary tiles
-        x["hidden"].grad = x["weight"].grad = None
+    @contextlib.contextmanager
+    def tile_checked(tile):
         with bench_liger.tiled(tile):
             if tile is not None:
                 assert (chunked_logprob.TOKEN_CHUNK_SIZE, _liger_parts.VOCAB_TILE) == tile
-            loss = bench_liger.module_path(module)(x, args)
-            loss.backward()
-        results.append((loss.detach(), x["hidden"].grad.clone(), x["weight"].grad.clone()))
+            yield
+
+    # 64 tokens x 300 vocabulary: 4 token tiles x 3 vocabulary tiles
+    results = loss_and_grads_per_setting(False, (None, (16, 128)), tile_checked)
     assert (chunked_logprob.TOKEN_CHUNK_SIZE, _liger_parts.VOCAB_TILE) == (4096, 32768)  # restored
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_narrower_fused_block_gives_the_same_loss_and_gradients(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from unsloth_adaptive_kl.backends import _fused_head
+
+    results = loss_and_grads_per_setting(True, (None, 64), bench_liger.fused_block)  # 300 columns: 1 block, then 5
+    assert _fused_head.BLOCK == 1024  # restored
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 

@@ -97,11 +97,11 @@ for stage in "$@"; do
       timeout 420 python blackwell/test_adaptive_kl_grpo.py --seeds 3 --beta 0.3 --steps 150 --methods none,length_normalized,dynamic,clip --jobs 12 --output-dir "$OUT/demo-beta03" 2>&1 | tee "$OUT/demo-beta03.log" | grep -v "^\[" | tail -25 ;;
     perf2)  # issue 22 (one GPU, <= ~560 s): Liger GPU tests (realistic loop subset, fused head vs kernel in bf16), the
       # realistic loop for every loss type x method x head, the fused head's chunk schedules, loss_class= vs TRL end to end
-      timeout 150 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_liger_gpu.py 2>&1 | tee "$OUT/gpu-liger-tests.log" \
+      timeout 140 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_liger_gpu.py 2>&1 | tee "$OUT/gpu-liger-tests.log" \
         | grep -E "passed|failed|Error|FAIL|relative error|^\|" | tail -50
       timeout 170 python bench/bench_liger.py --recompile-loop --loop-calls 6 --loop-workers 12 > "$OUT/recompile-loop.log" 2> /tmp/recompile-loop.err
       echo "recompile loop exit status $?"; grep -v ": graphs per call" "$OUT/recompile-loop.log" | tail -30
-      timeout 120 python bench/bench_liger.py --methods none,target --fused-chunks auto,4096 2>&1 | tee "$OUT/bench-liger-fused.log" | grep -v "^measured" | tail -22
+      timeout 130 python bench/bench_liger.py --methods none,target --fused-chunks auto,4096 --fused-blocks 4096 2>&1 | tee "$OUT/bench-liger-fused.log" | grep -v "^measured" | tail -22
       timeout 120 python bench/bench_loss_class.py --budget 100 --out "$OUT/bench-loss-class.md" > /tmp/bench-loss-class.log 2>&1
       echo "bench_loss_class exit status $?"; cat "$OUT/bench-loss-class.md" 2>/dev/null || tail -30 /tmp/bench-loss-class.log ;;
     bench-1b)
