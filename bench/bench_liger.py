@@ -6,9 +6,11 @@ Paths, all in one process on the same inputs:
 * TRL 1.15's fused LM head: ``trl.kernels.ChunkedLogProbFunction`` on the valid tokens, then the
   elementwise GRPO loss (what ``GRPOTrainer._compute_loss`` does);
 * materialised logits: ``log_softmax(hidden @ W.T)``, then the same elementwise loss;
-* ``AdaptiveFusedLinearGRPOLoss`` (this package) for each ``kl_adaptation_method``;
-* with ``--fused-chunks``, the same with ``fused_head=True`` (the gradient computed in the forward,
-  3 GEMMs), one set of rows per chunk size (``auto``: the module's memory rule).
+* ``AdaptiveFusedLinearGRPOLoss`` (this package) for each ``kl_adaptation_method`` on the log-prob
+  kernel path (``fused_head=False``; ``--tiles``: one set of rows per kernel tile);
+* with ``--fused-chunks``, the same with the fused head (its default where exact; the gradient computed
+  in the forward, 3 GEMMs), one set of rows per chunk size (``auto``: the module's rule);
+  ``--fused-blocks``: one more set per Triton block width.
 
 Time is the median of ``--iters`` forward+backward calls after ``--warmup`` calls; peak memory is
 ``torch.cuda.max_memory_allocated`` during those calls (inputs and weights included). Prints a
@@ -56,7 +58,7 @@ def parse_args(argv=None):
     parser.add_argument(
         "--tiles", default="4096x32768",
         help="comma-separated TOKENSxVOCAB tile shapes for the adaptive module's log-prob kernel (TRL's "
-        "TOKEN_CHUNK_SIZE x this package's VOCAB_TILE); each adds rows 'AdaptiveFusedLinearGRPOLoss (METHOD, tile TxV)'. "
+        "TOKEN_CHUNK_SIZE x this package's VOCAB_TILE); each adds rows 'AdaptiveFusedLinearGRPOLoss (METHOD, log-prob kernel, tile TxV)'. "
         "The first is the default; e.g. 4096x32768,2048x65536,1024x131072 (same buffer, fewer kernel launches)",
     )
     parser.add_argument(
@@ -187,9 +189,9 @@ def paths(args):
     yield "materialised logits", materialised_logits
     for index, tile in enumerate(args.tiles):
         for method in args.methods.split(","):
-            module = AdaptiveFusedLinearGRPOLoss(compiled=compiled, adaptive_kl=adaptive_state(method, args), **common)
+            module = AdaptiveFusedLinearGRPOLoss(compiled=compiled, adaptive_kl=adaptive_state(method, args), fused_head=False, **common)
             suffix = "" if index == 0 else f", tile {tile[0]}x{tile[1]}"
-            yield f"AdaptiveFusedLinearGRPOLoss ({method}{suffix})", with_tile(tile, module_path(module))
+            yield f"AdaptiveFusedLinearGRPOLoss ({method}, log-prob kernel{suffix})", with_tile(tile, module_path(module))
     for chunk in args.fused_chunks:
         for method in args.methods.split(","):
             module = AdaptiveFusedLinearGRPOLoss(

@@ -490,7 +490,7 @@ def test_bench_smoke_runs_on_cpu():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_liger.py"), "--smoke"], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "| path |" in out.stdout and "AdaptiveFusedLinearGRPOLoss (dynamic+length_normalized)" in out.stdout
+    assert "| path |" in out.stdout and "AdaptiveFusedLinearGRPOLoss (dynamic+length_normalized, log-prob kernel)" in out.stdout
 
 
 @pytest.mark.parametrize("method", ["dynamic", "target", "dynamic+clip", "target+length_normalized", "sigmoid+dynamic"])
