@@ -71,7 +71,7 @@ def test_the_loop_sees_the_recompiles_of_a_python_count_and_a_static_length(monk
     from unsloth_adaptive_kl.backends import liger
 
     monkeypatch.setattr(liger, "normaliser_tensor", lambda n, device: None if n is None else int(n) if isinstance(n, torch.Tensor) else n)
-    monkeypatch.setattr(liger, "mark_sequence_dynamic", lambda *tensors: None)
+    monkeypatch.setattr(liger, "sequence_dynamic", lambda *tensors: tensors)
     result = recompile_loop.run_case(dict(LOOP, num_items="int", loss_type="dapo", method="none", head="log-prob kernel"))
     assert result["graphs"] == [1] * LOOP["calls"]
     assert any("num_items_in_batch" in reason for reason in result["reasons"]), result["reasons"]

@@ -110,13 +110,18 @@ def normaliser_tensor(num_items_in_batch, device) -> torch.Tensor | None:
     return torch.tensor(float(num_items_in_batch), device=device, dtype=torch.float32)
 
 
-def mark_sequence_dynamic(*tensors) -> None:
-    """Mark the sequence dimension (1) of each ``(B, T)`` input of the compiled loss dynamic, as Liger's engine
-    does (``fused_linear_ppo.py``): completion lengths change every step, and without the mark the first
-    graph is specialised to the first length (a recompile at the second, a guard on every size after)."""
+def sequence_dynamic(*tensors) -> tuple:
+    """The inputs of the compiled loss, each ``(B, T)`` one as a view whose sequence dimension (1) is marked
+    dynamic, as Liger's engine marks its chunks (``fused_linear_ppo.py``): completion lengths change every
+    step, and without the mark the first graph is specialised to the first length (a recompile at the second,
+    a guard on every size after). Views, so that the caller's own tensors carry no mark."""
+    marked = []
     for t in tensors:
         if isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[1] > 1:
+            t = t.view_as(t)
             torch._dynamo.maybe_mark_dynamic(t, 1)
+        marked.append(t)
+    return tuple(marked)
 
 
 VOCAB_TILE = 32768  # vocabulary tile width TRL 1.15 uses (trl/trainer/utils.py, _CHUNKED_LOGPROB_CHUNK_SIZE)

@@ -62,10 +62,10 @@ from ._liger_parts import (  # noqa: F401  (LOSS_TYPES, LossTerms: names of this
     check_liger_configuration,
     check_liger_version,
     log_importance_weights,
-    mark_sequence_dynamic,
     neutral_padding,
     normaliser_tensor,
     selected_token_logps,
+    sequence_dynamic,
 )
 
 class AdaptiveFusedLinearGRPOLoss(nn.Module):
@@ -266,9 +266,8 @@ class AdaptiveFusedLinearGRPOLoss(nn.Module):
         mask = inputs[0]
         if self.loss_type != "luspo":
             (logps,) = neutral_padding(mask, logps)
-        if self.compiled:
-            mark_sequence_dynamic(logps, *inputs)
-        loss, raw, adapted, clip_ratio = self._terms_function()(logps, *inputs)
+        arguments = sequence_dynamic(logps, *inputs) if self.compiled else (logps, *inputs)
+        loss, raw, adapted, clip_ratio = self._terms_function()(*arguments)
         if raw is None:
             return LossTerms(loss, None, None, None, clip_ratio.detach())
         raw, adapted = raw.detach(), adapted.detach()
