@@ -29,6 +29,7 @@ import json
 import os
 import random
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -38,9 +39,20 @@ import torch
 
 BOOTSTRAP = 2000
 MIN_ROUNDS_FOR_PAIRED = 10  # below this, a bootstrap over rounds says little: the table marks it
-METHODS = ["none", "clip", "sigmoid", "length_normalized", "dynamic", "target", "dynamic+length_normalized"]
 ZERO = "beta -> 0 (dynamic, beta_min=0)"
-ROW_KEYS = ["stock", *METHODS, "zero"]
+
+
+def methods() -> list[str]:
+    """Every registered method alone (none, the shaping methods, the controllers) and one composition.
+
+    Imported when called: bench_unsloth must import Unsloth before this package."""
+    from unsloth_adaptive_kl.shaping import method_names
+
+    return [*method_names(), "dynamic+length_normalized"]
+
+
+def row_keys() -> list[str]:
+    return ["stock", *methods(), "zero"]
 
 
 # -- the command line and the rows ----------------------------------------------------------------------------
@@ -57,7 +69,7 @@ def parse_args(argv, *, description: str, batch: int, first_warmup: int, first_w
     p.add_argument("--min-completion", type=int, default=512)
     p.add_argument("--max-completion", type=int, default=1024)
     p.add_argument("--modes", default="lora,full")
-    p.add_argument("--rows", default="all", help=f"comma-separated subset of: stock,{','.join(METHODS)},zero")
+    p.add_argument("--rows", default="all", help="comma-separated subset of: stock, the methods (every one alone, and dynamic+length_normalized), zero")
     p.add_argument("--rounds", type=int, default=40, help="at most this many rounds per mode (the budget usually stops them first)")
     p.add_argument("--steps", type=int, default=1, help="timed steps per row per round")
     p.add_argument("--warmup", type=int, default=0, help="untimed steps per row per round, after its first round")
@@ -81,13 +93,14 @@ def check_modes(p: argparse.ArgumentParser, args) -> None:
 
 def wanted_rows(args) -> list[str]:
     """The row keys of ``--rows`` (``stock``, a method, ``zero``), in the tables' order."""
+    keys = row_keys()
     if args.rows == "all":
-        return list(ROW_KEYS)
+        return keys
     chosen = args.rows.split(",")
-    unknown = [n for n in chosen if n not in ROW_KEYS]
+    unknown = [n for n in chosen if n not in keys]
     if unknown:
-        raise SystemExit(f"--rows: unknown {unknown}; allowed: {ROW_KEYS}")
-    return [n for n in ROW_KEYS if n in chosen]
+        raise SystemExit(f"--rows: unknown {unknown}; allowed: {keys}")
+    return [n for n in keys if n in chosen]
 
 
 def row_name_and_fields(key: str, stock_name: str) -> tuple[str, dict]:
@@ -142,11 +155,48 @@ def beta_reporter(report, title: str, rows: list, trainers: list, stock_name: st
 
 
 def run_modes(args, start: float, run_mode: Callable[[str, float], None]) -> None:
-    """Each mode of ``--modes`` in turn, each with an equal share of what is left of the budget."""
+    """Each mode of ``--modes`` in turn, each with an equal share of what is left of the budget; the
+    mode's models and trainers are freed (its function returned) before the next one starts."""
     modes = args.modes.split(",")
     for i, mode in enumerate(modes):
         share = (args.budget - (time.monotonic() - start)) / (len(modes) - i)
         run_mode(mode, time.monotonic() + share)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def step_header(script: str, title: str, args, argv, *, versions: str = "", precision: str = "", setup: str = "") -> str:
+    """The header of a step benchmark's report: the machine, the model, the batch, the schedule, the command."""
+    n_params = parameter_count(args.hidden, args.layers, args.vocab)
+    return (
+        f"## {title}\n\nmachine: {machine()}{versions}\n"
+        f"model: Llama hidden {args.hidden}, {args.layers} layers, vocab {args.vocab} ({n_params / 1e9:.2f} B parameters){precision}; "
+        f"batch {args.batch} x (prompt {args.prompt} + completions {args.min_completion}-{args.max_completion} tokens); "
+        f"beta {args.beta}; per row and round {args.steps} timed step(s) after {args.warmup} untimed ({args.first_warmup} in its first round), "
+        f"interleaved, up to {args.rounds} rounds within --budget {args.budget:.0f} s{setup}\n"
+        f"command: python bench/{script} {' '.join(argv if argv is not None else sys.argv[1:])}"
+    )
+
+
+def run_report(args, start: float, header: str, run_mode: Callable[..., list]) -> int:
+    """Run every mode (``run_mode(mode, report, deadline)``), print the report and the wall time."""
+    report = Report(args.out, header)
+    run_modes(args, start, lambda mode, deadline: run_mode(mode, report, deadline))
+    print(report.text())
+    print(f"wall time: {time.monotonic() - start:.0f} s")
+    return 0
+
+
+def time_mode(report, title: str, rows, trainers, stock: str, note: str, args, device, deadline: float) -> None:
+    """Time the mode's rows in rounds (the table rewritten after every block), then write its last table,
+    with its memory at the end (on a GPU) and the rounds it completed."""
+    completed = run_rounds(
+        rows, rounds=args.rounds, steps=args.steps, warmup=args.warmup, first_warmup=args.first_warmup, device=device,
+        deadline=deadline, on_block=beta_reporter(report, title, rows, trainers, stock, note),
+    )  # fmt: skip
+    if device.type == "cuda":
+        note += f"; allocated at the end {torch.cuda.memory_allocated() / 2**30:.1f} GiB, peak of the mode {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB"
+    report.update(title, rows, stock, note + f"; rounds completed: {completed} of {args.rounds}")
 
 
 # -- the model ----------------------------------------------------------------------------------------------

@@ -38,7 +38,8 @@ if "--smoke" in sys.argv:
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-METHODS = ["none", "clip", "sigmoid", "length_normalized", "dynamic", "target", "dynamic+length_normalized"]
+import _common  # noqa: E402
+
 TARGET_TIME, TARGET_MEMORY = 1.15, 1.05
 
 
@@ -54,7 +55,7 @@ def parse_args(argv=None):
     parser.add_argument("--beta", type=float, default=0.04)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--methods", default="all", help="comma-separated kl_adaptation_method values; all: every method alone, and dynamic+length_normalized")
     parser.add_argument(
         "--tiles", default="4096x32768",
         help="comma-separated TOKENSxVOCAB tile shapes for the adaptive module's log-prob kernel (TRL's "
@@ -183,6 +184,8 @@ def paths(args):
     from unsloth_adaptive_kl.backends.liger import AdaptiveFusedLinearGRPOLoss
 
     compiled = not args.smoke
+    if args.methods == "all":
+        args.methods = ",".join(_common.methods())
     common = dict(beta=args.beta, loss_type=args.loss_type, use_bias_correction_kl=True, max_completion_length=args.seq_len)
     yield "stock `LigerFusedLinearGRPOLoss` (defaults)", module_path(LigerFusedLinearGRPOLoss(compiled=compiled, **common))
     yield "TRL fused LM head + elementwise loss", trl_fused_head

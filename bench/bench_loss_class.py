@@ -29,7 +29,6 @@ if "--smoke" in sys.argv:
 
 import torch  # noqa: E402
 
-import _common  # noqa: E402
 import bench_trl  # noqa: E402
 
 # name: (row key of _common, use loss_class, the module's fused_head)

@@ -145,16 +145,7 @@ def run_mode(mode, args, report, deadline, build=build_rows):
     rows, trainers = build(args, common)
     title = f"{mode}: {'LoRA r=16' if mode == 'lora' else 'full fine-tuning, separate reference model'}"
     note = f"trainable parameters: {sum(p.numel() for p in params):,}; memory {memory_estimate(mode, args)}"
-    completed = _common.run_rounds(
-        rows, rounds=args.rounds, steps=args.steps, warmup=args.warmup, first_warmup=args.first_warmup, device=device,
-        deadline=deadline, on_block=_common.beta_reporter(report, title, rows, trainers, STOCK, note),
-    )  # fmt: skip
-    if device.type == "cuda":
-        note += f"; allocated at the end {torch.cuda.memory_allocated() / 2**30:.1f} GiB, peak of the mode {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB"
-    report.update(title, rows, STOCK, note + f"; rounds completed: {completed} of {args.rounds}")
-    del trainers, model, ref_model, optimizer
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    _common.time_mode(report, title, rows, trainers, STOCK, note, args, device, deadline)
     return rows
 
 
@@ -167,20 +158,9 @@ def main(argv=None, *, args=None, script="bench_trl.py", title="TRL backend: tra
     start = time.monotonic()
     import unsloth_adaptive_kl  # noqa: F401
 
-    n_params = _common.parameter_count(args.hidden, args.layers, args.vocab)
-    header = (
-        f"## {title}\n\nmachine: {_common.machine()}\n"
-        f"model: Llama hidden {args.hidden}, {args.layers} layers, vocab {args.vocab} ({n_params / 1e9:.2f} B parameters), "
-        f"{'float32' if args.smoke else 'bf16'}; batch {args.batch} x (prompt {args.prompt} + completions {args.min_completion}-{args.max_completion} tokens); "
-        f"beta {args.beta}; per row and round {args.steps} timed step(s) after {args.warmup} untimed ({args.first_warmup} in its first round), "
-        f"interleaved, up to {args.rounds} rounds within --budget {args.budget:.0f} s\n"
-        f"command: python bench/{script} {' '.join(argv if argv is not None else sys.argv[1:])}"
-    )
-    report = _common.Report(args.out, header)
-    _common.run_modes(args, start, lambda mode, deadline: run_mode(mode, args, report, deadline, build=build))
-    print(report.text())
-    print(f"wall time: {time.monotonic() - start:.0f} s")
-    return 0
+    precision = f", {'float32' if args.smoke else 'bf16'}"
+    header = _common.step_header(script, title, args, argv, precision=precision)
+    return _common.run_report(args, start, header, lambda mode, report, deadline: run_mode(mode, args, report, deadline, build=build))
 
 
 if __name__ == "__main__":

@@ -146,18 +146,9 @@ def run_mode(mode, args, checkpoint, module, switch, report, deadline):
     title = f"{mode}: {'LoRA r=16 (FastLanguageModel.get_peft_model)' if mode == 'lora' else 'full fine-tuning (full_finetuning=True), separate reference model'}"
     note = f"trainable parameters: {sum(p.numel() for p in params):,}"
     try:
-        completed = _common.run_rounds(
-            rows, rounds=args.rounds, steps=args.steps, warmup=args.warmup, first_warmup=args.first_warmup, device=device,
-            deadline=deadline, on_block=_common.beta_reporter(report, title, rows, trainers, STOCK, note),
-        )  # fmt: skip
+        _common.time_mode(report, title, rows, trainers, STOCK, note, args, device, deadline)
     finally:
         switch.patched()
-    if device.type == "cuda":
-        note += f"; peak of the mode {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB"
-    report.update(title, rows, STOCK, note + f"; rounds completed: {completed} of {args.rounds}")
-    del trainers, built, model, ref_model, optimizer
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
     return rows
 
 
@@ -179,22 +170,11 @@ def main(argv=None) -> int:
     )  # fmt: skip
     from unsloth_adaptive_kl._source_patch import version_of
 
-    n_params = _common.parameter_count(args.hidden, args.layers, args.vocab)
     compiled = "eager (UNSLOTH_COMPILE_DISABLE=1)" if os.environ.get("UNSLOTH_COMPILE_DISABLE") == "1" else "compiled"
-    header = (
-        f"## Unsloth backend: training part of a GRPO step\n\nmachine: {_common.machine()}; unsloth {version_of('unsloth')}, "
-        f"unsloth_zoo {version_of('unsloth_zoo')}, trl {version_of('trl')}; fused loss {compiled}\n"
-        f"model: Llama hidden {args.hidden}, {args.layers} layers, vocab {args.vocab} ({n_params / 1e9:.2f} B parameters); "
-        f"batch {args.batch} x (prompt {args.prompt} + completions {args.min_completion}-{args.max_completion} tokens); "
-        f"beta {args.beta}; per row and round {args.steps} timed step(s) after {args.warmup} untimed ({args.first_warmup} in its first round), "
-        f"interleaved, up to {args.rounds} rounds within --budget {args.budget:.0f} s; setup (import, model) {time.monotonic() - start:.0f} s\n"
-        f"command: python bench/bench_unsloth.py {' '.join(argv if argv is not None else sys.argv[1:])}"
-    )
-    report = _common.Report(args.out, header)
-    _common.run_modes(args, start, lambda mode, deadline: run_mode(mode, args, checkpoint, module, switch, report, deadline))
-    print(report.text())
-    print(f"wall time: {time.monotonic() - start:.0f} s")
-    return 0
+    versions = f"; unsloth {version_of('unsloth')}, unsloth_zoo {version_of('unsloth_zoo')}, trl {version_of('trl')}; fused loss {compiled}"
+    setup = f"; setup (import, model) {time.monotonic() - start:.0f} s"
+    header = _common.step_header("bench_unsloth.py", "Unsloth backend: training part of a GRPO step", args, argv, versions=versions, setup=setup)
+    return _common.run_report(args, start, header, lambda mode, report, deadline: run_mode(mode, args, checkpoint, module, switch, report, deadline))
 
 
 if __name__ == "__main__":

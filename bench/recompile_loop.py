@@ -25,7 +25,6 @@ import warnings
 import torch
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
-METHODS = ("none", "clip", "sigmoid", "length_normalized", "dynamic", "target", "dynamic+length_normalized")
 HEADS = ("log-prob kernel", "fused")
 NUM_ITEMS = ("int", "tensor", "none", "mixed")  # mixed: an int and a tensor in turn
 ACCUMULATION = 3  # num_items_in_batch counts the tokens of this many micro-batches (gradient accumulation)
@@ -149,9 +148,14 @@ def _compile_as(compile_function):
         torch.compile = original
 
 
-def grid(base: dict, *, loss_types=LOSS_TYPES, methods=METHODS, heads=HEADS, workers: int = 1, on_result=None) -> list[dict]:
-    """:func:`run_case` for every loss type × method × head; ``workers`` > 1: in that many spawned processes.
+def grid(base: dict, *, loss_types=LOSS_TYPES, methods=None, heads=HEADS, workers: int = 1, on_result=None) -> list[dict]:
+    """:func:`run_case` for every loss type × method (None: every registered one, ``_common.methods()``) × head;
+    ``workers`` > 1: in that many spawned processes.
     ``on_result(result)`` is called as each one comes in (in order), so a run cut short still reports."""
+    if methods is None:
+        import _common
+
+        methods = _common.methods()
     cases = [dict(base, loss_type=lt, method=m, head=h) for lt in loss_types for m in methods for h in heads]
     results = []
 

@@ -6,6 +6,8 @@
 #   bash scripts/compat.sh            # every stack
 #   bash scripts/compat.sh ci         # what .ci/run runs: oldest and newest TRL and Unsloth
 #   bash scripts/compat.sh trl-0.24 unsloth-2026.9 ...
+#   bash scripts/compat.sh latest     # today's newest TRL, transformers, Liger, peft, accelerate, datasets
+#                                     # within versions.py's ranges (a check by hand; rebuilt once a day)
 #
 # The venvs live in $UAKL_COMPAT_CACHE (default ~/.cache/uakl-compat), outside the repository:
 # _base holds the CPU torch 2.13 (from this machine's disk; never an unpinned torch), triton and
@@ -15,14 +17,8 @@
 # venv serves every commit. Logs: $UAKL_COMPAT_CACHE/logs/STACK.log. Exit status 1 if any stack
 # failed a test or could not be built. UAKL_COMPAT_BUILD_ONLY=1 only builds; UAKL_COMPAT_K=EXPR
 # passes -k EXPR to pytest.
-set -uo pipefail
-cd "$(dirname "$0")/.."
-ROOT=$PWD
-CACHE=${UAKL_COMPAT_CACHE:-$HOME/.cache/uakl-compat}
-PYTHON=${PYTHON:-python3}
+source "$(dirname "$0")/_compat_env.sh"
 BASE_PINS="torch==2.13.0 triton==3.9.0 numpy==2.4.6 pytest==9.2.0 hypothesis==6.170.15 packaging==26.3 PyYAML==6.0.3"
-# Installed in every stack beside its pins, resolved against them (our own dependencies).
-COMMON="peft>=0.17 accelerate>=1.10 datasets>=3.0,<5 pillow"
 # The version-sensitive tests: identity with the stock loss, shaping against float64, metrics,
 # β controllers inside a trainer (end to end, β -> 0, resume), patch/unpatch, version guards,
 # import order; on an Unsloth stack the CPU side door into Unsloth's generated trainer too.
@@ -31,7 +27,6 @@ COMMON="peft>=0.17 accelerate>=1.10 datasets>=3.0,<5 pillow"
 TESTS_TRL=(tests/backends/test_trl.py tests/test_versions.py tests/test_patching.py tests/test_lifecycle.py)
 TESTS_UNSLOTH=(tests/backends/test_unsloth.py tests/backends/test_unsloth_lines.py)
 K_EXPR=${UAKL_COMPAT_K:-}
-mkdir -p "$CACHE/logs"
 
 stack_field() {  # stack_field STACK 1|2: its pins, or its --no-deps pins
   "$CACHE/_base/bin/python" "$ROOT/unsloth_adaptive_kl/versions.py" "$1" | sed -n "${2}p"
@@ -50,6 +45,7 @@ build_stack() {  # build_stack STACK: the venv, unless it exists with the same p
   pins=$(stack_field "$name" 1) || return 1
   nodeps=$(stack_field "$name" 2)
   key="$pins | $nodeps | $COMMON | $BASE_PINS"
+  [ "$name" = latest ] && key="$key | $(date -u +%F)"  # unpinned: resolved again each day
   if [ "$(cat "$dir/.uakl-ready" 2>/dev/null)" = "$key" ]; then return 0; fi
   echo "building $name: $pins ${nodeps:+(--no-deps: $nodeps)}" >&2
   rm -rf "$dir"
@@ -68,13 +64,13 @@ build_stack() {  # build_stack STACK: the venv, unless it exists with the same p
 }
 
 run_stack() {  # run_stack STACK: prints its table row
-  local name=$1 dir=$CACHE/$1 log=$CACHE/logs/$1.log tests versions summary passed failed skipped errors start
+  local name=$1 dir=$CACHE/$1 log=$CACHE/logs/$1.log tests versions passed failed skipped start
   tests=("${TESTS_TRL[@]}")
   [ -n "$(stack_field "$name" 2)" ] && tests+=("${TESTS_UNSLOTH[@]}")
   versions=$("$dir/bin/python" - <<'EOF'
 import importlib.metadata as m
 out = []
-for d in ("trl", "transformers", "liger-kernel", "unsloth", "unsloth_zoo"):
+for d in ("trl", "transformers", "liger-kernel", "unsloth", "unsloth_zoo", "torch"):
     try:
         out.append(f"{d} {m.version(d)}")
     except m.PackageNotFoundError:
@@ -88,18 +84,15 @@ EOF
       env PYTHONPATH="$ROOT" TRITON_INTERPRET=1 TOKENIZERS_PARALLELISM=false UNSLOTH_COMPILE_LOCATION="$CACHE/unsloth_compiled_cache-$name" \
         "$dir/bin/python" -m pytest -q -p no:cacheprovider -o addopts="" ${K_EXPR:+-k "$K_EXPR"} "${tests[@]}"
   ) > "$log" 2>&1
-  summary=$(grep -E "^=*.*( passed| failed| error| skipped| no tests ran)" "$log" | tail -1)
-  passed=$(grep -oE "[0-9]+ passed" <<< "$summary" | cut -d' ' -f1)
-  failed=$(grep -oE "[0-9]+ failed" <<< "$summary" | cut -d' ' -f1)
-  errors=$(grep -oE "[0-9]+ errors?" <<< "$summary" | cut -d' ' -f1)
-  skipped=$(grep -oE "[0-9]+ skipped" <<< "$summary" | cut -d' ' -f1)
-  failed=$(( ${failed:-0} + ${errors:-0} ))
-  printf '| %s | %s | %s | %s | %s | %s s | %s | %s |\n' "$name" "$versions" "${passed:-0}" "$failed" "${skipped:-0}" \
+  pytest_counts "$log"
+  printf '| %s | %s | %s | %s | %s | %s s | %s | %s |\n' "$name" "$versions" "$passed" "$failed" "$skipped" \
     "$(( SECONDS - start ))" "$(date -u +%F)" "$(git -C "$ROOT" rev-parse --short HEAD)$(git -C "$ROOT" diff --quiet HEAD -- unsloth_adaptive_kl tests || echo +changes)"
-  [ "${passed:-0}" -gt 0 ] && [ "$failed" -eq 0 ]
+  [ "$passed" -gt 0 ] && [ "$failed" -eq 0 ]
 }
 
 build_base || { echo "could not build $CACHE/_base" >&2; exit 1; }
+# Installed in every stack beside its pins, resolved against them (our own dependencies, versions.py's COMMON).
+COMMON="$("$CACHE/_base/bin/python" "$ROOT/unsloth_adaptive_kl/versions.py" common) pillow"
 ALL=$("$CACHE/_base/bin/python" -c "import runpy; print(' '.join(runpy.run_path('$ROOT/unsloth_adaptive_kl/versions.py')['STACKS']))")
 CI=$("$CACHE/_base/bin/python" -c "import runpy; print(' '.join(runpy.run_path('$ROOT/unsloth_adaptive_kl/versions.py')['CI_STACKS']))")
 case "${1:-all}" in

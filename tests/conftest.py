@@ -39,3 +39,16 @@ def fake_gpu(monkeypatch):
         monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: arch_list)
 
     return install
+
+
+@pytest.fixture
+def half_kl():
+    """``half_kl``, a shaping method registered as a user would (from outside the package), removed after."""
+    import unsloth_adaptive_kl
+
+    @unsloth_adaptive_kl.register_shaping("half_kl")
+    def half_kl(kl):
+        return 0.5 * kl
+
+    yield "half_kl"
+    unsloth_adaptive_kl.unregister_shaping("half_kl")

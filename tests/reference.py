@@ -3,7 +3,29 @@ definitions (Schulman's estimators, the shaping formulas, TRL 1.15's per-loss-ty
 
 import torch
 
+from unsloth_adaptive_kl.shaping import SHAPING, shaping_names
+
 MAX_COMPLETION = 6
+
+#: Float64 per-token shaping of each built-in method, written from its definition (``c``:
+#: kl_clip_threshold, ``t``: kl_target). ``test_shaping`` checks that every built-in has one.
+SHAPING64 = {
+    "clip": lambda kl, c, t: torch.minimum(kl, torch.tensor(c, dtype=torch.float64)),
+    "soft_clip": lambda kl, c, t: c * torch.tanh(kl / c),
+    "sigmoid": lambda kl, c, t: torch.sigmoid(kl - t) * kl,
+}
+BUILTIN_SHAPING = [name for name in shaping_names() if SHAPING[name].builtin]
+#: The methods the backend tests train with: every built-in alone, each controller, one composition.
+METHODS = ["none", *BUILTIN_SHAPING, "dynamic", "target", "dynamic+length_normalized"]
+
+
+def shaped64(kl, method, clip_threshold, kl_target):
+    """Float64 per-token shaping of ``method`` (a ``+``-joined string), in the package's order."""
+    parts = method.split("+")
+    for name in shaping_names():
+        if name in parts and SHAPING[name].per_token:
+            kl = SHAPING64[name](kl.double(), clip_threshold, kl_target)
+    return kl
 
 
 def loss_inputs(vocab_size, seed=0, batch=4, prompt=3, completion=MAX_COMPLETION, ref_spread=6.0, ref_offset=0.0, pad_token_id=0):
@@ -58,12 +80,7 @@ def raw_and_shaped_kl(method, logp, ref, old, mask, *, estimator, clip_threshold
         raw = raw * torch.exp(logp - old)
     if unsloth_clamps:
         raw = raw.clamp(-10, 10)
-    shaped = raw
-    parts = method.split("+")
-    if "clip" in parts:
-        shaped = torch.minimum(shaped, torch.tensor(clip_threshold, dtype=torch.float64))
-    if "sigmoid" in parts:
-        shaped = torch.sigmoid(shaped - kl_target) * shaped
+    shaped = shaped64(raw, method, clip_threshold, kl_target)
     mask = mask.bool()
     return torch.where(mask, raw, torch.zeros_like(raw)), torch.where(mask, shaped, torch.zeros_like(shaped))
 

@@ -18,10 +18,11 @@ import reference
 from unsloth_adaptive_kl import metrics, toy
 from unsloth_adaptive_kl.adaptation import AdaptiveKL
 from unsloth_adaptive_kl.config import FIELDS
-from unsloth_adaptive_kl.shaping import length_normalized_term, parse_method
+from unsloth_adaptive_kl.shaping import length_normalized_term
 
 BUILTINS = ["k1", "k2", "k3", "abs", "k1+", "k3+", "bottom_q"]
-SHAPINGS = ["none", "clip", "sigmoid", "clip+sigmoid+length_normalized"]
+#: Every built-in shaping method alone, and all of them joined.
+SHAPINGS = ["none", *reference.BUILTIN_SHAPING, "+".join(reference.BUILTIN_SHAPING)]
 GARBAGE = [float("nan"), float("inf"), float("-inf")]
 NAN = float("nan")
 
@@ -59,12 +60,7 @@ def float64_kl(name, logp, ref, *, q=0.2, mask=None):
 
 
 def float64_shaped(method, kl):
-    parts = method.split("+")
-    if "clip" in parts:
-        kl = kl.clamp(max=0.5)
-    if "sigmoid" in parts:
-        kl = torch.sigmoid(kl - 0.2) * kl
-    return kl
+    return reference.shaped64(kl, method, 0.5, 0.2)
 
 
 def kl_loss(state, raw, adapted, mask):
@@ -321,8 +317,6 @@ def unsloth_fused_kl(term, new, ref, old, mask, beta=0.1):
 @pytest.mark.parametrize("method", SHAPINGS)
 @pytest.mark.parametrize("estimator", ["k1", "k2", "k3", "abs", "k3+"])
 def test_unsloth_fused_kl_is_finite_and_matches_float64_with_unsloths_clamps(estimator, method, batch):
-    from unsloth_adaptive_kl.kl_term import KLTerm
-
     lengths, width = BATCHES[batch]
     mask = ragged_mask(lengths, width)
     g = torch.Generator().manual_seed(1)
@@ -332,7 +326,7 @@ def test_unsloth_fused_kl_is_finite_and_matches_float64_with_unsloths_clamps(est
         ref[0, 0], ref[0, 2] = new[0, 0] + 1e4, new[0, 2] - 1e4  # r = ±1e4 on valid tokens
     for garbage in GARBAGE:
         new, ref, old = (t.masked_fill(mask == 0, garbage) for t in (new, ref, old))
-    fused = KLTerm(parse_method(method), estimator, 0.5, 0.2, 0.2)
+    fused = adaptive(method, estimator, kl_bottom_q=0.2).term  # clip 0.5, target 0.2
     leaf = new.clone().requires_grad_(True)
     loss, stats = unsloth_fused_kl(fused, leaf, ref, old, mask)
     loss.backward()

@@ -58,6 +58,37 @@ def test_liger_fused_head_from_the_command_line(tmp_path, given, setting):
     assert fused_head_setting(cli.liger_fused_head) == setting
 
 
+def test_a_registered_methods_parameters_are_set_from_the_config_yaml_and_flags_and_checked(tmp_path):
+    from trl import TrlParser
+
+    from unsloth_adaptive_kl import KLTerm, Parameter, register_shaping, unregister_shaping
+
+    @register_shaping("scaled", parameters=(Parameter("scaled_by", float, 0.5, check=lambda v: 0 < v <= 1, allowed="a number in (0, 1]", keyword="by"),))
+    def scaled(kl, by):
+        return by * kl
+
+    try:
+        base = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False, beta=0.1, kl_adaptation_method="scaled")
+        assert KLTerm.from_config(GRPOConfig(**base)).shaping_parameters == (("scaled_by", 0.5),)  # its default
+        assert KLTerm.from_config(GRPOConfig(**base, kl_shaping_kwargs={"scaled_by": 0.25})).shaping_parameters == (("scaled_by", 0.25),)
+        yaml_file = tmp_path / "c.yaml"
+        yaml_file.write_text(f"output_dir: {tmp_path}\nuse_cpu: true\nbf16: false\nbeta: 0.1\nkl_adaptation_method: clip+scaled\nkl_shaping_kwargs:\n  scaled_by: 0.75\n")
+        (from_yaml,) = TrlParser((GRPOConfig,)).parse_args_and_config(["--config", str(yaml_file)])
+        assert KLTerm.from_config(from_yaml).shaping_parameters == (("kl_clip_threshold", 1.0), ("scaled_by", 0.75))
+        (from_flag,) = TrlParser((GRPOConfig,)).parse_args_and_config(["--config", str(yaml_file), "--kl_shaping_kwargs", '{"scaled_by": 1.0}'])
+        assert KLTerm.from_config(from_flag).shaping_parameters[-1] == ("scaled_by", 1.0)
+        for bad, message in (({"scaled_by": 2.0}, r"kl_shaping_kwargs\['scaled_by'\]=2.0 is not valid; allowed: a number in \(0, 1\]"),
+                             ({"scaled_by": "x"}, r"kl_shaping_kwargs\['scaled_by'\]='x' is not valid; allowed: a finite number"),
+                             ({"scaledby": 1.0}, r"kl_shaping_kwargs has unknown key\(s\) \['scaledby'\]; allowed: .*'scaled_by'"),
+                             ("{not json", r"kl_shaping_kwargs='\{not json' is not valid; allowed: a dict, or its JSON")):
+            with pytest.raises(ValueError, match=message):
+                GRPOConfig(**base, kl_shaping_kwargs=bad)
+    finally:
+        unregister_shaping("scaled")
+    with pytest.raises(ValueError, match="unknown part"):  # gone with its registration
+        GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, beta=0.1, kl_adaptation_method="scaled")
+
+
 def test_import_order_does_not_matter():
     script = textwrap.dedent(
         """
@@ -122,7 +153,7 @@ def test_core_modules_import_only_torch():
         tree = ast.parse((package / name).read_text())
         imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 0 and n.module}
-        assert imported <= {"torch", "math", "dataclasses", "collections", "typing", "logging", "__future__"}, (name, imported)
+        assert imported <= {"torch", "math", "json", "dataclasses", "collections", "typing", "logging", "__future__"}, (name, imported)
 
 
 def test_a_yaml_exponent_without_a_dot_is_refused_with_yaml_float_syntax_hint(tmp_path):

@@ -95,10 +95,10 @@ def test_an_out_of_range_trl_fails_naming_the_range_unless_overridden(monkeypatc
 
 
 def test_an_out_of_range_transformers_only_warns(monkeypatch):
-    fake_versions(monkeypatch, transformers="5.18.0")  # no guard refuses it: doctor must not claim it cannot work
+    fake_versions(monkeypatch, transformers="4.55.4")  # no guard refuses it: doctor must not claim it cannot work
     status, text = report("trl")
     assert status == 0
-    assert "[warn] transformers: 5.18.0 is outside the tested range" in text
+    assert "[warn] transformers: 4.55.4 is outside the tested range" in text
 
 
 def test_an_out_of_range_liger_fails(monkeypatch):
@@ -150,11 +150,27 @@ def test_an_unsupported_gpu_makes_the_doctor_fail(monkeypatch):
 
 
 def test_supported_ranges_agree_with_pyproject():
+    """pyproject.toml declares exactly versions.py's ranges: every dependency, and the unsloth extra."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     declared = {r.name: r for r in map(Requirement, project["dependencies"] + project["optional-dependencies"]["unsloth"])}
-    for name in ("torch", "trl", "transformers", "liger-kernel", "unsloth", "unsloth_zoo"):
-        assert declared[name].specifier == SpecifierSet(versions.SUPPORTED[name].specifier), name
+    assert set(declared) == set(versions.SUPPORTED), set(declared) ^ set(versions.SUPPORTED)
+    for name, supported in versions.SUPPORTED.items():
+        assert declared[name].specifier == SpecifierSet(supported.specifier), name
+    assert {Requirement(r).name for r in project["optional-dependencies"]["unsloth"]} == set(versions.EXTRA_UNSLOTH)
     assert project["requires-python"] == versions.PYTHON
+
+
+@pytest.mark.parametrize("distribution, backend", [("trl", "trl"), ("liger-kernel", "liger")])
+def test_the_install_hint_of_a_missing_library_is_versions_py_range(monkeypatch, distribution, backend):
+    fake_versions(monkeypatch, **{distribution: "not installed"})
+    (finding,) = doctor.BACKEND_CHECKS[backend]()
+    assert finding.status == doctor.FAIL and f"pip install '{versions.requirement(distribution)}'" in finding.detail, finding.detail
+
+
+def test_the_hint_for_an_untested_version_is_versions_py_range(monkeypatch):
+    fake_versions(monkeypatch, trl="1.17.0")
+    finding = doctor.version_finding("trl")
+    assert finding.status == doctor.FAIL and "pip install 'trl>=0.24.0,<1.17'" in finding.detail, finding.detail
 
 
 def test_cli_without_a_command_prints_usage_and_exits_2(capsys):

@@ -167,7 +167,12 @@ finite = st.floats(min_value=-30, max_value=0, allow_nan=False, width=64)
 def test_k3_and_k2_are_non_negative(pairs):
     logp = torch.tensor([p for p, _ in pairs], dtype=torch.float64)
     ref = logp + torch.tensor([d for _, d in pairs], dtype=torch.float64)
-    assert (estimate_kl("k3", logp, ref) >= 0).all()
+    # k3 is computed in TRL's form exp(r) - r - 1 (bit for bit with TRL), whose three float64 terms
+    # can cancel to a few ulps below 0 (hypothesis found k3(0, 4.6e-10) = -1.1e-16): the bound is
+    # non-negativity up to that rounding, a few ulps of the largest term.
+    r = (ref - logp).clamp(-20, 20)
+    rounding = 4 * torch.finfo(torch.float64).eps * (torch.exp(r) + r.abs() + 1)
+    assert (estimate_kl("k3", logp, ref) >= -rounding).all()
     assert (estimate_kl("k2", logp, ref) >= 0).all()
     assert (estimate_kl("abs", logp, ref) >= 0).all()
 

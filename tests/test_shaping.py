@@ -1,13 +1,32 @@
-"""Shaping against float64 formulas, the method grammar, and hypothesis properties."""
+"""Shaping against float64 formulas, the method grammar, the registry, and hypothesis properties."""
 
 import math
+import pathlib
+import re
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from unsloth_adaptive_kl.shaping import Method, clip, length_normalized_term, parse_method, sequence_mean, shape_per_token, sigmoid
+import reference
+import unsloth_adaptive_kl
+from unsloth_adaptive_kl.shaping import (
+    SHAPING,
+    Method,
+    Parameter,
+    clip,
+    length_normalized_term,
+    method_names,
+    parse_method,
+    register_shaping,
+    sequence_mean,
+    shape_per_token,
+    shaping_names,
+    sigmoid,
+    soft_clip,
+    unregister_shaping,
+)
 
 
 def test_clip_value_and_gradient_match_definition():
@@ -59,11 +78,100 @@ def test_parse_method_rejects_bad_methods_naming_the_field(text):
         parse_method(text)
 
 
-def test_shape_per_token_applies_clip_before_sigmoid():
+def test_shape_per_token_applies_clip_then_soft_clip_then_sigmoid():
     kl = torch.tensor([0.2, 2.0, 9.0], dtype=torch.float64)
-    got = shape_per_token(kl, parse_method("sigmoid+clip"), clip_threshold=1.0, target=0.5)
+    values = {"kl_clip_threshold": 1.0, "kl_target": 0.5}
+    got = shape_per_token(kl, parse_method("sigmoid+clip"), values)
     assert torch.equal(got, sigmoid(clip(kl, 1.0), 0.5))
-    assert torch.equal(shape_per_token(kl, parse_method("none"), clip_threshold=1.0, target=0.5), kl)
+    assert torch.equal(shape_per_token(kl, parse_method("sigmoid+soft_clip+clip"), values), sigmoid(soft_clip(clip(kl, 1.0), 1.0), 0.5))
+    assert torch.equal(shape_per_token(kl, parse_method("none"), values), kl)
+
+
+def test_soft_clip_value_and_gradient_match_definition_and_it_is_a_cap():
+    values = [0.0, 0.01, 0.5, 1.0, 2.0, 20.0]
+    kl = torch.tensor(values, dtype=torch.float64, requires_grad=True)
+    out = soft_clip(kl, 1.0)
+    out.sum().backward()
+    assert out.tolist() == pytest.approx([math.tanh(v) for v in values], rel=1e-12, abs=0)
+    assert kl.grad.tolist() == pytest.approx([1 - math.tanh(v) ** 2 for v in values], rel=1e-12, abs=1e-300)
+    assert out.max().item() <= 1.0 and kl.grad[-1].item() < 1e-16  # bounded by the cap; no gradient far above it
+    assert out[1].item() == pytest.approx(0.01, rel=1e-4)  # low-KL tokens are left nearly as they are
+
+
+def test_sigmoid_damps_low_kl_tokens_and_caps_nothing():
+    """The seed's formula, as documented (issue 23.3): kl_target 0.1, kl 0.01 -> 0.0048, kl 2 -> 1.74, kl 20 -> 20."""
+    kl = torch.tensor([0.01, 2.0, 20.0], dtype=torch.float64, requires_grad=True)
+    out = sigmoid(kl, 0.1)
+    out.sum().backward()
+    assert out.tolist() == pytest.approx([0.0048, 1.74, 20.0], abs=5e-3)
+    assert kl.grad.tolist() == pytest.approx([0.48, 1.10, 1.0], abs=5e-3)  # the gradient is not damped at high KL
+
+
+def test_every_builtin_has_a_float64_reference_that_the_package_matches():
+    kl = torch.linspace(-0.5, 30.0, 97, dtype=torch.float64)
+    builtin = [name for name in shaping_names() if SHAPING[name].builtin and SHAPING[name].per_token]
+    assert set(builtin) == set(reference.SHAPING64), "a built-in method without a float64 reference in tests/reference.py"
+    for name in builtin:
+        got = shape_per_token(kl, parse_method(name), {"kl_clip_threshold": 0.7, "kl_target": 0.3})
+        torch.testing.assert_close(got, reference.shaped64(kl, name, 0.7, 0.3), rtol=1e-12, atol=1e-14)
+
+
+# -- the registry ------------------------------------------------------------------------------------------
+def test_a_registered_method_joins_the_grammar_in_its_order_with_its_parameters(half_kl):
+    assert "half_kl" in method_names() and shaping_names().index("half_kl") > shaping_names().index("sigmoid")
+    assert parse_method("half_kl+clip+dynamic") == Method("dynamic", ("clip", "half_kl"))
+    kl = torch.tensor([0.5, 3.0], dtype=torch.float64)
+    assert torch.equal(shape_per_token(kl, parse_method("half_kl+clip"), {"kl_clip_threshold": 1.0}), torch.tensor([0.25, 0.5], dtype=torch.float64))
+
+    @register_shaping("first", order=0, parameters=(Parameter("first_scale", default=2.0, check=lambda v: v > 0, allowed="a number > 0", keyword="scale"),))
+    def first(kl, scale):
+        return kl * scale
+
+    try:
+        method = parse_method("clip+first")
+        assert method.shaping == ("first", "clip") and [p.name for p in method.parameters] == ["first_scale", "kl_clip_threshold"]
+        assert torch.equal(shape_per_token(kl, method, {"first_scale": 3.0, "kl_clip_threshold": 2.0}), torch.tensor([1.5, 2.0], dtype=torch.float64))
+    finally:
+        unregister_shaping("first")
+    assert "first" not in method_names()
+
+
+@pytest.mark.parametrize("name", ["clip", "none", "dynamic", "a+b", "", " x"])
+def test_register_shaping_refuses_taken_or_malformed_names(name):
+    with pytest.raises(ValueError, match="shaping method"):
+        register_shaping(name)(lambda kl: kl)
+
+
+def test_register_shaping_refuses_a_parameter_declared_differently_and_builtins_cannot_be_removed():
+    with pytest.raises(ValueError, match="kl_clip_threshold"):
+        register_shaping("mine", parameters=(Parameter("kl_clip_threshold", default=5.0),))(lambda kl, kl_clip_threshold: kl)
+    with pytest.raises(ValueError, match="only per-token"):
+        register_shaping("mine", per_token=False)(lambda kl: kl)
+    with pytest.raises(ValueError, match="not a registered user method"):
+        unregister_shaping("clip")
+    assert "mine" not in SHAPING
+
+
+def test_a_method_returning_another_shape_is_refused_naming_it():
+    @register_shaping("bad_shape")
+    def bad_shape(kl):
+        return kl.sum()
+
+    try:
+        with pytest.raises(ValueError, match="shaping method 'bad_shape' returned"):
+            shape_per_token(torch.ones(2, 3), parse_method("bad_shape"), {})
+    finally:
+        unregister_shaping("bad_shape")
+
+
+def test_the_readme_method_table_lists_every_builtin_method_with_its_parameters():
+    text = (pathlib.Path(unsloth_adaptive_kl.__file__).parent.parent / "README.md").read_text()
+    table = text.split("<!-- shaping-table -->")[1]
+    rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| `(\w+)` \|([^|]*)\|", table, re.M)}
+    builtin = [name for name in shaping_names() if SHAPING[name].builtin]
+    assert list(rows) == builtin, "README's shaping table (between the <!-- shaping-table --> markers) is out of date"
+    for name in builtin:
+        assert [f"`{p.name}`" for p in SHAPING[name].parameters] == re.findall(r"`\w+`", rows[name]), name
 
 
 nonneg = st.floats(min_value=0, max_value=1e4, allow_nan=False)

@@ -56,3 +56,24 @@ def test_an_anchor_found_twice_or_not_at_all_raises_naming_it():
         Plan("trl", (twice,)).build(OWNERS)
     with pytest.raises(PatchError, match=r"anchor 'y = x - 1'.*found it 0 times"):
         Plan("trl", (OLD,)).build(OWNERS, anchor_set=OLD)
+
+
+def test_a_traceback_from_inside_a_patched_function_shows_its_rewritten_line():
+    """TRL's rewritten ``_compute_loss``: its source is in ``linecache`` under a name that says what it is."""
+    import inspect
+    import traceback
+    import types
+
+    import unsloth_adaptive_kl  # noqa: F401  (patches)
+    from trl import GRPOTrainer
+
+    rewritten = GRPOTrainer._compute_loss.__wrapped__  # behind the dispatch to stock TRL / loss_class=
+    code = rewritten.__code__
+    assert code.co_filename == "<unsloth_adaptive_kl:trl.trainer.grpo_trainer.GRPOTrainer._compute_loss>"
+    assert "self._adaptive_kl" in inspect.getsource(code)  # the rewritten source, not TRL's
+    trainer = types.SimpleNamespace(_adaptive_kl=object(), _adaptive_loss_module=None)
+    with pytest.raises(KeyError) as raised:  # no inputs: fails inside, at its first read of them
+        GRPOTrainer._compute_loss(trainer, None, {})
+    (frame,) = [f for f in traceback.extract_tb(raised.value.__traceback__) if f.filename == code.co_filename]
+    assert frame.name == "_compute_loss" and frame.line and frame.line in inspect.getsource(code)
+    assert frame.line in "".join(traceback.format_exception(raised.value))  # what the user sees

@@ -47,7 +47,7 @@ def unpatched(monkeypatch):
         ("liger-kernel", ["0.8.0", "0.8.5", "0.8.10.dev0"], ["0.7.9", "0.9.0"]),
         ("unsloth", ["2026.8.0", "2026.8.22", "2026.9.14", "2026.10.9"], ["2026.7.6", "2026.11.0"]),
         ("unsloth_zoo", ["2026.8.17", "2026.10.9"], ["2026.7.1", "2026.11.0"]),
-        ("transformers", ["4.57.6", "5.0.0", "5.17.0"], ["4.56.2", "5.17.1"]),
+        ("transformers", ["4.56.1", "4.56.2", "4.57.6", "5.0.0", "5.17.0", "5.24.0", "6.0.0"], ["4.56.0", "4.55.4"]),
         ("torch", ["2.6.0", "2.13.0+cpu"], ["2.5.1"]),
     ],
 )
@@ -62,6 +62,7 @@ def test_untested_trl_is_refused_naming_version_and_range_then_overridable(insta
     with pytest.raises(unsloth_adaptive_kl.PatchError) as error:
         unsloth_adaptive_kl.patch()
     assert "trl 1.17.0 is installed" in str(error.value) and f"supports trl {versions.SUPPORTED['trl'].label}" in str(error.value) and ALLOW in str(error.value)
+    assert "pip install 'trl>=0.24.0,<1.17'" in str(error.value)  # the range of versions.py, as doctor's hint gives it
     assert not trl_backend.is_patched()
     monkeypatch.setenv(ALLOW, "1")
     unsloth_adaptive_kl.patch()
@@ -164,3 +165,17 @@ def test_the_loss_types_offered_are_those_the_installed_trl_computes():
     source = inspect.getsource(GRPOTrainer._compute_loss)  # the installed one: the patch keeps __wrapped__
     in_source = {t for t in versions.ALL_LOSS_TYPES if re.search(rf'"{t}"', source)}
     assert set(versions.trl_loss_types(_source_patch.version_of("trl"))) == in_source
+
+
+def test_only_the_patched_libraries_are_capped():
+    """The dependency policy (docs/compatibility.md): an upper bound only where this package patches the
+    library's source (guarded); transformers, torch, peft, accelerate and datasets have lower bounds only,
+    so installing this package never downgrades them."""
+    from packaging.specifiers import SpecifierSet
+
+    for supported in versions.SUPPORTED.values():
+        operators = {spec.operator for spec in SpecifierSet(supported.specifier)}
+        if supported.guarded:
+            assert operators == {">=", "<"}, supported
+        else:
+            assert operators == {">="}, supported

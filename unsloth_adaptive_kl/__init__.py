@@ -15,7 +15,7 @@ from .controllers import BetaController, DynamicBeta, FixedBeta, TargetKLBeta
 from .kl_term import KLTerm
 from .estimators import estimate_kl, estimator_names, get_estimator, register_estimator, unregister_estimator
 from .metrics import ADAPTED_KL, CURRENT_BETA, RAW_KL
-from .shaping import parse_method
+from .shaping import Parameter, parse_method, register_shaping, shaping_names, unregister_shaping
 from ._source_patch import PatchError
 
 __version__ = "0.1.0"
@@ -62,6 +62,7 @@ __all__ = [
     "FIELDS",
     "FixedBeta",
     "KLTerm",
+    "Parameter",
     "PatchError",
     "RAW_KL",
     "TargetKLBeta",
@@ -71,7 +72,10 @@ __all__ = [
     "parse_method",
     "patch",
     "register_estimator",
+    "register_shaping",
+    "shaping_names",
     "unpatch",
     "unregister_estimator",
+    "unregister_shaping",
     "validate",
 ]

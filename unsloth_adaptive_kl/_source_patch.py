@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import importlib.metadata
 import inspect
+import linecache
 import os
 import textwrap
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
-from .versions import Supported
+from .versions import Supported, requirement
 
 ALLOW_UNTESTED_ENV = "UNSLOTH_ADAPTIVE_KL_ALLOW_UNTESTED"
 
@@ -42,7 +43,8 @@ def check_version(distribution: str, supported: Callable[[str], bool], supported
     if not supported(version) and os.environ.get(ALLOW_UNTESTED_ENV) != "1":
         raise PatchError(
             f"unsloth_adaptive_kl supports {distribution} {supported_text}, but {distribution} {version} is installed. "
-            f"Install a supported version, or set {ALLOW_UNTESTED_ENV}=1 to try anyway (every patch anchor is "
+            f"Install a supported version (pip install '{requirement(distribution)}'), or set {ALLOW_UNTESTED_ENV}=1 "
+            "to try anyway (every patch anchor is "
             "still checked and a missing one still raises)."
         )
     return version
@@ -82,7 +84,9 @@ def rewrite_function(
     if namespace is None:
         namespace = dict(func.__globals__)
     namespace.update(extra_globals or {})
-    filename = f"<unsloth_adaptive_kl patched {func.__module__}.{func.__qualname__}>"
+    filename = source_filename(func)
+    # Registered so that a traceback, pdb and profilers show the rewritten lines (mtime None: kept by checkcache).
+    linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
     exec(compile(source, filename, "exec"), namespace)  # noqa: S102 - our own literal rewrite of installed code
     new = namespace[func.__name__]
     target = getattr(new, "__func__", new)  # a @staticmethod in the source comes back wrapped
@@ -91,6 +95,13 @@ def rewrite_function(
     target.__wrapped_original__ = func
     target.__wrapped__ = func  # inspect.getsource/signature see the installed original (Unsloth reads them)
     return new
+
+
+def source_filename(func: Callable) -> str:
+    """The file name a rewritten ``func`` is compiled under, and its source registered in ``linecache`` as:
+    ``<unsloth_adaptive_kl:module.Qualified.name>``. ``inspect.getsource(f.__code__)`` gives the rewritten
+    source (``inspect.getsource(f)`` follows ``__wrapped__`` to the installed original, which Unsloth reads)."""
+    return f"<unsloth_adaptive_kl:{func.__module__}.{func.__qualname__}>"
 
 
 # -- the patch ledger ---------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ Pure torch. A backend supplies a ``reduce`` (sum across processes) and a metrics
 from __future__ import annotations
 
 import logging
+import math
 from typing import Callable
 
 import torch
@@ -47,7 +48,17 @@ class AdaptiveKL:
 
     @property
     def beta(self) -> float:
+        """β: the controller's, the one place it lives (``trainer.beta`` and a loss module's ``beta`` read it here)."""
         return self.controller.beta
+
+    @beta.setter
+    def beta(self, value) -> None:
+        """Set β by hand (``trainer.beta = x``, ``module.beta = x``; a number or a 0-dim tensor): the controller goes on from it."""
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise ValueError(f"beta={value!r} is not valid; allowed: a finite number >= 0")
+        self.controller.beta = float(value)
 
     @property
     def length_normalized(self) -> bool:

@@ -6,11 +6,12 @@ onto the config class.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 
 from .estimators import get_estimator
-from .shaping import Method, parse_method
+from .shaping import CONTROLLERS, Method, Parameter, parse_method, shaping_names, shaping_parameters
 
 
 @dataclass(frozen=True)
@@ -26,9 +27,10 @@ FIELDS: tuple[FieldSpec, ...] = (
         "kl_adaptation_method",
         str,
         "none",
-        "How the KL term is adapted: 'none', 'clip', 'sigmoid', 'length_normalized', 'dynamic', 'target', or a "
-        "'+'-joined combination of at most one β controller (dynamic, target) and any shaping methods, e.g. "
-        "'dynamic+length_normalized'. Shaping always applies in the order clip, sigmoid, length_normalized.",
+        f"How the KL term is adapted: 'none', one of {list(shaping_names())} (shaping, applied in that order), "
+        f"{list(CONTROLLERS)} (β controllers), or a '+'-joined combination of at most one β controller and any "
+        "shaping methods, e.g. 'dynamic+length_normalized'; or a method registered with "
+        "unsloth_adaptive_kl.register_shaping.",
     ),
     FieldSpec(
         "kl_estimator",
@@ -37,13 +39,13 @@ FIELDS: tuple[FieldSpec, ...] = (
         "Per-token KL estimator, by registered name: k1, k2 (mse, squared), k3 (low_var_kl), abs, k1+, k3+, "
         "bottom_q, or one registered with unsloth_adaptive_kl.register_estimator.",
     ),
-    FieldSpec("kl_clip_threshold", float, 1.0, "'clip': the per-token KL term is capped at this value (> 0)."),
+    *(FieldSpec(p.name, p.type, p.default, p.help) for p in shaping_parameters(builtin=True)),
     FieldSpec(
-        "kl_target",
-        float,
-        0.1,
-        "'sigmoid': centre of the soft cap sigmoid(kl - kl_target) * kl; 'target': the KL the controller steers "
-        "toward (> 0).",
+        "kl_shaping_kwargs",
+        dict | str | None,
+        None,
+        "The parameters of shaping methods registered with unsloth_adaptive_kl.register_shaping, by name: a dict "
+        "(a mapping in YAML, JSON on the command line), e.g. {\"huber_delta\": 0.5}; unset ones take their defaults.",
     ),
     FieldSpec(
         "dynamic_beta_decay",
@@ -111,6 +113,10 @@ FIELDS: tuple[FieldSpec, ...] = (
 )
 
 FIELD_NAMES = tuple(f.name for f in FIELDS)
+#: The built-in shaping methods' parameters: each is a field; a registered method's are in ``kl_shaping_kwargs``.
+SHAPING_FIELDS = tuple(p.name for p in shaping_parameters(builtin=True))
+#: The fields a KL term (``kl_term.KLTerm``) reads; the rest configure the β controller.
+TERM_FIELD_NAMES = ("kl_adaptation_method", "kl_estimator", *SHAPING_FIELDS, "kl_shaping_kwargs", "kl_bottom_q")
 #: Each field's default, declared once (above): the controllers, the Liger module and the docs read it here.
 DEFAULTS = {f.name: f.default for f in FIELDS}
 
@@ -136,7 +142,10 @@ def _yaml_hint(value) -> str:
 
 
 def _number(config, name: str, *, integer: bool = False) -> float:
-    value = getattr(config, name)
+    return _checked_number(name, getattr(config, name), integer=integer)
+
+
+def _checked_number(name: str, value, *, integer: bool = False) -> float:
     ok_types = (int,) if integer else (int, float)
     if isinstance(value, bool) or not isinstance(value, ok_types) or (not integer and not math.isfinite(value)):
         kind = "an integer" if integer else "a finite number"
@@ -162,6 +171,50 @@ def fused_head_setting(value, name: str = "liger_fused_head"):
     )
 
 
+def _check_parameter(parameter: Parameter, label: str, value):
+    if parameter.type in (int, float):
+        value = _checked_number(label, value, integer=parameter.type is int)
+    elif not isinstance(value, parameter.type):
+        raise ValueError(f"{label}={value!r} is not valid; allowed: a {parameter.type.__name__}")
+    _require(parameter.check is None or parameter.check(value), label, value, parameter.allowed)
+    return value
+
+
+def shaping_kwargs(config) -> dict:
+    """``config.kl_shaping_kwargs`` as a dict (None: empty; a string: its JSON), its keys checked."""
+    value = getattr(config, "kl_shaping_kwargs", None)
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"kl_shaping_kwargs={value!r} is not valid; allowed: a dict, or its JSON ({error})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"kl_shaping_kwargs={value!r} is not valid; allowed: a dict of parameters of registered shaping methods")
+    registered = [p.name for p in shaping_parameters() if p.name not in SHAPING_FIELDS]
+    unknown = [key for key in value if key not in registered]
+    if unknown:
+        fields = [key for key in unknown if key in SHAPING_FIELDS]
+        hint = f" ({fields}: set as fields of GRPOConfig)" if fields else ""
+        raise ValueError(f"kl_shaping_kwargs has unknown key(s) {unknown}{hint}; allowed: the parameters of registered shaping methods {registered}")
+    return value
+
+
+def shaping_values(config, method: Method) -> dict[str, object]:
+    """The value of every parameter of ``method``'s shaping steps (checked), and of every built-in
+    one (they are fields, checked whatever the method): name -> value."""
+    given = shaping_kwargs(config)
+    values = {}
+    for parameter in shaping_parameters():
+        if parameter.name in SHAPING_FIELDS:
+            values[parameter.name] = _check_parameter(parameter, parameter.name, getattr(config, parameter.name))
+        elif parameter.name in given or parameter in method.parameters:
+            value = given.get(parameter.name, parameter.default)
+            values[parameter.name] = _check_parameter(parameter, f"kl_shaping_kwargs[{parameter.name!r}]", value)
+    return {p.name: values[p.name] for p in method.parameters}
+
+
 def validate(config) -> Method:
     """Check the adaptive-KL fields of ``config`` (any object with them as attributes).
 
@@ -178,9 +231,9 @@ def validate(config) -> Method:
     get_estimator(config.kl_estimator)
     _require(isinstance(config.restart_beta_controller, bool), "restart_beta_controller", config.restart_beta_controller, "true or false")
     beta = _number(config, "beta")
-    for name in ("kl_clip_threshold", "kl_target", "kl_horizon"):
-        value = _number(config, name)
-        _require(value > 0, name, value, "a number > 0")
+    shaping_values(config, method)
+    horizon = _number(config, "kl_horizon")
+    _require(horizon > 0, "kl_horizon", horizon, "a number > 0")
     decay = _number(config, "dynamic_beta_decay")
     _require(0 < decay <= 1, "dynamic_beta_decay", decay, "a number in (0, 1]")
     _number(config, "reward_threshold")

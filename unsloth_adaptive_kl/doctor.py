@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from ._source_patch import ALLOW_UNTESTED_ENV, PatchError, compile_target, libraries_of, version_of
 from .gpu_support import BLACKWELL, kernel_support
-from .versions import PYTHON, SUPPORTED
+from .versions import PYTHON, SUPPORTED, requirement
 
 BACKENDS = ("trl", "unsloth", "liger")
 OK, WARN, FAIL, INFO = "ok", "warn", "FAIL", "--"
@@ -96,7 +96,7 @@ def version_finding(distribution: str, version: str | None = None) -> Finding:
     return Finding(
         distribution,
         FAIL,
-        f"{untested}; install {distribution}{supported.specifier}, or set {ALLOW_UNTESTED_ENV}=1 to try anyway",
+        f"{untested}; pip install '{requirement(distribution)}', or set {ALLOW_UNTESTED_ENV}=1 to try anyway",
     )
 
 
@@ -130,7 +130,7 @@ def targets_exist(owner, names: tuple[str, ...], topic: str) -> Finding:
 def trl_backend_findings() -> list[Finding]:
     findings = [version_finding("trl"), version_finding("transformers")]
     if findings[0].status == INFO:
-        return [Finding("trl", FAIL, "not installed; pip install 'trl>=1.15.0,<1.16'")]
+        return [Finding("trl", FAIL, f"not installed; pip install '{requirement('trl')}'")]
     from .backends import _trainer
     from .backends import trl as trl_backend
 
@@ -223,7 +223,7 @@ def unsloth_backend_findings(requested: bool = False) -> list[Finding]:
 def liger_backend_findings() -> list[Finding]:
     findings = [version_finding("liger-kernel")]
     if findings[0].status == INFO:
-        return [Finding("liger-kernel", FAIL, "not installed; pip install 'liger-kernel>=0.8.0,<0.9'")]
+        return [Finding("liger-kernel", FAIL, f"not installed; pip install '{requirement('liger-kernel')}'")]
     from liger_kernel.chunked_loss import fused_linear_ppo, grpo_loss
 
     findings.append(targets_exist(grpo_loss.LigerFusedLinearGRPOFunction, ("ppo_loss_fn",), "liger LigerFusedLinearGRPOFunction"))

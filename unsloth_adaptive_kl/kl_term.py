@@ -1,10 +1,11 @@
 """``KLTerm``: the per-token KL term β multiplies, as one immutable object every backend calls.
 
-It holds the settings of the term (the parsed method, the estimator's name, the shaping
-thresholds and ``kl_bottom_q``) and nothing that changes during training, so a compiled region
-(Unsloth's fused loss, the Liger module's ``torch.compile``) can take it as a constant. The
-order of the math is fixed (see :mod:`unsloth_adaptive_kl.shaping`): estimator, × importance
-ratio, clip, sigmoid; length normalisation acts at aggregation (:meth:`KLTerm.length_normalized_loss`).
+It holds the settings of the term (the parsed method, the estimator's name, the values of the
+shaping methods' parameters and ``kl_bottom_q``) and nothing that changes during training, so a
+compiled region (Unsloth's fused loss, the Liger module's ``torch.compile``) can take it as a
+constant. The order of the math is fixed: estimator, × importance ratio, the per-token shaping
+methods in their registered order (:mod:`unsloth_adaptive_kl.shaping`); length normalisation acts
+at aggregation (:meth:`KLTerm.length_normalized_loss`).
 Pure torch.
 """
 
@@ -15,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from .config import validate
+from .config import shaping_values, validate
 from .estimators import estimate_kl, get_estimator
 from .shaping import Method, length_normalized_term, shape_per_token
 
@@ -24,19 +25,19 @@ from .shaping import Method, length_normalized_term, shape_per_token
 class KLTerm:
     method: Method
     estimator: str
-    clip_threshold: float
-    kl_target: float
     bottom_q: float
+    #: The method's shaping parameters, ``((name, value), ...)``: hashable, a constant for compilation.
+    shaping_parameters: tuple[tuple[str, object], ...] = ()
 
     @classmethod
     def from_config(cls, config) -> "KLTerm":
         """From any object with the adaptive-KL fields (a ``GRPOConfig``); validated."""
+        method = validate(config)
         return cls(
-            method=validate(config),
+            method=method,
             estimator=get_estimator(config.kl_estimator).name,
-            clip_threshold=float(config.kl_clip_threshold),
-            kl_target=float(config.kl_target),
             bottom_q=float(config.kl_bottom_q),
+            shaping_parameters=tuple(shaping_values(config, method).items()),
         )
 
     @property
@@ -61,8 +62,8 @@ class KLTerm:
         return estimate_kl(self.estimator, logp, ref_logp, mask=mask, statistic=statistic, bottom_q=self.bottom_q, check=check)
 
     def shape(self, kl: torch.Tensor) -> torch.Tensor:
-        """The per-token shaping of the method (clip, then sigmoid)."""
-        return shape_per_token(kl, self.method, clip_threshold=self.clip_threshold, target=self.kl_target)
+        """The per-token shaping steps of the method, in their order."""
+        return shape_per_token(kl, self.method, dict(self.shaping_parameters))
 
     def per_token(
         self,
@@ -76,7 +77,7 @@ class KLTerm:
         """Return ``(raw, adapted)`` per-token KL.
 
         ``raw`` is the estimator times ``coef`` (the importance ratio when the backend applies
-        ``use_bias_correction_kl``); ``adapted`` is ``raw`` after clip and sigmoid. ``estimator``
+        ``use_bias_correction_kl``); ``adapted`` is ``raw`` after the per-token shaping. ``estimator``
         (``fn(logp, ref_logp, *, mask, statistic)``) replaces the configured one, e.g. a loss
         module's overridden KL function.
         """

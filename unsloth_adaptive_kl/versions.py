@@ -35,17 +35,29 @@ class Supported:
         return SpecifierSet(self.specifier).contains(Version(parsed.base_version), prereleases=True)
 
 
+# The dependency policy (docs/compatibility.md, "Dependency policy"): a lower bound is the oldest
+# version that the supported TRL/Unsloth lines accept and on which the tests pass; an upper cap only
+# on a library whose source this package patches (guarded=True: TRL, Unsloth, unsloth_zoo, Liger),
+# at its first untested release line; no cap on the others unless a measured break (named here with
+# its failing test), so that installing this package never downgrades a user's transformers or torch.
 SUPPORTED: dict[str, Supported] = {
     s.distribution: s
     for s in (
-        Supported("torch", ">=2.6", ">= 2.6", guarded=False, tested="2.13.0 (CPU)"),
+        Supported("torch", ">=2.6", "2.6 and newer", guarded=False, tested="2.13.0 (CPU stacks), 2.11.0 (GPU)"),
         Supported("trl", ">=0.24.0,<1.17", "0.24 to 1.16.x", guarded=True, tested="the latest release of every minor line, 0.24.0 to 1.16.0"),
-        Supported("transformers", ">=4.57.6,<=5.17.0", "4.57.6 to 5.17.0", guarded=False, tested="4.57.6 (TRL 0.2x), 5.17.0 (TRL 1.x)"),
+        # 4.56.1: TRL 0.24's own floor (TRL 1.16 asks 4.56.2). No cap: the patches anchor on TRL's and
+        # Unsloth's source, which the runtime anchor check guards whatever transformers is installed.
+        Supported("transformers", ">=4.56.1", "4.56.1 and newer", guarded=False, tested="4.56.1 (TRL 0.24), 4.57.6 (TRL 0.2x, Unsloth 2026.8/9), 5.17.0 (TRL 1.x), 5.24.0 (TRL 1.16)"),
+        Supported("peft", ">=0.17", "0.17 and newer", guarded=False, tested="0.21.2 (the newest; every stack resolves it)"),
+        Supported("accelerate", ">=1.10", "1.10 and newer", guarded=False, tested="1.15.0 (the newest; every stack resolves it)"),
+        Supported("datasets", ">=3.0", "3.0 and newer", guarded=False, tested="4.3.0 (Unsloth 2026.8/9), 4.8.5 (2026.10), 5.0.1 (transformers 4.x), 5.2.0 (TRL 1.16)"),
         Supported("liger-kernel", ">=0.8.0,<0.9", "0.8.x", guarded=True, tested="0.8.5"),
         Supported("unsloth", ">=2026.8.0,<2026.11", "2026.8.x to 2026.10.x", guarded=True, tested="2026.8.22, 2026.9.14, 2026.10.9"),
         Supported("unsloth_zoo", ">=2026.8.0,<2026.11", "2026.8.x to 2026.10.x", guarded=True, tested="2026.8.17, 2026.9.9, 2026.10.9"),
     )
 }
+#: The distributions of the ``unsloth`` extra (the others are ``dependencies`` of pyproject.toml).
+EXTRA_UNSLOTH = ("unsloth", "unsloth_zoo")
 PYTHON = ">=3.10"
 
 
@@ -95,6 +107,11 @@ def supported_versions_table() -> str:
     return "\n".join(rows)
 
 
+def requirement(distribution: str) -> str:
+    """``distribution`` with its supported range, as pip takes it (doctor's hints, pyproject.toml)."""
+    return f"{distribution}{SUPPORTED[distribution].specifier}"
+
+
 def is_supported(distribution: str, version: str) -> bool:
     """Whether ``version`` (as ``_source_patch.version_of`` gives it; "not installed" is not) is in range."""
     return SUPPORTED[distribution].contains(version)
@@ -122,6 +139,10 @@ class Stack:
 
 _TRANSFORMERS_4 = "transformers==4.57.6"  # the last 4.x: TRL 0.2x lines and Unsloth 2026.8/9 were released on it
 _TRANSFORMERS_5 = "transformers==5.17.0"  # the newest that Unsloth 2026.10 allows
+# The two ends of the transformers range, each with the TRL line of its end (raised deliberately: a
+# new transformers release is tried with `scripts/compat.sh latest`, then pinned here).
+_TRANSFORMERS_OLDEST = "transformers==4.56.1"  # TRL 0.24's own floor
+_TRANSFORMERS_NEWEST = "transformers==5.24.0"  # the newest on the index, 2026-11-24
 _LIGER = "liger-kernel==0.8.5"
 #: The latest patch release of every TRL minor line from 0.24 on.
 TRL_LINES = (
@@ -129,30 +150,56 @@ TRL_LINES = (
     "1.0.0", "1.1.0", "1.2.0", "1.3.0", "1.4.0", "1.5.1", "1.6.0", "1.7.1", "1.8.0", "1.9.2",
     "1.10.0", "1.11.0", "1.12.0", "1.13.0", "1.14.2", "1.15.0", "1.16.0",
 )  # fmt: skip
+_TRL_ENDS = {"0.24.0": _TRANSFORMERS_OLDEST, "1.16.0": _TRANSFORMERS_NEWEST}
+
+
+def _trl_line_transformers(trl: str) -> str:
+    return _TRL_ENDS.get(trl, _TRANSFORMERS_4 if trl.startswith("0.") else _TRANSFORMERS_5)
+
+
 STACKS: dict[str, Stack] = {
     s.name: s
     for s in (
-        *(
-            Stack(f"trl-{v.rsplit('.', 1)[0]}", (f"trl=={v}", _TRANSFORMERS_4 if v.startswith("0.") else _TRANSFORMERS_5, _LIGER))
-            for v in TRL_LINES
-        ),
+        *(Stack(f"trl-{v.rsplit('.', 1)[0]}", (f"trl=={v}", _trl_line_transformers(v), _LIGER)) for v in TRL_LINES),
         # Unsloth 2026.8 and 2026.9 cap trl at 0.24.0 (and datasets below 4.4); 2026.10 at 1.15.0.
         Stack("unsloth-2026.8", ("trl==0.24.0", _TRANSFORMERS_4, _LIGER, "datasets==4.3.0"), ("unsloth==2026.8.22", "unsloth_zoo==2026.8.17")),
         Stack("unsloth-2026.9", ("trl==0.24.0", _TRANSFORMERS_4, _LIGER, "datasets==4.3.0"), ("unsloth==2026.9.14", "unsloth_zoo==2026.9.9")),
-        Stack("unsloth-2026.10", ("trl==1.15.0", _TRANSFORMERS_5, _LIGER), ("unsloth==2026.10.9", "unsloth_zoo==2026.10.9")),
+        # The main suite's own stack (scripts/_venv.sh); datasets pinned below 5, as Unsloth 2026.10 asks.
+        Stack("unsloth-2026.10", ("trl==1.15.0", _TRANSFORMERS_5, _LIGER, "datasets==4.8.5"), ("unsloth==2026.10.9", "unsloth_zoo==2026.10.9")),
         # The transformers range admits either major with any TRL line: its two ends, crossed.
         Stack("trl-0.24-transformers-5", ("trl==0.24.0", _TRANSFORMERS_5, _LIGER)),
-        Stack("trl-1.16-transformers-4", ("trl==1.16.0", _TRANSFORMERS_4, _LIGER)),
+        Stack("trl-1.16-transformers-4", ("trl==1.16.0", "transformers==4.56.2", _LIGER)),  # TRL 1.16 asks >=4.56.2
+        # For a check by hand, never pinned: today's newest of everything that the ranges allow
+        # (`scripts/compat.sh latest` rebuilds it once a day).
+        Stack("latest", tuple(requirement(d) for d in ("trl", "transformers", "liger-kernel"))),
     )
 }
-#: What CI runs (.ci/run) after the main suite: the oldest and newest TRL and the oldest Unsloth line.
-#: The newest Unsloth line (unsloth-2026.10) is the main suite's own stack (scripts/_venv.sh).
+#: The distributions every stack installs beside its pins, at the newest that the pins allow.
+COMMON = ("peft", "accelerate", "datasets")
+#: What CI runs (.ci/run) after the main suite: the oldest TRL with the oldest transformers, the
+#: newest TRL with the newest transformers, and the oldest Unsloth line. The newest Unsloth line
+#: (unsloth-2026.10) is the main suite's own stack (scripts/_venv.sh).
 CI_STACKS = ("trl-0.24", "trl-1.16", "unsloth-2026.8")
+
+#: The install check (scripts/install_check.sh, issue 21): in a fresh venv holding the CPU torch,
+#: `pip install -e . TRL TRANSFORMERS` must keep exactly these versions (and torch), and there `none`
+#: must train identically to stock TRL and `clip` shape the loss.
+INSTALL_CHECKS = (
+    ("trl==0.24.0", "transformers==4.57.1"),
+    ("trl==0.24.0", "transformers==4.56.2"),
+    ("trl==1.16.0", _TRANSFORMERS_NEWEST),
+)
 
 
 if __name__ == "__main__":  # scripts/compat.sh: `python versions.py STACK` prints its pip arguments
     import sys
 
+    if sys.argv[1] == "install-checks":  # scripts/install_check.sh: one check's pins a line
+        print("\n".join(" ".join(pins) for pins in INSTALL_CHECKS))
+        sys.exit()
+    if sys.argv[1] == "common":  # scripts/compat.sh: what every stack installs beside its pins
+        print(" ".join(requirement(d) for d in COMMON))
+        sys.exit()
     stack = STACKS[sys.argv[1]]
     print(" ".join(stack.pins))
     print(" ".join(stack.no_deps))

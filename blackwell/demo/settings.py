@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-ALL_METHODS = ["none", "clip", "length_normalized", "dynamic", "sigmoid", "target", "dynamic+length_normalized"]
+from unsloth_adaptive_kl.shaping import method_names
+
+#: Every registered method alone (none, the shaping methods, the β controllers), and one composition.
+ALL_METHODS = [*method_names(), "dynamic+length_normalized"]
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,9 @@
 # GPU verification, run on the GPU machine from the repo root (see docs/gpu-verification.md):
 #   export PYTHONPATH=$PWD/.gpu-site:$PWD; bash scripts/gpu/verify.sh "$OUT" STAGE...
 # Stages: machine, unsloth-line (issue 9: a few methods of the Unsloth GPU test on the stack of the site on
-# PYTHONPATH; see docs/compatibility.md), tests (Unsloth backend, every method as 16-bit LoRA and 4-bit QLoRA; dynamic
+# PYTHONPATH; see docs/compatibility.md), unsloth-lines (issue 21: tests/gpu's dynamic-vs-fixed beta graph count on every
+# Unsloth line of the carried .gpu-lines, built by scripts/gpu/build-line-sites.sh, the lines at once; writes
+# gpu-report-STACK.json, gpu-tests-STACK.log and the table unsloth-lines.md), tests (Unsloth backend, every method as 16-bit LoRA and 4-bit QLoRA; dynamic
 # beta over 32 steps), liger (bench), liger-conformance (Liger's upstream GRPO tests against the
 # drop-in, and GRPOTrainer(loss_class=) against TRL's loss), unsloth-bench (bench_unsloth.py, LoRA, 16 completions,
 # budget 520 s), demo-check (a short demo run), demo-3seeds,
@@ -81,6 +83,23 @@ for stage in "$@"; do
       echo "unsloth-unsloth_zoo-trl-transformers: $line" | tee -a "$OUT/unsloth-line.txt"
       UAKL_GPU_REPORT="$OUT/gpu-report-$line.json" timeout 330 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_unsloth_gpu.py \
         -k "run_on_gpu and (none or clip or target)" 2>&1 | tee "$OUT/gpu-tests-$line.log" | grep -E "passed|failed|Error|FAIL" | tail -30 ;;
+    unsloth-lines)  # issue 21: tests/gpu's fixed-vs-dynamic beta graph count on each line of .gpu-lines, all at once
+      source .gpu-lines/paths.sh
+      declare -A site=()
+      for stack in $LINES; do site[$stack]=$(line_path "$stack"); done  # unpacks the layers, one at a time
+      pids=()
+      for stack in $LINES; do
+        (
+          export PYTHONPATH="${site[$stack]}:$PWD" UNSLOTH_COMPILE_LOCATION=/tmp/unsloth_cache-$stack
+          echo "$stack: $(python -c "import importlib.metadata as m; print(', '.join(d + ' ' + m.version(d) for d in ('unsloth', 'unsloth_zoo', 'trl', 'transformers', 'torch')))")"
+          UAKL_GPU_REPORT="$OUT/gpu-report-$stack.json" timeout "${LINE_TIMEOUT:-520}" python -m pytest -q -s -p no:cacheprovider \
+            tests/gpu/test_unsloth_gpu.py -k "never_recompiles${UAKL_LINES_K:+ or ($UAKL_LINES_K)}" > "$OUT/gpu-tests-$stack.log" 2>&1
+          echo "$stack: pytest exit status $?; $(grep -E "passed|failed|error" "$OUT/gpu-tests-$stack.log" | tail -1)"
+        ) &
+        pids+=($!)
+      done
+      for pid in "${pids[@]}"; do wait "$pid"; done
+      python scripts/gpu/lines_table.py "$OUT" $LINES | tee "$OUT/unsloth-lines.md" ;;
     liger)
       timeout 150 python bench/bench_liger.py 2>&1 | tee "$OUT/bench-liger.log" | tail -25 ;;
     unsloth-bench)  # the Unsloth part of bench-1b alone, with a GPU-bound batch and the whole call's time (not run yet)

@@ -30,7 +30,7 @@ from unsloth_adaptive_kl.backends.liger import AdaptiveFusedLinearGRPOLoss
 from trl import GRPOConfig, GRPOTrainer
 
 WORKER = os.path.join(os.path.dirname(__file__), "agreement_worker.py")
-METHODS = ["none", "clip", "sigmoid", "length_normalized", "dynamic", "target", "dynamic+length_normalized"]
+METHODS = reference.METHODS
 ESTIMATORS = ["k1", "k2", "k3", "abs", "k1+", "k3+", "bottom_q"]
 LOSS_TYPES = ["dapo", "grpo"]
 CASES = list(itertools.product(LOSS_TYPES, METHODS, ESTIMATORS))

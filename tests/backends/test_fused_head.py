@@ -10,6 +10,7 @@ import warnings
 import pytest
 import torch
 
+import reference
 from unsloth_adaptive_kl.adaptation import AdaptiveKL
 from unsloth_adaptive_kl.backends import _fused_head as fused
 from unsloth_adaptive_kl.backends.liger import AdaptiveFusedLinearGRPOLoss
@@ -17,7 +18,7 @@ from unsloth_adaptive_kl.config import DEFAULTS
 from unsloth_adaptive_kl.estimators import register_estimator, unregister_estimator
 
 LOCAL_LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo"]
-METHODS = ["none", "clip", "sigmoid", "length_normalized", "dynamic", "target+clip+sigmoid+length_normalized"]
+METHODS = ["none", *reference.BUILTIN_SHAPING, "dynamic", "+".join(["target", *reference.BUILTIN_SHAPING])]
 B, T, H, V = 4, 6, 8, 40
 
 
@@ -245,6 +246,13 @@ def test_fallback_where_not_exact_is_named_and_equals_the_kernel_path(reason):
 def test_fallback_for_a_user_registered_estimator(user_estimator):
     mod = module("dapo", estimator=user_estimator, fused_head=True)
     with pytest.warns(UserWarning, match="registered outside this package"):
+        run(mod, make_batch(torch.float32))
+    assert mod.head_path == "log-prob kernel"
+
+
+def test_fallback_for_a_user_registered_shaping_method(half_kl):
+    mod = module("dapo", method=half_kl, fused_head=True)
+    with pytest.warns(UserWarning, match="a shaping method registered outside this package"):
         run(mod, make_batch(torch.float32))
     assert mod.head_path == "log-prob kernel"
 

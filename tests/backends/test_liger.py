@@ -17,13 +17,13 @@ import torch
 from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
 
 import unsloth_adaptive_kl
-from unsloth_adaptive_kl import toy
+from unsloth_adaptive_kl import toy, versions
 from unsloth_adaptive_kl.backends import trl as trl_backend
 from unsloth_adaptive_kl.backends.liger import AdaptiveFusedLinearGRPOLoss
 from trl import GRPOConfig, GRPOTrainer
 
 ROOT = Path(__file__).resolve().parents[2]
-LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
+LOSS_TYPES = list(versions.ALL_LOSS_TYPES)
 TOKEN_LEVEL_ONLY = ("cispo", "sapo", "vespo")
 B, T, H, V = 3, 5, 8, 20
 
@@ -218,11 +218,7 @@ def reference_kl_part(batch, logps, *, beta, estimator, method="none", loss_type
         kl = torch.where(ref <= threshold, k3 / q, torch.zeros_like(k3))
     else:
         kl = {"k3": k3, "k3+": k3, "k1": -r, "k1+": -r, "k2": 0.5 * r**2, "squared": 0.5 * r**2}[estimator]
-    if "clip" in method:
-        kl = kl.clamp(max=clip)
-    if "sigmoid" in method:
-        kl = torch.sigmoid(kl - target) * kl
-    kl = torch.where(mask, kl, torch.zeros_like(kl))
+    kl = torch.where(mask, reference.shaped64(kl, method, clip, target), torch.zeros_like(kl))
     if "length_normalized" in method:
         return beta * (kl.sum(-1) / mask.sum(-1).clamp(min=1)).mean()
     assert loss_type == "dapo"
@@ -246,7 +242,7 @@ def kl_part(module, batch):
 
 @pytest.mark.parametrize(
     "method, estimator",
-    [("none", "k3"), ("none", "bottom_q"), ("none", "squared"), ("none", "k1+"), ("none", "k3+"), ("clip", "k3"), ("sigmoid", "k2"), ("length_normalized", "k3"), ("clip+sigmoid+length_normalized", "bottom_q")],
+    [("none", "k3"), ("none", "bottom_q"), ("none", "squared"), ("none", "k1+"), ("none", "k3+"), ("clip", "k3"), ("soft_clip", "k3"), ("soft_clip+sigmoid", "k2"), ("sigmoid", "k2"), ("length_normalized", "k3"), ("clip+sigmoid+length_normalized", "bottom_q")],
 )
 def test_kl_part_matches_float64_reference(method, estimator):
     batch = make_batch(seed=1)
@@ -441,7 +437,7 @@ def test_liger_own_class_with_an_adaptive_method_is_refused(loss_class_trainer):
         configure(loss_class_trainer, "dapo", "clip", loss_class=LigerFusedLinearGRPOLoss, beta=0.04)
 
 
-METHODS = ["none", "clip", "sigmoid", "length_normalized", "dynamic", "target", "dynamic+length_normalized"]
+METHODS = reference.METHODS
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -460,10 +456,23 @@ def test_loss_class_trains_end_to_end_logging_metrics_and_beta_trajectory(tiny_c
         assert h[unsloth_adaptive_kl.RAW_KL] == pytest.approx(h["kl"], rel=1e-6)
     # dynamic: the reward is always above its threshold, so beta decays at every optimizer step
     assert betas == pytest.approx(reference.expected_betas(method, logs), rel=1e-9)
-    if method == "clip":
+    if method in ("clip", "soft_clip"):
         assert all(h[unsloth_adaptive_kl.ADAPTED_KL] <= 0.05 + 1e-9 for h in logs)
     if method == "none":
         assert all(h[unsloth_adaptive_kl.ADAPTED_KL] == h[unsloth_adaptive_kl.RAW_KL] for h in logs)
+
+
+def test_a_method_registered_outside_the_package_runs_in_the_module_and_through_loss_class(tiny_checkpoint, tmp_path, half_kl):
+    batch = make_batch(seed=1)
+    halved = AdaptiveFusedLinearGRPOLoss(**liger_kwargs("dapo", beta=0.3, compiled=False), kl_adaptation_method="half_kl")
+    unshaped = reference_kl_part(batch, module_logps(halved, batch), beta=0.3, estimator="k3")
+    assert kl_part(halved, batch).item() == pytest.approx(0.5 * unshaped.item(), rel=1e-5, abs=1e-8) and unshaped.item() > 1e-3
+    trainer = make_trainer(tiny_checkpoint, tmp_path, kl_adaptation_method="half_kl", max_steps=2, learning_rate=2e-2)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if unsloth_adaptive_kl.CURRENT_BETA in h]
+    assert len(logs) == 2 and logs[-1][unsloth_adaptive_kl.RAW_KL] > 0
+    for h in logs:
+        assert h[unsloth_adaptive_kl.ADAPTED_KL] == pytest.approx(0.5 * h[unsloth_adaptive_kl.RAW_KL], rel=1e-6)
 
 
 def test_example_subclass_overriding_only_the_kl_trains(tmp_path):
@@ -514,3 +523,15 @@ def test_a_module_given_a_state_uses_its_controller_and_refuses_a_second_set_of_
     assert module.adaptive_kl is state and state.controller.name == "dynamic"
     with pytest.raises(ValueError, match=r"\['kl_target'\] given together with adaptive_kl="):
         AdaptiveFusedLinearGRPOLoss(beta=0.1, compiled=False, adaptive_kl=state, kl_target=0.3)
+
+
+def test_a_module_beta_is_its_state_controller_beta():
+    module = AdaptiveFusedLinearGRPOLoss(**liger_kwargs("dapo", beta=0.3, compiled=False))
+    assert module.beta == module.adaptive_kl.controller.beta == 0.3
+    module.beta = 0.7
+    assert module.adaptive_kl.controller.beta == 0.7
+    shared = AdaptiveFusedLinearGRPOLoss(compiled=False, adaptive_kl=module.adaptive_kl)  # as loss_class= builds it
+    module.beta = 0.2
+    assert shared.beta == 0.2
+    with pytest.raises(ValueError, match=r"\['beta'\] given together with adaptive_kl="):
+        AdaptiveFusedLinearGRPOLoss(beta=0.9, compiled=False, adaptive_kl=module.adaptive_kl)

@@ -16,8 +16,8 @@ from unsloth_adaptive_kl._source_patch import version_of
 from unsloth_adaptive_kl.backends import trl as trl_backend
 from trl import GRPOConfig, GRPOTrainer
 
-LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
-METHODS = ["none", "clip", "sigmoid", "length_normalized", "dynamic", "target", "dynamic+length_normalized", "target+clip+sigmoid"]
+LOSS_TYPES = list(versions.ALL_LOSS_TYPES)
+METHODS = [*reference.METHODS, "target+clip+sigmoid"]
 MAX_COMPLETION = reference.MAX_COMPLETION
 TRL_VERSION = version_of("trl")
 OFFERED = versions.offered_loss_types(TRL_VERSION)  # loss type -> None where offered, else why not
@@ -122,6 +122,8 @@ def _capture_logps(trainer, monkeypatch):
 
 SHAPING_CASES = [
     ("clip", "k3"),
+    ("soft_clip", "k3"),
+    ("soft_clip+sigmoid", "k2"),
     ("sigmoid", "k3"),
     ("length_normalized", "k3"),
     ("clip+sigmoid+length_normalized", "k3"),
@@ -131,22 +133,27 @@ SHAPING_CASES = [
 ]
 
 
+def kl_part_of_the_loss(trainer, monkeypatch, inputs) -> tuple[float, dict]:
+    """The loss at the trainer's β minus the loss at β = 0, and the log-probs the KL term saw."""
+    seen = _capture_logps(trainer, monkeypatch)
+    with torch.no_grad():
+        loss_with_kl = GRPOTrainer._compute_loss(trainer, trainer.model, inputs)
+        trainer.beta = 0.0
+        loss_without_kl = GRPOTrainer._compute_loss(trainer, trainer.model, inputs)
+    return (loss_with_kl.double() - loss_without_kl.double()).item(), seen
+
+
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 @pytest.mark.parametrize("method, estimator", SHAPING_CASES)
 def test_kl_part_of_the_loss_matches_float64_reference(trainer, monkeypatch, loss_type, method, estimator):
     beta, clip_threshold, kl_target = 0.3, 0.4, 0.2
     set_method(trainer, method, loss_type, kl_estimator=estimator, beta=beta, kl_clip_threshold=clip_threshold, kl_target=kl_target, use_bias_correction_kl=BIAS_CORRECTION)
     inputs = loss_inputs(trainer, seed=1)
-    seen = _capture_logps(trainer, monkeypatch)
-    with torch.no_grad():
-        loss_with_kl = GRPOTrainer._compute_loss(trainer, trainer.model, inputs)
-        trainer.beta = 0.0
-        loss_without_kl = GRPOTrainer._compute_loss(trainer, trainer.model, inputs)
+    got, seen = kl_part_of_the_loss(trainer, monkeypatch, inputs)
     expected, _, _ = reference.kl_part(
         method, seen["logp"], inputs, loss_type, beta=beta, estimator=estimator, clip_threshold=clip_threshold, kl_target=kl_target,
         bias_correction=BIAS_CORRECTION,
     )
-    got = (loss_with_kl.double() - loss_without_kl.double()).item()
     assert got == pytest.approx(expected.item(), rel=2e-4, abs=1e-6)
     sequence_mean_loss = loss_type in ("grpo", "sapo")  # length normalisation is what these already do
     if method != "none" and not (method == "length_normalized" and sequence_mean_loss):
@@ -207,11 +214,11 @@ def test_grpo_trains_end_to_end_logging_metrics_and_beta_trajectory(tiny_checkpo
         assert h["adaptive_kl/raw_kl"] == pytest.approx(h["kl"], rel=1e-6)  # k3 raw == TRL's kl
     # dynamic: the reward is always above its threshold, so beta decays at every optimizer step
     assert betas == pytest.approx(reference.expected_betas(method, logs), rel=1e-9)
-    if "clip" in method:
+    if "clip" in method.split("+") or "soft_clip" in method.split("+"):
         assert all(h["adaptive_kl/adapted_kl"] <= 0.05 + 1e-9 for h in logs)
     # once the policy has left the reference, the shaping is visible in the adapted KL
     moved = [h for h in logs if h["adaptive_kl/raw_kl"] > 0.06]
-    if method in ("clip", "sigmoid", "target+clip+sigmoid"):
+    if method in ("clip", "soft_clip", "sigmoid", "target+clip+sigmoid"):
         assert moved, "the policy never left the reference: the test proves nothing"
         assert all(h["adaptive_kl/adapted_kl"] < h["adaptive_kl/raw_kl"] for h in moved)
     if method == "none":
@@ -457,3 +464,54 @@ def test_a_trl_trainer_with_unsloth_imported_warns_that_it_runs_on_trls_loss(tin
     assert "backend: TRL eager loss" in caplog.text
     warning = [r for r in caplog.records if r.levelname == "WARNING" and "unsloth is imported" in r.getMessage()]
     assert len(warning) == 1 and "trains on TRL's eager loss, not Unsloth's fused one" in warning[0].getMessage()
+
+
+# -- a shaping method registered outside the package ----------------------------------------------------
+def test_a_method_registered_outside_the_package_changes_the_loss_and_halves_the_adapted_kl(trainer, tiny_checkpoint, tmp_path, monkeypatch, half_kl):
+    beta = 0.3
+    set_method(trainer, "half_kl", "dapo", kl_estimator="k3", beta=beta, use_bias_correction_kl=BIAS_CORRECTION)
+    inputs = loss_inputs(trainer, seed=1)
+    got, seen = kl_part_of_the_loss(trainer, monkeypatch, inputs)
+    unshaped, _, _ = reference.kl_part(
+        "none", seen["logp"], inputs, "dapo", beta=beta, estimator="k3", clip_threshold=1.0, kl_target=0.1, bias_correction=BIAS_CORRECTION
+    )
+    assert got == pytest.approx(0.5 * unshaped.item(), rel=2e-4, abs=1e-7) and abs(got - unshaped.item()) > 1e-4
+    _, logs = _run(tiny_checkpoint, tmp_path, kl_adaptation_method="half_kl", max_steps=2, learning_rate=2e-2)
+    assert len(logs) == 2 and logs[-1]["adaptive_kl/raw_kl"] > 0
+    for h in logs:
+        assert h["adaptive_kl/adapted_kl"] == pytest.approx(0.5 * h["adaptive_kl/raw_kl"], rel=1e-6)
+
+
+# -- β has one owner: the controller -------------------------------------------------------------------
+def test_beta_set_through_each_public_way_is_the_beta_the_loss_uses(tiny_checkpoint, tmp_path):
+    """Config, ``trainer.beta = x``, the controller's update and a resumed controller state: each sets the
+    one β (the controller's), and the loss's KL part is that β times the same KL."""
+    trainer = make_trainer(tiny_checkpoint, tmp_path, beta=0.2, kl_adaptation_method="dynamic", reward_threshold=-1.0, dynamic_beta_decay=0.5)
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    runtime, inputs = trainer._adaptive_kl, loss_inputs(trainer, seed=3)
+
+    def loss():
+        with torch.no_grad():
+            return GRPOTrainer._compute_loss(trainer, trainer.model, inputs).double().item()
+
+    assert trainer.beta == runtime.controller.beta == 0.2  # from the config
+    with_config_beta = loss()
+    trainer.beta = 0.0  # assignment: the controller's β
+    assert runtime.controller.beta == 0.0
+    policy_only = loss()
+    trainer.beta = 1.0
+    unit_kl = loss() - policy_only
+    assert abs(unit_kl) > 1e-4
+    assert with_config_beta - policy_only == pytest.approx(0.2 * unit_kl, rel=1e-6)
+    trainer.beta = 0.2
+    runtime.observe_reward(1.0)
+    runtime.end_step(1)  # the controller's own update (the callback calls this after each optimizer step)
+    assert trainer.beta == 0.1 and loss() - policy_only == pytest.approx(0.1 * unit_kl, rel=1e-6)
+    saved = runtime.state_dict()
+    saved["controller"]["beta"] = 0.05
+    trainer.state.stateful_callbacks["AdaptiveKLCallback"] = {"args": {}, "attributes": {"adaptive_kl_state": saved}}
+    trainer._load_callback_state()  # what resume_from_checkpoint runs
+    assert trainer.beta == 0.05 and loss() - policy_only == pytest.approx(0.05 * unit_kl, rel=1e-6)
+    with pytest.raises(ValueError, match="beta=-1.0 is not valid"):
+        trainer.beta = -1.0

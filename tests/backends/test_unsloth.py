@@ -13,6 +13,7 @@ import sys
 
 import pytest
 import reference
+from unsloth_adaptive_kl import versions
 
 
 
@@ -35,7 +36,7 @@ pytestmark = [
     ),
 ]
 WORKER = os.path.join(os.path.dirname(__file__), "unsloth_worker.py")
-LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
+LOSS_TYPES = list(versions.ALL_LOSS_TYPES)
 _cache = {}
 
 
@@ -95,7 +96,7 @@ def _kl_cases(tmp_path_factory):
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_kl_part_of_the_fused_loss_matches_float64_reference_for_every_method(loss_type, tmp_path_factory):
     cases = [c for c in _kl_cases(tmp_path_factory) if c["loss_type"] == loss_type]
-    assert len(cases) == 7
+    assert len(cases) == 9 and cases[0]["method"] == "half_kl"  # registered by the worker, outside the package
     for c in cases:
         assert c["got"] == pytest.approx(c["expected"], rel=2e-4, abs=1e-6), c
         length_only_on_sequence_mean = c["method"] == "length_normalized" and loss_type in ("grpo", "sapo")
@@ -111,7 +112,7 @@ def test_metrics_are_exact_against_float64_on_the_same_logps(loss_type, tmp_path
         assert c["logged_beta"] == [0.3]
 
 
-@pytest.mark.parametrize("method", ["none", "clip", "sigmoid", "length_normalized", "dynamic", "target", "dynamic+length_normalized"])
+@pytest.mark.parametrize("method", reference.METHODS)
 def test_unsloth_grpo_trains_with_each_method(method, tmp_path_factory):
     run = run_worker("ours-first", "train", tmp_path_factory)["train"][method]
     logs = run["logs"]
@@ -126,9 +127,16 @@ def test_unsloth_grpo_trains_with_each_method(method, tmp_path_factory):
     for h in logs:
         assert h["adaptive_kl/raw_kl"] is not None and h["adaptive_kl/adapted_kl"] is not None
     moved = [h for h in logs if h["adaptive_kl/raw_kl"] > 0.06]
-    if method in ("clip", "sigmoid"):
+    if method in ("clip", "soft_clip", "sigmoid"):
         assert all(h["adaptive_kl/adapted_kl"] < h["adaptive_kl/raw_kl"] for h in moved)
         assert any(h["adaptive_kl/adapted_kl"] < h["adaptive_kl/raw_kl"] for h in logs[1:])
+
+
+def test_a_method_registered_outside_the_package_trains_and_halves_the_adapted_kl(tmp_path_factory):
+    logs = run_worker("ours-first", "train", tmp_path_factory)["train"]["half_kl"]["logs"]
+    assert len(logs) == 3 and logs[-1]["adaptive_kl/raw_kl"] > 0
+    for h in logs:
+        assert h["adaptive_kl/adapted_kl"] == pytest.approx(0.5 * h["adaptive_kl/raw_kl"], rel=1e-6)
 
 
 def test_changing_beta_never_recompiles_the_fused_loss(tmp_path_factory):

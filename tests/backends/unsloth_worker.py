@@ -77,7 +77,7 @@ import trl  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 import reference  # noqa: E402
-from unsloth_adaptive_kl import toy  # noqa: E402
+from unsloth_adaptive_kl import toy, versions  # noqa: E402
 
 generated = sys.modules["UnslothGRPOTrainer"]
 CHECKPOINT = toy.build_checkpoint(tempfile.mkdtemp(prefix="tiny-"), hidden_size=32)
@@ -170,7 +170,7 @@ def scenario_config():
     results["cli_method"] = parsed.kl_adaptation_method
 
 
-LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
+LOSS_TYPES = list(versions.ALL_LOSS_TYPES)
 
 
 def scenario_identity():
@@ -200,7 +200,14 @@ def scenario_identity():
     results["patched_again"] = generated.grpo_compute_loss is not unsloth_adaptive_kl.backends.trl.original(generated, "grpo_compute_loss")
 
 
-CASES = [("clip", "k3"), ("sigmoid", "k3"), ("length_normalized", "k3"), ("clip+sigmoid+length_normalized", "k3"), ("none", "k1"), ("clip", "k2"), ("none", "abs")]
+# half_kl: a shaping method registered here, outside the package, as a user would (with its float64 reference).
+@unsloth_adaptive_kl.register_shaping("half_kl")
+def half_kl(kl):
+    return 0.5 * kl
+
+
+reference.SHAPING64["half_kl"] = lambda kl, c, t: 0.5 * kl
+CASES = [("half_kl", "k3"), ("clip", "k3"), ("soft_clip", "k3"), ("sigmoid", "k3"), ("length_normalized", "k3"), ("clip+sigmoid+length_normalized", "k3"), ("none", "k1"), ("clip", "k2"), ("none", "abs")]
 
 
 def scenario_kl_part():
@@ -248,14 +255,14 @@ def scenario_kl_part():
     results["kl_part"] = out
 
 
-METHODS = ["none", "clip", "sigmoid", "length_normalized", "dynamic", "target", "dynamic+length_normalized"]
+METHODS = reference.METHODS
 
 
 def scenario_train():
     import logging
 
     runs = {}
-    for method in METHODS:
+    for method in [*METHODS, "half_kl"]:
         out = io.StringIO()
         lines = []
         handler = logging.Handler()

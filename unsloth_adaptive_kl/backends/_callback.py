@@ -56,7 +56,7 @@ def _callback_classes():
 
         def on_step_end(self, args, state, control, **kwargs):
             runtime = self.runtime
-            runtime.trainer.beta = runtime.end_step(state.global_step)
+            runtime.end_step(state.global_step)  # the controller owns β; trainer.beta reads it
             # After the update, so the log written right after this step shows its skip.
             runtime.log_metrics({metrics.SKIPPED_UPDATES: float(runtime.skipped_updates)}, "train")
 

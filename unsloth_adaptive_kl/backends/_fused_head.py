@@ -24,16 +24,18 @@ call): every loss type (grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo; luspo's w
 ``mask.sum(1)`` also counts padded positions, whose log-probs are then computed) at token-level
 importance sampling, with or without ``delta``, the vLLM ratio, ``use_bias_correction_kl`` (the
 token-level ratio), ``num_items_in_batch``; the built-in estimators (bottom_q's threshold comes from
-the reference log-probs); clip, sigmoid, length_normalized, dynamic, target. The KL metrics
+the reference log-probs); the built-in shaping methods (each per token, or length_normalized's
+weights), dynamic, target. The KL metrics
 (raw / adapted per token, their token means) are computed from the same log-probs, as in the other
 path. This module has no entropy term (``loss_class`` refuses TRL's entropy options).
 
 **Where it is not** (:func:`fallback_reason` names it; the module then runs the log-prob kernel path):
 sequence-level importance sampling (GSPO: a token's ratio is its completion's mean), vespo (its
 detached weight is a function of the completion's summed log-ratio), ``use_ref_model=False`` with a
-KL (the reference is the batch's own log-probs), an estimator registered by the user or an
-overridden ``per_token_kl`` (locality unknown), inputs other than hidden states, weight and bias
-that require grad, hidden states and weight (or bias) of different dtypes, and the dapo/cispo normaliser without ``num_items_in_batch`` under
+KL (the reference is the batch's own log-probs), an estimator or a shaping method registered by the
+user or an overridden ``per_token_kl`` (locality unknown), inputs other than hidden states, weight and bias
+that require grad, hidden states and weight (or bias) of different dtypes, and the dapo/cispo normaliser
+without ``num_items_in_batch`` under
 ``torch.distributed`` (Liger all-reduces it on every evaluation, and the number of chunks differs
 between ranks).
 
@@ -74,7 +76,7 @@ def check_fused_arguments(fused_head, chunk_tokens) -> None:
         raise ValueError(f"fused_chunk_tokens={chunk_tokens!r} is not valid; allowed: None (from the memory rule) or an int >= 1")
 
 
-def fallback_reason(*, loss_type, level, with_kl, use_ref_model, builtin_estimator, own_kl, num_items_given, inputs, head=()):
+def fallback_reason(*, loss_type, level, with_kl, use_ref_model, builtin_estimator, builtin_shaping, own_kl, num_items_given, inputs, head=()):
     """Why the fused head would not be exact for this call (see the module docstring), or None. ``inputs``: the
     loss's tensor inputs other than hidden states, weight and bias, by name; ``head``: hidden states, weight, bias."""
     dist = torch.distributed
@@ -88,6 +90,8 @@ def fallback_reason(*, loss_type, level, with_kl, use_ref_model, builtin_estimat
         return "use_ref_model=False: the reference log-probs are the batch's own"
     if with_kl and not builtin_estimator:
         return "an estimator registered outside this package: its locality is unknown"
+    if with_kl and not builtin_shaping:
+        return "a shaping method registered outside this package: its locality is unknown"
     if with_kl and own_kl:
         return "per_token_kl is overridden: its locality is unknown"
     if distributed_normaliser:

@@ -1,6 +1,7 @@
-"""The parts of the Liger loss module (``liger.py``) around its loss: Liger's argument checks and
-version check, its return structure, and what the loss gets: the per-token log-probs from the
-final hidden states and the LM head, padding made neutral, and the importance weights.
+"""What the Liger loss module (``liger.py``) computes its loss from, and how it aggregates it: the
+per-token log-probs from the final hidden states and the LM head, padding made neutral, the
+importance weights, and Liger's aggregation of a per-token term for each loss type. (Liger's
+interface, its parameters, checks and return structure, is ``_liger_interface.py``.)
 
 The log-probs come from TRL 1.15's chunked log-prob kernel (``trl.kernels.ChunkedLogProbFunction``:
 cuBLAS tiles of tokens × vocabulary and an online logsumexp in Triton, with a recomputing
@@ -11,69 +12,10 @@ same memory bound with a Python loop of small matmuls and is several times slowe
 from __future__ import annotations
 
 import os
-from typing import NamedTuple
 
 import torch
 
-from .._source_patch import PatchError, check_version, version_of
-from ..versions import LOSS_CLASS_TRL, SUPPORTED, Supported
-
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
-IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
-TOKEN_LEVEL_ONLY = ("cispo", "sapo", "vespo")  # Liger refuses sequence level for these
-
-
-def check_liger_version() -> None:
-    """Refuse an untested liger-kernel (its ``ppo_loss_fn`` and normalisers are called directly),
-    unless ``UNSLOTH_ADAPTIVE_KL_ALLOW_UNTESTED=1``."""
-    liger = SUPPORTED["liger-kernel"]
-    check_version(liger.distribution, liger.contains, liger.label)
-    trl_version = version_of("trl")
-    if not Supported("trl", LOSS_CLASS_TRL, LOSS_CLASS_TRL, guarded=True).contains(trl_version):
-        raise PatchError(
-            f"AdaptiveFusedLinearGRPOLoss and GRPOTrainer(loss_class=...) compute log-probs with TRL's chunked log-prob "
-            f"kernel (trl.kernels, trl {LOSS_CLASS_TRL}), but trl {trl_version} is installed: install trl {LOSS_CLASS_TRL}, "
-            "or train without loss_class= (the TRL or Unsloth backend)"
-        )
-
-
-def check_liger_arguments(sapo_temperature_pos, sapo_temperature_neg, delta, loss_type, importance_sampling_level) -> None:
-    """Liger's constructor checks."""
-    if sapo_temperature_pos <= 0 or sapo_temperature_neg <= 0:
-        raise ValueError(f"sapo temperatures must be > 0, got pos={sapo_temperature_pos}, neg={sapo_temperature_neg}")
-    if delta is not None and delta <= 0:
-        raise ValueError(f"delta must be > 0 or None, got {delta}")
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"loss_type={loss_type!r} is not valid; allowed: {list(LOSS_TYPES)}")
-    if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
-        raise ValueError(f"importance_sampling_level={importance_sampling_level!r} is not valid; allowed: {list(IMPORTANCE_SAMPLING_LEVELS)}")
-
-
-def check_liger_configuration(loss_type, importance_sampling_level, max_completion_length) -> None:
-    """Liger's per-call checks (the module's attributes are mutable)."""
-    if importance_sampling_level == "sequence" and loss_type in TOKEN_LEVEL_ONLY:
-        raise ValueError(
-            f"Sequence-level importance sampling is not supported for loss_type='{loss_type}'. "
-            "Use importance_sampling_level='token' instead."
-        )
-    if loss_type == "dr_grpo" and max_completion_length is None:
-        raise ValueError("loss_type='dr_grpo' needs max_completion_length (its normaliser is B * max_completion_length)")
-
-
-class LossTerms(NamedTuple):
-    """What one call computes. ``raw_kl``/``adapted_kl`` are detached ``(B, T)`` tensors, None when β is 0."""
-
-    loss: torch.Tensor
-    raw_kl: torch.Tensor | None
-    adapted_kl: torch.Tensor | None
-    kl_mean: torch.Tensor | None
-    clip_ratio: torch.Tensor
-
-    def liger_output(self):
-        """Liger's return structure: ``(loss, (kl_mean, clip_ratio))``, or ``(loss, (clip_ratio,))`` when β is 0."""
-        if self.kl_mean is None:
-            return self.loss, (self.clip_ratio,)
-        return self.loss, (self.kl_mean, self.clip_ratio)
+from ._liger_interface import LOSS_TYPES
 
 
 def aggregate(per_token, mask, loss_type: str, *, max_completion_length=None, num_items_in_batch=None) -> torch.Tensor:

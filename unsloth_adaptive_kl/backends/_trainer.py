@@ -263,8 +263,7 @@ def _wrap_load_callback_state(original, runtime_cls):
         if stored is not None:
             stored = stored[0] if isinstance(stored, list) else stored
             runtime.load_state_dict(stored["attributes"]["adaptive_kl_state"], restart=self.args.restart_beta_controller)
-            self.beta = runtime.beta
-            resume_generation_schedule(self, runtime)
+            resume_generation_schedule(self, runtime)  # trainer.beta reads the restored β from the runtime
         # With restore_callback_states_from_checkpoint=True the Trainer rebuilt our callback without
         # its runtime: drop such copies and keep exactly one bound callback.
         for callback in list(self.callback_handler.callbacks):
@@ -303,8 +302,7 @@ def attach(trainer, runtime_cls, loss_class=None) -> TrainerAdaptiveKL:
     _check_loss_path(trainer, runtime.is_stock)
     args = trainer.args
     runtime.check_step_size(args.per_device_train_batch_size * args.gradient_accumulation_steps * trainer.accelerator.num_processes)
-    trainer._adaptive_kl = runtime
-    trainer.beta = runtime.beta
+    trainer._adaptive_kl = runtime  # from now on trainer.beta is runtime.beta (trainer_beta)
     trainer._adaptive_loss_module = None
     if loss_class is not None:
         from . import loss_class as loss_class_path
@@ -347,3 +345,24 @@ def patch_trainer_class(trainer_cls, runtime_cls, loss_path: tuple[str, ...]) ->
     _LOSS_PATH[trainer_cls] = loss_path
     for name, wrap in zip(WRAPPED_TRAINER_METHODS, (_wrap_init, _wrap_generate, _wrap_load_callback_state)):
         set_attribute(trainer_cls, name, wrap(getattr(trainer_cls, name), runtime_cls))
+    set_attribute(trainer_cls, "beta", trainer_beta)
+
+
+def _get_beta(trainer):
+    runtime = trainer.__dict__.get("_adaptive_kl")
+    return runtime.beta if runtime is not None else trainer.__dict__["beta"]
+
+
+def _set_beta(trainer, value):
+    runtime = trainer.__dict__.get("_adaptive_kl")
+    if runtime is not None:
+        runtime.beta = value
+    # Kept for the library's own loss after unpatch() (which removes this property): only method
+    # 'none' trains on then (the callback refuses the others), whose β nothing but this setter changes.
+    trainer.__dict__["beta"] = float(value) if runtime is not None else value
+
+
+#: ``trainer.beta`` of every patched trainer class: β has one owner, the trainer's β controller
+#: (``trainer._adaptive_kl``); the losses read it through this, and assigning it sets the controller's.
+#: Before the trainer is attached (TRL's ``__init__`` sets ``self.beta = args.beta``) it is a plain value.
+trainer_beta = property(_get_beta, _set_beta, doc="β, read from and written to the trainer's β controller")

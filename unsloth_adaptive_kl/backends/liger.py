@@ -25,8 +25,8 @@ same ``(loss, (kl_mean, clip_ratio))`` (``(loss, (clip_ratio,))`` when β is 0).
 ``chunk_size`` is accepted and has no effect: the kernel tiles tokens and vocabulary itself and the
 elementwise loss is a few ``B × T`` tensors, so the whole batch is one chunk.
 
-**β** is read from ``self.beta`` on every call and enters the compiled graph as a tensor (no
-recompilation when it changes). Standalone, a method with a β controller (``dynamic``,
+**β** is ``self.beta``, which is ``self.adaptive_kl.beta`` (the controller's: one owner), read on
+every call; it enters the compiled graph as a tensor (no recompilation when it changes). Standalone, a method with a β controller (``dynamic``,
 ``target``, alone or joined) raises ValueError: a loss module sees no optimizer step to update β
 at. Under ``GRPOTrainer(loss_class=...)`` the module shares the trainer's state, whose controller
 sets β.
@@ -50,97 +50,51 @@ import torch
 from torch import nn
 
 from ..adaptation import AdaptiveKL
-from ..config import DEFAULTS
+from ..config import DEFAULTS, TERM_FIELD_NAMES
 from ..estimators import get_estimator
 from ..shaping import length_normalized_term
 from ._fused_head import check_fused_arguments, fallback_reason, fused_loss
-from ._liger_parts import (  # noqa: F401  (LOSS_TYPES, LossTerms: names of this module's API)
+from ._liger_interface import (  # noqa: F401  (LOSS_TYPES: a name of this module's API)
+    LIGER_PARAMETER_NAMES,
+    LIGER_PARAMETERS,
     LOSS_TYPES,
+    POLICY_PARAMETER_NAMES,
     LossTerms,
-    aggregate,
     check_liger_arguments,
     check_liger_configuration,
     check_liger_version,
-    log_importance_weights,
-    neutral_padding,
-    normaliser_tensor,
-    selected_token_logps,
-    sequence_dynamic,
 )
+from ._liger_parts import aggregate, log_importance_weights, neutral_padding, normaliser_tensor, selected_token_logps, sequence_dynamic
 
 class AdaptiveFusedLinearGRPOLoss(nn.Module):
     """Drop-in for Liger's ``LigerFusedLinearGRPOLoss`` with adaptive KL; see the module docstring.
 
     The arguments before ``kl_adaptation_method`` are Liger 0.8.5's, with its defaults
-    (``chunk_size`` has no effect here). The keyword-only ones are this package's fields of the
-    same names (README, "Fields"), or ``adaptive_kl=``: an :class:`AdaptiveKL` whose β controller
-    the caller runs (``GRPOTrainer(loss_class=...)`` passes the trainer's).
+    (``chunk_size`` has no effect here; the table is ``_liger_interface.LIGER_PARAMETERS``). The
+    keyword-only ones are this package's fields of the same names (README, "Fields"), or
+    ``adaptive_kl=``: an :class:`AdaptiveKL` whose β controller the caller runs
+    (``GRPOTrainer(loss_class=...)`` passes the trainer's).
     """
 
-    def __init__(
-        self,
-        beta: float = 0.04,
-        compiled: bool = True,
-        use_ref_model: bool = True,
-        chunk_size: int = 1,
-        epsilon_low: float = 0.2,
-        epsilon_high: float = 0.2,
-        loss_type: str = "dapo",
-        max_completion_length: int | None = None,
-        importance_sampling_level: str = "token",
-        sapo_temperature_pos: float = 1.0,
-        sapo_temperature_neg: float = 1.05,
-        temperature: float = 1.0,
-        delta: float | None = None,
-        use_bias_correction_kl: bool = False,
-        vespo_k_pos: float = 2.0,
-        vespo_lambda_pos: float = 3.0,
-        vespo_k_neg: float = 3.0,
-        vespo_lambda_neg: float = 2.0,
-        *,
-        kl_adaptation_method: str = DEFAULTS["kl_adaptation_method"],
-        kl_estimator: str = DEFAULTS["kl_estimator"],
-        kl_clip_threshold: float = DEFAULTS["kl_clip_threshold"],
-        kl_target: float = DEFAULTS["kl_target"],
-        kl_bottom_q: float = DEFAULTS["kl_bottom_q"],
-        adaptive_kl: AdaptiveKL | None = None,
-        fused_head: bool | str = "auto",
-        fused_chunk_tokens: int | None = None,
-    ):
+    def __init__(self, *args, **kwargs):
         super().__init__()
+        bound = _SIGNATURE.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        arguments = dict(bound.arguments)
+        del arguments["self"]
         check_liger_version()
-        check_liger_arguments(sapo_temperature_pos, sapo_temperature_neg, delta, loss_type, importance_sampling_level)
-        self.beta = beta
-        self.compiled = compiled
-        self.use_ref_model = use_ref_model
-        self.chunk_size = chunk_size
-        self.epsilon_low = epsilon_low
-        self.epsilon_high = epsilon_high
-        self.loss_type = loss_type
-        self.max_completion_length = max_completion_length
-        self.importance_sampling_level = importance_sampling_level
-        self.sapo_temperature_pos = sapo_temperature_pos
-        self.sapo_temperature_neg = sapo_temperature_neg
-        self.temperature = temperature
-        self.delta = delta
-        self.use_bias_correction_kl = use_bias_correction_kl
-        self.vespo_k_pos = vespo_k_pos
-        self.vespo_lambda_pos = vespo_lambda_pos
-        self.vespo_k_neg = vespo_k_neg
-        self.vespo_lambda_neg = vespo_lambda_neg
-        fields = dict(
-            kl_adaptation_method=kl_adaptation_method,
-            kl_estimator=kl_estimator,
-            kl_clip_threshold=kl_clip_threshold,
-            kl_target=kl_target,
-            kl_bottom_q=kl_bottom_q,
-        )
+        check_liger_arguments(**arguments)
+        for name in LIGER_PARAMETER_NAMES:
+            if name != "beta":  # β lives in the state's controller (the property below)
+                setattr(self, name, arguments[name])
+        fields = {name: arguments[name] for name in TERM_FIELD_NAMES}
+        adaptive_kl = arguments["adaptive_kl"]
         if adaptive_kl is None:
-            config = types.SimpleNamespace(**{**DEFAULTS, **fields}, beta=float(beta))  # the other fields: defaults
+            config = types.SimpleNamespace(**{**DEFAULTS, **fields}, beta=float(arguments["beta"]))  # the other fields: defaults
             self.adaptive_kl = AdaptiveKL(config)
             if self.adaptive_kl.method.controller != "fixed":
                 raise ValueError(
-                    f"kl_adaptation_method={kl_adaptation_method!r} is not valid for a standalone "
+                    f"kl_adaptation_method={fields['kl_adaptation_method']!r} is not valid for a standalone "
                     f"{type(self).__name__}: its β controller ({self.adaptive_kl.method.controller!r}) updates β once per "
                     "optimizer step, which a loss module does not see; allowed: a method without 'dynamic' or 'target' "
                     "(set module.beta yourself), adaptive_kl= (an AdaptiveKL whose controller you run), or "
@@ -148,13 +102,24 @@ class AdaptiveFusedLinearGRPOLoss(nn.Module):
                 )
         else:  # the caller's state (GRPOTrainer(loss_class=...) passes its own), with its controller
             changed = [name for name, value in fields.items() if value != DEFAULTS[name]]
+            if arguments["beta"] not in (_SIGNATURE.parameters["beta"].default, adaptive_kl.beta):
+                changed.append("beta")
             if changed:
                 raise ValueError(f"{changed} given together with adaptive_kl=; allowed: the KL settings in one place (adaptive_kl's)")
             self.adaptive_kl = adaptive_kl
-        check_fused_arguments(fused_head, fused_chunk_tokens)
-        self.fused_head, self.fused_chunk_tokens = fused_head, fused_chunk_tokens
+        check_fused_arguments(arguments["fused_head"], arguments["fused_chunk_tokens"])
+        self.fused_head, self.fused_chunk_tokens = arguments["fused_head"], arguments["fused_chunk_tokens"]
         self.head_path: str | None = None  # "fused" or "log-prob kernel": the path of the last call
         self._compiled_terms, self._warned = None, set()
+
+    @property
+    def beta(self) -> float:
+        """β, read from (and set on) :attr:`adaptive_kl`'s controller: with ``GRPOTrainer(loss_class=...)``, the trainer's."""
+        return self.adaptive_kl.beta
+
+    @beta.setter
+    def beta(self, value) -> None:
+        self.adaptive_kl.beta = value
 
     # -- the override point ----------------------------------------------------------------------------
     def per_token_kl(self, logp: torch.Tensor, ref_logp: torch.Tensor, *, mask: torch.Tensor, statistic: torch.Tensor | None) -> torch.Tensor:
@@ -166,8 +131,8 @@ class AdaptiveFusedLinearGRPOLoss(nn.Module):
         return self.adaptive_kl.term.estimate(logp, ref_logp, mask, statistic)
 
     def kl_terms(self, logp, ref_logp, mask, coef, statistic) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(raw, adapted)`` per-token KL: the core's order (estimator, × importance ratio, clip,
-        sigmoid) with this module's :meth:`per_token_kl` as the estimator."""
+        """``(raw, adapted)`` per-token KL: the core's order (estimator, × importance ratio, the per-token
+        shaping) with this module's :meth:`per_token_kl` as the estimator."""
         return self.adaptive_kl.per_token(logp, ref_logp, mask, coef, statistic, estimator=self.per_token_kl)
 
     # -- Liger's forward ---------------------------------------------------------------------------------
@@ -281,6 +246,7 @@ class AdaptiveFusedLinearGRPOLoss(nn.Module):
             reason = fallback_reason(
                 loss_type=self.loss_type, level=self.importance_sampling_level, with_kl=with_kl, use_ref_model=self.use_ref_model,
                 builtin_estimator=get_estimator(self.adaptive_kl.estimator).builtin, num_items_given=num_items_in_batch is not None,
+                builtin_shaping=all(step.builtin for step in self.adaptive_kl.method.per_token_steps),
                 own_kl=type(self).per_token_kl is not AdaptiveFusedLinearGRPOLoss.per_token_kl,
                 inputs=dict(advantages=advantages, ref_per_token_logps=ref, old_per_token_logps=old, vllm_is_ratio=vllm_is_ratio), head=head,
             )  # fmt: skip
@@ -308,22 +274,11 @@ class AdaptiveFusedLinearGRPOLoss(nn.Module):
             full_attention_mask=mask,
             ref_per_token_logps=None,
             old_per_token_logps=old,
-            epsilon_low=self.epsilon_low,
-            epsilon_high=self.epsilon_high,
             beta=0.0,
-            loss_type=self.loss_type,
-            max_completion_length=self.max_completion_length,
-            importance_sampling_level=self.importance_sampling_level,
-            sapo_temperature_pos=self.sapo_temperature_pos,
-            sapo_temperature_neg=self.sapo_temperature_neg,
             vllm_is_ratio=vllm_is_ratio,
-            delta=self.delta,
             use_bias_correction_kl=False,
-            vespo_k_pos=self.vespo_k_pos,
-            vespo_lambda_pos=self.vespo_lambda_pos,
-            vespo_k_neg=self.vespo_k_neg,
-            vespo_lambda_neg=self.vespo_lambda_neg,
             num_items_in_batch=num_items_in_batch,
+            **{name: getattr(self, name) for name in POLICY_PARAMETER_NAMES},
         )
         clip_ratio = policy_metrics[-1]
         if ref is None:
@@ -351,6 +306,21 @@ class AdaptiveFusedLinearGRPOLoss(nn.Module):
 
 def _is_nonzero(beta) -> bool:
     return float(beta) != 0.0
+
+
+def _signature() -> inspect.Signature:
+    """The constructor's signature: Liger's parameters (positional or keyword, Liger's defaults), then,
+    keyword-only, the KL-term fields (defaults: the config's), ``adaptive_kl`` and the fused-head options."""
+    parameter = inspect.Parameter
+    liger = [parameter(p.name, parameter.POSITIONAL_OR_KEYWORD, default=p.default) for p in LIGER_PARAMETERS]
+    own = {name: DEFAULTS[name] for name in TERM_FIELD_NAMES}
+    own.update(adaptive_kl=None, fused_head="auto", fused_chunk_tokens=None)
+    keyword_only = [parameter(name, parameter.KEYWORD_ONLY, default=default) for name, default in own.items()]
+    return inspect.Signature([parameter("self", parameter.POSITIONAL_OR_KEYWORD), *liger, *keyword_only])
+
+
+_SIGNATURE = _signature()
+AdaptiveFusedLinearGRPOLoss.__init__.__signature__ = _SIGNATURE  # shown by help() and inspect.signature
 
 
 __all__ = ["AdaptiveFusedLinearGRPOLoss", "LossTerms", "aggregate", "check_liger_version", "selected_token_logps"]

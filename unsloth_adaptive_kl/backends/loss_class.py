@@ -23,18 +23,12 @@ from torch import nn
 
 from .. import metrics
 from ..config import fused_head_setting
-from .liger import AdaptiveFusedLinearGRPOLoss, LossTerms, check_liger_version
+from ._liger_interface import LIGER_PARAMETER_NAMES, LIGER_PARAMETERS, LossTerms, check_liger_version
+from .liger import AdaptiveFusedLinearGRPOLoss
 
-_LIGER_INIT_PARAMETERS = (
-    "beta", "compiled", "use_ref_model", "chunk_size", "epsilon_low", "epsilon_high", "loss_type",
-    "max_completion_length", "importance_sampling_level", "sapo_temperature_pos", "sapo_temperature_neg",
-    "temperature", "delta", "use_bias_correction_kl", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
-    "vespo_lambda_neg",
-)  # fmt: skip
-_LIGER_FORWARD_PARAMETERS = (
-    "_input", "lin_weight", "selected_token_ids", "attention_mask", "advantages", "bias", "ref_per_token_logps",
-    "old_per_token_logps", "ref_input", "ref_weight", "ref_bias", "vllm_is_ratio", "num_items_in_batch",
-)  # fmt: skip
+#: What a foreign ``loss_class`` must accept: Liger's constructor and forward arguments.
+_LIGER_INIT_PARAMETERS = LIGER_PARAMETER_NAMES
+_LIGER_FORWARD_PARAMETERS = tuple(inspect.signature(AdaptiveFusedLinearGRPOLoss.forward).parameters)[1:]
 
 
 def check_loss_class(loss_class) -> None:
@@ -70,32 +64,11 @@ def _check_trainer_supported(trainer) -> None:
 
 def module_arguments(trainer, loss_class) -> dict:
     """The constructor arguments for ``loss_class``, from ``trainer.args`` (TRL's meaning of each field)."""
-    args = trainer.args  # each field read where TRL's _compute_loss reads it (trainer attribute or args)
-    loss_type, max_completion_length = trainer.loss_type, trainer.max_completion_length
-    if loss_type == "luspo":  # TRL's luspo == Liger's dr_grpo with normaliser B * 1 (module docstring)
-        loss_type, max_completion_length = "dr_grpo", 1
-    kwargs = dict(
-        beta=trainer.beta,
-        compiled=trainer.accelerator.device.type == "cuda",
-        use_ref_model=trainer.beta != 0.0,
-        chunk_size=1,
-        epsilon_low=trainer.epsilon_low,
-        epsilon_high=trainer.epsilon_high,
-        loss_type=loss_type,
-        max_completion_length=max_completion_length,
-        importance_sampling_level=trainer.importance_sampling_level,
-        sapo_temperature_pos=args.sapo_temperature_pos,
-        sapo_temperature_neg=args.sapo_temperature_neg,
-        temperature=trainer.temperature,
-        delta=args.delta,
-        use_bias_correction_kl=args.use_bias_correction_kl,
-        vespo_k_pos=args.vespo_k_pos,
-        vespo_lambda_pos=args.vespo_lambda_pos,
-        vespo_k_neg=args.vespo_k_neg,
-        vespo_lambda_neg=args.vespo_lambda_neg,
-    )
+    kwargs = {p.name: p.from_trainer(trainer) for p in LIGER_PARAMETERS}
+    if kwargs["loss_type"] == "luspo":  # TRL's luspo == Liger's dr_grpo with normaliser B * 1 (module docstring)
+        kwargs.update(loss_type="dr_grpo", max_completion_length=1)
     if "fused_head" in inspect.signature(loss_class).parameters:  # ours; Liger's own class has no fused head
-        kwargs["fused_head"] = fused_head_setting(getattr(args, "liger_fused_head", "auto"))
+        kwargs["fused_head"] = fused_head_setting(getattr(trainer.args, "liger_fused_head", "auto"))
     return kwargs  # the adaptive-KL fields reach the module as the trainer's state (make_loss_module)
 
 
@@ -147,9 +120,11 @@ def compute_loss(trainer, model, inputs):
     accumulation = trainer.current_gradient_accumulation_steps if mode == "train" else 1
     generation_split = trainer.args.steps_per_generation if mode == "train" else 1
     beta = trainer.beta
-    module.beta, module.use_ref_model = beta, beta != 0.0
+    module.use_ref_model = beta != 0.0
     if isinstance(module, AdaptiveFusedLinearGRPOLoss):
-        module.adaptive_kl = trainer._adaptive_kl
+        module.adaptive_kl = trainer._adaptive_kl  # its β is the trainer's (one owner: the controller)
+    else:
+        module.beta = beta  # Liger's own class keeps a plain attribute
     mask = inputs["completion_mask"] if "tool_mask" not in inputs else inputs["completion_mask"] * inputs["tool_mask"]
     _, head = _backbone_and_head(trainer.accelerator.unwrap_model(model))
     vllm_ratio = inputs.get("importance_sampling_ratio") if trainer.use_vllm and trainer.vllm_importance_sampling_correction else None

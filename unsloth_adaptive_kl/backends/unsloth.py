@@ -10,7 +10,7 @@ anchor (in the generated module)   replacement                                  
 =================================  =============================================  ==========================================
 ``kl_i = expm1(r) - r``            ``kl_i = adaptive_kl.estimate(...)``           the configured estimator on Unsloth's
                                                                                   clamped log-ratio (k3 stays Unsloth's)
-``kl_i = clamp(kl_i, -10, 10)``    ``adaptive_kl_i = adaptive_kl.term.shape(..)``  clip / sigmoid after Unsloth's clamps
+``kl_i = clamp(kl_i, -10, 10)``    ``adaptive_kl_i = adaptive_kl.term.shape(..)``  the per-token shaping, after Unsloth's clamps
 ``loss_i + beta * kl_i``           ``loss_i + adaptive_kl.beta * adaptive_kl_i``  β from the controller, as a 0-dim tensor
 ``masked_batch_mean(kl_metric)``   ``adaptive_kl.finish(...)``                    length-normalised term; the metric sums
 ``accumulated_mean_kl = zeros(1)``  ``zeros(STATS_SIZE)``                          room for the sums in the ``mean_kl`` slot
