@@ -6,9 +6,11 @@ Paths, all in one process on the same inputs:
 * TRL 1.15's fused LM head: ``trl.kernels.ChunkedLogProbFunction`` on the valid tokens, then the
   elementwise GRPO loss (what ``GRPOTrainer._compute_loss`` does);
 * materialised logits: ``log_softmax(hidden @ W.T)``, then the same elementwise loss;
-* ``AdaptiveFusedLinearGRPOLoss`` (this package) for each ``kl_adaptation_method``;
-* with ``--fused-chunks``, the same with ``fused_head=True`` (the gradient computed in the forward,
-  3 GEMMs), one set of rows per chunk size (``auto``: the module's memory rule).
+* ``AdaptiveFusedLinearGRPOLoss`` (this package) for each ``kl_adaptation_method`` on the log-prob
+  kernel path (``fused_head=False``; ``--tiles``: one set of rows per kernel tile);
+* with ``--fused-chunks``, the same with the fused head (its default where exact; the gradient computed
+  in the forward, 3 GEMMs), one set of rows per chunk size (``auto``: the module's rule);
+  ``--fused-blocks``: one more set per Triton block width.
 
 Time is the median of ``--iters`` forward+backward calls after ``--warmup`` calls; peak memory is
 ``torch.cuda.max_memory_allocated`` during those calls (inputs and weights included). Prints a
@@ -57,7 +59,7 @@ def parse_args(argv=None):
     parser.add_argument(
         "--tiles", default="4096x32768",
         help="comma-separated TOKENSxVOCAB tile shapes for the adaptive module's log-prob kernel (TRL's "
-        "TOKEN_CHUNK_SIZE x this package's VOCAB_TILE); each adds rows 'AdaptiveFusedLinearGRPOLoss (METHOD, tile TxV)'. "
+        "TOKEN_CHUNK_SIZE x this package's VOCAB_TILE); each adds rows 'AdaptiveFusedLinearGRPOLoss (METHOD, log-prob kernel, tile TxV)'. "
         "The first is the default; e.g. 4096x32768,2048x65536,1024x131072 (same buffer, fewer kernel launches)",
     )
     parser.add_argument(
@@ -65,8 +67,21 @@ def parse_args(argv=None):
         help="comma-separated token chunk sizes for the module with fused_head=True ('auto': its memory rule); each adds "
         "rows 'AdaptiveFusedLinearGRPOLoss (METHOD, fused head, chunk C)'. Default: none",
     )
+    parser.add_argument(
+        "--fused-blocks", default="",
+        help="comma-separated vocabulary widths per Triton program of the fused head's two passes over the logits "
+        "(default 1024); each adds rows 'AdaptiveFusedLinearGRPOLoss (METHOD, fused head, chunk auto, block K)'",
+    )
     parser.add_argument("--peak-tflops", type=float, help="bf16 dense peak of the GPU for the GEMM floor (default: from the device name)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on CPU, eager (compiled=False)")
+    parser.add_argument(
+        "--recompile-loop", action="store_true",
+        help="instead of timing: the realistic loop of bench/recompile_loop.py (compiled module, B 8, H 1024, V 32000, "
+        "lengths 300-1030, num_items_in_batch an int and a tensor in turn, β changing) for every loss type × method × head; "
+        "prints the graphs compiled in calls 1-2 + after them (the target: +0)",
+    )
+    parser.add_argument("--loop-calls", type=int, default=8, help="calls per configuration in --recompile-loop")
+    parser.add_argument("--loop-workers", type=int, default=8, help="processes compiling configurations in parallel in --recompile-loop")
     args = parser.parse_args(argv)
     if args.smoke:
         args.tokens, args.seq_len, args.hidden, args.vocab, args.dtype, args.iters, args.warmup = 64, 16, 32, 300, "fp32", 2, 1
@@ -82,6 +97,10 @@ def parse_args(argv=None):
     if not all(c == "auto" or (c.isdigit() and int(c) > 0) for c in chunks):
         parser.error(f"--fused-chunks: {args.fused_chunks!r} is not a list of 'auto' or positive integers")
     args.fused_chunks = [None if c == "auto" else int(c) for c in chunks]
+    blocks = [b.strip() for b in args.fused_blocks.split(",") if b.strip()]
+    if not all(b.isdigit() and int(b) >= 16 and int(b) & (int(b) - 1) == 0 for b in blocks):
+        parser.error(f"--fused-blocks: {args.fused_blocks!r} is not a list of powers of two >= 16")
+    args.fused_blocks = [int(b) for b in blocks]
     return args
 
 
@@ -173,15 +192,28 @@ def paths(args):
     yield "materialised logits", materialised_logits
     for index, tile in enumerate(args.tiles):
         for method in args.methods.split(","):
-            module = AdaptiveFusedLinearGRPOLoss(compiled=compiled, adaptive_kl=adaptive_state(method, args), **common)
+            module = AdaptiveFusedLinearGRPOLoss(compiled=compiled, adaptive_kl=adaptive_state(method, args), fused_head=False, **common)
             suffix = "" if index == 0 else f", tile {tile[0]}x{tile[1]}"
-            yield f"AdaptiveFusedLinearGRPOLoss ({method}{suffix})", with_tile(tile, module_path(module))
+            yield f"AdaptiveFusedLinearGRPOLoss ({method}, log-prob kernel{suffix})", with_tile(tile, module_path(module))
     for chunk in args.fused_chunks:
         for method in args.methods.split(","):
             module = AdaptiveFusedLinearGRPOLoss(
                 compiled=compiled, adaptive_kl=adaptive_state(method, args), fused_head=True, fused_chunk_tokens=chunk, **common
             )
             yield f"AdaptiveFusedLinearGRPOLoss ({method}, fused head, chunk {chunk or 'auto'})", fused_path(module)
+    yield from blocked_paths(args, common, compiled)
+
+
+def blocked_paths(args, common, compiled):
+    """The fused head (chunks auto) with the Triton passes' vocabulary block of each ``--fused-blocks``."""
+    from unsloth_adaptive_kl.backends.liger import AdaptiveFusedLinearGRPOLoss
+
+    for block in args.fused_blocks:
+        for method in args.methods.split(","):
+            module = AdaptiveFusedLinearGRPOLoss(compiled=compiled, adaptive_kl=adaptive_state(method, args), fused_head=True, **common)
+            run = fused_path(module)
+            run.block = block
+            yield f"AdaptiveFusedLinearGRPOLoss ({method}, fused head, chunk auto, block {block})", run
 
 
 def fused_path(module):
@@ -229,13 +261,28 @@ def tiled(tile):
         chunked_logprob.TOKEN_CHUNK_SIZE, _liger_parts.VOCAB_TILE = saved
 
 
+@contextlib.contextmanager
+def fused_block(block):
+    """The fused head's Triton passes with ``block`` vocabulary columns per program inside; None: unchanged."""
+    if block is None:
+        yield
+        return
+    from unsloth_adaptive_kl.backends import _fused_head
+
+    saved, _fused_head.BLOCK = _fused_head.BLOCK, block
+    try:
+        yield
+    finally:
+        _fused_head.BLOCK = saved
+
+
 # -- measuring ------------------------------------------------------------------------------------------------
 def measure(fn, x, args, device):
     cuda = device.type == "cuda"
 
     def step():
         x["hidden"].grad = x["weight"].grad = None
-        with tiled(getattr(fn, "tile", None)):
+        with tiled(getattr(fn, "tile", None)), fused_block(getattr(fn, "block", None)):
             fn(x, args).backward()
 
     for _ in range(args.warmup):
@@ -269,12 +316,45 @@ def table(rows, baseline_name, floor_ms=None) -> str:
     return "\n".join(lines)
 
 
+def run_recompile_loop(args, argv) -> int:
+    import recompile_loop
+
+    cuda = torch.cuda.is_available() and not args.smoke
+    base = dict(calls=args.loop_calls, batch=8, lengths=(300, 1030), hidden=1024, vocab=32000, dtype="bfloat16", device="cuda", num_items="mixed", backend=None)
+    grid = {}
+    if not cuda:  # dynamo only, tiny: what the CPU can do in seconds per configuration
+        base.update(batch=3, lengths=(5, 24), hidden=8, vocab=40, dtype="float64", device="cpu", backend="eager")
+        grid = dict(loss_types=("dapo", "luspo"), methods=("none", "dynamic+length_normalized"))
+    start = time.perf_counter()
+    def report(r):
+        print(f"{r['loss_type']} {r['method']} {r['head']}: graphs per call {r['graphs']}, first two calls {sum(r['seconds'][:2]):.1f} s", flush=True)
+
+    results = recompile_loop.grid(base, workers=args.loop_workers if cuda else 1, on_result=report, **grid)
+    print(f"machine: {torch.cuda.get_device_name() if cuda else platform.machine()}; torch {torch.__version__}")
+    print(f"command: python bench/bench_liger.py {' '.join(argv if argv is not None else sys.argv[1:])}")
+    print(f"loop: {base}; {len(results)} configurations in {time.perf_counter() - start:.0f} s\n")
+    print("graphs compiled in calls 1-2 + after call 2 (target: +0), per loss type, head and kl_adaptation_method:\n")
+    print(recompile_loop.table(results))
+    bad = [r for r in results if recompile_loop.after_warmup(r)]
+    for r in bad:
+        print(f"\n{r['loss_type']} {r['method']} {r['head']}: graphs per call {r['graphs']}; reasons:\n" + "\n".join(r["reasons"][-3:]))
+    warm = [s for r in results for s in r["seconds"][2:]]
+    first = [sum(r["seconds"][:2]) for r in results]
+    print(f"\ncalls 1-2 (compiling): median {statistics.median(first):.1f} s, max {max(first):.1f} s per configuration; "
+          f"later calls: median {statistics.median(warm) * 1e3:.1f} ms, max {max(warm) * 1e3:.1f} ms")  # fmt: skip
+    print("recompiles after warm-up: " + ("none" if not bad else f"{len(bad)} configurations"))
+    return 0 if not bad else 1
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.recompile_loop:
+        return run_recompile_loop(args, argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     x = make_inputs(args, device)
     rows = []
     for name, fn in paths(args):
+        torch._dynamo.reset()  # every module compiles the same function: past recompile_limit (8) later rows ran uncompiled
         ms, peak = measure(fn, x, args, device)
         if getattr(fn, "module", None) is not None and fn.module.head_path != "fused":
             name += f" [ran the {fn.module.head_path} path]"

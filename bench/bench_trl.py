@@ -57,14 +57,18 @@ def parse_args(argv=None):
     return args
 
 
-def make_row(key, *, args, model, ref_model, optimizer, batch, tokenizer):
+def make_row(key, *, args, model, ref_model, optimizer, batch, tokenizer, loss_class=None, fused_head=None, name=None):
+    """The row ``key`` (``_common.ROW_KEYS``); with ``loss_class``, trained through ``GRPOTrainer(loss_class=...)``,
+    its module's ``fused_head`` set to ``fused_head`` unless None, named ``name``."""
     import unsloth_adaptive_kl
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
     from trl.trainer import grpo_trainer
 
-    name, fields = _common.row_name_and_fields(key, STOCK)
+    default_name, fields = _common.row_name_and_fields(key, STOCK)
+    name = name or default_name
     patched = key != "stock"
+    extra = {} if loss_class is None else {"loss_class": loss_class}
     (unsloth_adaptive_kl.patch if patched else unsloth_adaptive_kl.unpatch)()
     config = GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="bench-trl-"), report_to="none", per_device_train_batch_size=args.batch,
@@ -76,7 +80,12 @@ def make_row(key, *, args, model, ref_model, optimizer, batch, tokenizer):
     if "ref" in getattr(model, "peft_config", {}):
         model.delete_adapter("ref")  # TRL adds its own copy of the adapter as the reference, once per trainer
     with _common.shared_reference(grpo_trainer, ref_model) if ref_model is not None else contextlib.nullcontext():
-        trainer = GRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=[lambda completions, **k: [0.0] * len(completions)], args=config, train_dataset=dataset)
+        trainer = GRPOTrainer(
+            model=model, processing_class=tokenizer, reward_funcs=[lambda completions, **k: [0.0] * len(completions)], args=config,
+            train_dataset=dataset, **extra,
+        )  # fmt: skip
+    if fused_head is not None:
+        trainer._adaptive_loss_module.fused_head = fused_head
     trainer.current_gradient_accumulation_steps = 1  # set by the training loop, which does not run here
     model.train()
     step = _common.training_step(trainer, model, optimizer, batch)
@@ -84,7 +93,16 @@ def make_row(key, *, args, model, ref_model, optimizer, batch, tokenizer):
     def activate():
         (unsloth_adaptive_kl.patch if patched else unsloth_adaptive_kl.unpatch)()
 
-    return _common.Row(name=name, step=step, activate=activate, info={"beta_start": float(trainer.beta)}), trainer
+    info = {"beta_start": float(trainer.beta)}
+    module = getattr(trainer, "_adaptive_loss_module", None)
+    if module is not None:  # the raw timings record the LM-head path the module's last call ran
+        train_step = step
+
+        def step():
+            train_step()
+            info["head_path"] = module.head_path
+
+    return _common.Row(name=name, step=step, activate=activate, info=info), trainer
 
 
 def build_rows(args, common) -> tuple[list, list]:
@@ -105,7 +123,8 @@ def memory_estimate(mode, args) -> str:
     return f"estimated: {resident:.1f} GiB resident + {during + activations:.1f} GiB per step ({activations:.1f} GiB activations of {tokens:,} tokens)"
 
 
-def run_mode(mode, args, report, deadline):
+def run_mode(mode, args, report, deadline, build=build_rows):
+    """One mode's rows (``build(args, common)``: rows and their trainers), interleaved until ``deadline``."""
     device = torch.device("cpu" if args.smoke else "cuda")
     dtype = torch.float32 if args.smoke else torch.bfloat16
     tokenizer = _common.build_tokenizer(args.vocab)
@@ -123,23 +142,25 @@ def run_mode(mode, args, report, deadline):
         batch=args.batch, prompt_len=args.prompt, min_completion=args.min_completion, max_completion=args.max_completion, vocab=args.vocab, device=device
     )  # fmt: skip
     common = dict(args=args, model=model, ref_model=ref_model, optimizer=optimizer, batch=batch, tokenizer=tokenizer)
-    rows, trainers = build_rows(args, common)
+    rows, trainers = build(args, common)
     title = f"{mode}: {'LoRA r=16' if mode == 'lora' else 'full fine-tuning, separate reference model'}"
     note = f"trainable parameters: {sum(p.numel() for p in params):,}; memory {memory_estimate(mode, args)}"
     _common.time_mode(report, title, rows, trainers, STOCK, note, args, device, deadline)
     return rows
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def main(argv=None, *, args=None, script="bench_trl.py", title="TRL backend: training part of a GRPO step", build=build_rows) -> int:
+    """The benchmark; ``args`` (parsed already), ``script``, ``title`` and ``build`` (the rows) let another
+    script run its own rows through the same method (bench_loss_class.py)."""
+    args = args or parse_args(argv)
     if not args.smoke and not torch.cuda.is_available():
-        sys.exit("bench_trl.py needs a CUDA GPU (or --smoke for a CPU pass)")
+        sys.exit(f"{script} needs a CUDA GPU (or --smoke for a CPU pass)")
     start = time.monotonic()
     import unsloth_adaptive_kl  # noqa: F401
 
     precision = f", {'float32' if args.smoke else 'bf16'}"
-    header = _common.step_header("bench_trl.py", "TRL backend: training part of a GRPO step", args, argv, precision=precision)
-    return _common.run_report(args, start, header, lambda mode, report, deadline: run_mode(mode, args, report, deadline))
+    header = _common.step_header(script, title, args, argv, precision=precision)
+    return _common.run_report(args, start, header, lambda mode, report, deadline: run_mode(mode, args, report, deadline, build=build))
 
 
 if __name__ == "__main__":

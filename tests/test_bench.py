@@ -2,6 +2,7 @@
 the CPU smoke paths of bench_trl.py and bench_unsloth.py (TRITON_INTERPRET=1): the scripts the GPU run
 (scripts/gpu/verify.sh, stage bench-1b) depends on."""
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -42,25 +43,50 @@ def test_gemm_floor_is_three_gemms_at_the_peak():
     assert bench_liger.peak_tflops("Some GPU", None) is None and bench_liger.peak_tflops("Some GPU", 500.0) == 500.0
 
 
+def loss_and_grads_per_setting(fused_head, settings, context):
+    """bench_liger's module path on the smoke inputs, once inside ``context(setting)`` for each of ``settings``."""
+    from unsloth_adaptive_kl.backends import liger
+
+    args = bench_liger.parse_args(["--smoke"])
+    x = bench_liger.make_inputs(args, torch.device("cpu"))
+    module = liger.AdaptiveFusedLinearGRPOLoss(compiled=False, beta=0.04, loss_type="dapo", kl_adaptation_method="clip", fused_head=fused_head)
+    results = []
+    for setting in settings:
+        x["hidden"].grad = x["weight"].grad = None
+        with context(setting):
+            loss = bench_liger.module_path(module)(x, args)
+            loss.backward()
+        results.append((loss.detach(), x["hidden"].grad.clone(), x["weight"].grad.clone()))
+    assert module.head_path == ("fused" if fused_head else "log-prob kernel")
+    return results
+
+
 def test_a_smaller_kernel_tile_gives_the_same_loss_and_gradients(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     from trl.kernels import chunked_logprob
 
-    from unsloth_adaptive_kl.backends import _liger_parts, liger
+    from unsloth_adaptive_kl.backends import _liger_parts
 
-    args = bench_liger.parse_args(["--smoke"])
-    x = bench_liger.make_inputs(args, torch.device("cpu"))
-    module = liger.AdaptiveFusedLinearGRPOLoss(compiled=False, beta=0.04, loss_type="dapo", kl_adaptation_method="clip")
-    results = []
-    for tile in (None, (16, 128)):  # 64 tokens x 300 vocabulary: 4 token tiles x 3 vocabulary tiles
-        x["hidden"].grad = x["weight"].grad = None
+    @contextlib.contextmanager
+    def tile_checked(tile):
         with bench_liger.tiled(tile):
             if tile is not None:
                 assert (chunked_logprob.TOKEN_CHUNK_SIZE, _liger_parts.VOCAB_TILE) == tile
-            loss = bench_liger.module_path(module)(x, args)
-            loss.backward()
-        results.append((loss.detach(), x["hidden"].grad.clone(), x["weight"].grad.clone()))
+            yield
+
+    # 64 tokens x 300 vocabulary: 4 token tiles x 3 vocabulary tiles
+    results = loss_and_grads_per_setting(False, (None, (16, 128)), tile_checked)
     assert (chunked_logprob.TOKEN_CHUNK_SIZE, _liger_parts.VOCAB_TILE) == (4096, 32768)  # restored
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_narrower_fused_block_gives_the_same_loss_and_gradients(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from unsloth_adaptive_kl.backends import _fused_head
+
+    results = loss_and_grads_per_setting(True, (None, 64), bench_liger.fused_block)  # 300 columns: 1 block, then 5
+    assert _fused_head.BLOCK == 1024  # restored
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
@@ -178,6 +204,37 @@ def test_bench_trl_smoke_times_interleaved_rows_and_moves_beta_only_where_asked(
     # the dynamic controller ran at every step end: 0.04 * 0.9 ** (1 first warm-up + 2 rounds x 2 timed)
     assert rows["dynamic"]["beta_now"] == pytest.approx(0.04 * 0.9**5)
     assert rows["beta -> 0 (dynamic, beta_min=0)"]["beta_now"] == 0.0
+
+
+def test_bench_loss_class_smoke_times_the_module_through_trl_on_each_head(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    import bench_loss_class
+
+    import unsloth_adaptive_kl
+
+    out = tmp_path / "loss-class.md"
+    try:
+        assert bench_loss_class.main(["--smoke", "--rounds", "2", "--out", str(out)]) == 0
+    finally:
+        unsloth_adaptive_kl.patch()  # the stock row unpatches; leave the suite patched, as it started
+    text = out.read_text()
+    assert "### full: full fine-tuning" in text and "rounds completed: 2 of 2" in text
+    (raw,) = json.loads((tmp_path / "loss-class.md.json").read_text()).values()
+    rows = {r["name"]: r for r in raw}
+    assert list(rows) == list(bench_loss_class.ROWS)
+    assert all(r["rounds"] == [0, 1] and min(r["times_s"]) > 0 for r in rows.values())
+    # each module ran the head its row names; the stock row has no module
+    assert "head_path" not in rows["stock TRL (unpatched)"]
+    assert rows["loss_class (fused head)"]["head_path"] == rows["loss_class target (fused head)"]["head_path"] == "fused"
+    assert rows["loss_class (log-prob kernel)"]["head_path"] == "log-prob kernel"
+    assert rows["loss_class target (fused head)"]["beta_now"] != rows["loss_class target (fused head)"]["beta_start"]
+
+
+def test_bench_liger_recompile_loop_smoke_counts_graphs_per_call(capsys):
+    assert bench_liger.main(["--recompile-loop", "--smoke", "--loop-calls", "3"]) == 0
+    text = capsys.readouterr().out
+    assert "| dapo | fused | 2+0 | 2+0 |" in text and "| luspo | log-prob kernel | 1+0 | 1+0 |" in text
+    assert "recompiles after warm-up: none" in text
 
 
 @pytest.mark.skipif(importlib.util.find_spec("unsloth") is None, reason="unsloth is not installed")

@@ -49,6 +49,15 @@ def test_fields_parse_from_cli_flags_and_yaml(tmp_path):
     assert (from_yaml.kl_adaptation_method, from_yaml.reward_threshold, from_yaml.beta_schedule_steps) == ("dynamic", 0.5, 7)
 
 
+@pytest.mark.parametrize("given, setting", [(None, "auto"), ("auto", "auto"), ("false", False), ("True", True)])
+def test_liger_fused_head_from_the_command_line(tmp_path, given, setting):
+    from unsloth_adaptive_kl.config import fused_head_setting
+
+    flags = [] if given is None else ["--liger_fused_head", given]
+    (cli,) = HfArgumentParser(GRPOConfig).parse_args_into_dataclasses(["--output_dir", str(tmp_path), "--use_cpu", "--bf16", "False", *flags])
+    assert fused_head_setting(cli.liger_fused_head) == setting
+
+
 def test_a_registered_methods_parameters_are_set_from_the_config_yaml_and_flags_and_checked(tmp_path):
     from trl import TrlParser
 
@@ -121,6 +130,8 @@ BAD = [
     (dict(reward_threshold=float("nan")), "reward_threshold", "nan"),
     (dict(beta=0.0, kl_adaptation_method="dynamic"), "beta", "0.0"),
     (dict(beta=0.0, kl_adaptation_method="clip"), "beta", "0.0"),
+    (dict(liger_fused_head="yes"), "liger_fused_head", "yes"),
+    (dict(liger_fused_head=1), "liger_fused_head", "1"),
 ]
 
 

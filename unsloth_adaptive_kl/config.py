@@ -102,6 +102,14 @@ FIELDS: tuple[FieldSpec, ...] = (
         "'bottom_q' estimator: the fraction [0.01, 1] of valid tokens, lowest reference log-prob first, that get "
         "the KL (scaled by 1 / kl_bottom_q, so at most 100x).",
     ),
+    FieldSpec(
+        "liger_fused_head",
+        str,
+        "auto",
+        "GRPOTrainer(loss_class=AdaptiveFusedLinearGRPOLoss) only: the fused LM head (gradient in the forward, 3 GEMMs "
+        "instead of 4). 'auto': wherever it is exact (else TRL's log-prob kernel); true: required (a call where it is "
+        "not exact warns with the reason); false: never.",
+    ),
 )
 
 FIELD_NAMES = tuple(f.name for f in FIELDS)
@@ -148,6 +156,19 @@ def _checked_number(name: str, value, *, integer: bool = False) -> float:
 def _require(condition: bool, name: str, value, allowed: str) -> None:
     if not condition:
         raise ValueError(f"{name}={value!r} is not valid; allowed: {allowed}")
+
+
+def fused_head_setting(value, name: str = "liger_fused_head"):
+    """The Liger module's ``fused_head`` (``"auto"``, True or False) for a config value: those, or the strings
+    ``"true"``/``"false"`` (a command line gives strings); ValueError otherwise."""
+    if isinstance(value, bool) or value == "auto":
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    raise ValueError(
+        f"{name}={value!r} is not valid; allowed: 'auto' (the fused LM head wherever it is exact), true (required: "
+        "a fallback warns with its reason) or false (TRL's log-prob kernel)"
+    )
 
 
 def _check_parameter(parameter: Parameter, label: str, value):
@@ -222,6 +243,7 @@ def validate(config) -> Method:
     _require(steps >= 0, "beta_schedule_steps", steps, "an integer >= 0")
     q = _number(config, "kl_bottom_q")
     _require(MIN_BOTTOM_Q <= q <= 1, "kl_bottom_q", q, f"a number in [{MIN_BOTTOM_Q}, 1] (bottom_q scales the KL by 1 / q)")
+    fused_head_setting(config.liger_fused_head)
     _require(beta >= 0, "beta", beta, "a number >= 0")
     beta_min = _number(config, "beta_min")
     _require(0 <= beta_min <= beta, "beta_min", beta_min, f"a number in [0, beta={beta}]")

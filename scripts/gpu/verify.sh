@@ -18,6 +18,8 @@
 # included), and bench_unsloth.py, LoRA, 8 completions per step (budget 165 s, import and compilation included);
 # writes bench-liger-fused.log, bench-trl.md, bench-unsloth.md (tables rewritten after
 # every round) and bench-1b-raw.tar.gz (bench-trl.md.json, bench-unsloth.md.json: every timing; both logs).
+# perf2 (issue 22, one GPU, <= 540 s): tests/gpu/test_liger_gpu.py, bench_liger.py --recompile-loop, the fused head's
+# chunk schedules (auto: one chunk, no fp32 accumulator; 4096: the former default), bench_loss_class.py (budget 90 s).
 # multi-gpu (2 GPUs): examples/multi_gpu/check_ranks.py for each of MULTI_GPU_RUNS (below): DDP, FSDP2, FSDP2 with a
 # LoRA adapter, DeepSpeed ZeRO-2 and ZeRO-3 (full fine-tuning), and the Unsloth backend (LoRA) under DDP;
 # multi-gpu:NAME,NAME runs those only (6 runs do not fit one 10-minute call: see docs/gpu-verification.md).
@@ -74,8 +76,8 @@ for stage in "$@"; do
     machine)
       nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/machine.txt"
       python -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(), torch.cuda.get_device_capability())" | tee -a "$OUT/machine.txt" ;;
-    tests)
-      UAKL_GPU_REPORT="$OUT/gpu-report.json" timeout 540 python -m pytest -q -s -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu-tests.log" | grep -E "passed|failed|Error|FAIL" | tail -30 ;;
+    tests)  # the Unsloth GPU tests (tests/gpu/test_liger_gpu.py runs in stage perf2)
+      UAKL_GPU_REPORT="$OUT/gpu-report.json" timeout 540 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_unsloth_gpu.py 2>&1 | tee "$OUT/gpu-tests.log" | grep -E "passed|failed|Error|FAIL" | tail -30 ;;
     unsloth-line)  # issue 9, point 6: a few methods as 16-bit LoRA and 4-bit QLoRA on the Unsloth stack whose site is on PYTHONPATH
       line=$(python -c "import importlib.metadata as m; print('-'.join(m.version(d) for d in ('unsloth', 'unsloth_zoo', 'trl', 'transformers')))")
       echo "unsloth-unsloth_zoo-trl-transformers: $line" | tee -a "$OUT/unsloth-line.txt"
@@ -116,6 +118,15 @@ for stage in "$@"; do
       timeout 170 python blackwell/test_adaptive_kl_grpo.py --steps 4 --methods none,dynamic --output-dir "$OUT/demo-check" 2>&1 | tee "$OUT/demo-check.log" | tail -30 ;;
     demo-beta03)
       timeout 420 python blackwell/test_adaptive_kl_grpo.py --seeds 3 --beta 0.3 --steps 150 --methods none,length_normalized,dynamic,clip --jobs 12 --output-dir "$OUT/demo-beta03" 2>&1 | tee "$OUT/demo-beta03.log" | grep -v "^\[" | tail -25 ;;
+    perf2)  # issue 22 (one GPU, <= 540 s): Liger GPU tests (realistic loop subset, fused head vs kernel in bf16), the
+      # realistic loop for every loss type x method x head, the fused head's chunk schedules, loss_class= vs TRL end to end
+      timeout 140 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_liger_gpu.py 2>&1 | tee "$OUT/gpu-liger-tests.log" \
+        | grep -E "passed|failed|Error|FAIL|relative error|^\|" | tail -50
+      timeout 160 python bench/bench_liger.py --recompile-loop --loop-calls 6 --loop-workers 12 > "$OUT/recompile-loop.log" 2> /tmp/recompile-loop.err
+      echo "recompile loop exit status $?"; grep -v ": graphs per call" "$OUT/recompile-loop.log" | tail -30
+      timeout 130 python bench/bench_liger.py --methods none,target --fused-chunks auto,4096 --fused-blocks 4096 2>&1 | tee "$OUT/bench-liger-fused.log" | grep -v "^measured" | tail -22
+      timeout 110 python bench/bench_loss_class.py --budget 90 --out "$OUT/bench-loss-class.md" > /tmp/bench-loss-class.log 2>&1
+      echo "bench_loss_class exit status $?"; cat "$OUT/bench-loss-class.md" 2>/dev/null || tail -30 /tmp/bench-loss-class.log ;;
     bench-1b)
       timeout 130 python bench/bench_liger.py --methods none,target --fused-chunks auto,1024 2>&1 | tee "$OUT/bench-liger-fused.log" | grep -v "^measured" | tail -22
       timeout 200 python bench/bench_trl.py --modes lora,full --budget 165 --out "$OUT/bench-trl.md" > /tmp/bench-trl.log 2>&1

@@ -42,9 +42,10 @@ def make_batch(dtype=torch.float64, seed=0, vocab=V, with_bias=True):
 
 
 def module(loss_type="dapo", method="none", estimator="k3", **kwargs):
-    """A module whose KL state is built from ``method`` (with a controller, as GRPOTrainer(loss_class=...) passes it)."""
+    """A module whose KL state is built from ``method`` (with a controller, as GRPOTrainer(loss_class=...) passes it);
+    the log-prob kernel path unless ``fused_head`` is given (the comparisons' reference)."""
     fields = {**DEFAULTS, "kl_adaptation_method": method, "kl_estimator": estimator, "beta": kwargs.get("beta", 0.1), "kl_bottom_q": 0.3}
-    kwargs = {"beta": 0.1, "compiled": False, "loss_type": loss_type, "max_completion_length": T, **kwargs}
+    kwargs = {"beta": 0.1, "compiled": False, "loss_type": loss_type, "max_completion_length": T, "fused_head": False, **kwargs}
     if loss_type == "cispo":
         kwargs.setdefault("epsilon_high", 5.0)
     return AdaptiveFusedLinearGRPOLoss(adaptive_kl=AdaptiveKL(types.SimpleNamespace(**fields)), **kwargs)
@@ -221,6 +222,7 @@ FALLBACKS = {
     "use_ref_model=False": lambda: dict(mod=module("dapo", use_ref_model=False, fused_head=True)),
     "per_token_kl is overridden": lambda: dict(mod=_overridden_kl_module(fused_head=True)),
     "require grad": lambda: dict(mod=module("dapo", fused_head=True), grad_key="advantages"),
+    "different dtypes": lambda: dict(mod=module("dapo", fused_head=True), cast=("lin_weight", torch.float64)),
 }
 
 
@@ -230,6 +232,8 @@ def test_fallback_where_not_exact_is_named_and_equals_the_kernel_path(reason):
     mod, batch = case["mod"], make_batch(torch.float32)
     if "grad_key" in case:
         batch[case["grad_key"]] = batch[case["grad_key"]].clone().requires_grad_(True)
+    if "cast" in case:
+        batch[case["cast"][0]] = batch[case["cast"][0]].to(case["cast"][1])
     with pytest.warns(UserWarning, match=reason):
         ours = run(mod, batch)
     assert mod.head_path == "log-prob kernel"
@@ -267,6 +271,24 @@ def test_the_path_is_named_and_a_fallback_warns_once():
         run(mod, make_batch(torch.float32))
 
 
+def test_by_default_the_fused_head_runs_wherever_it_is_exact_and_falls_back_silently():
+    """fused_head="auto" (the default): the fused head where exact (its result is the fused_head=True one), the
+    log-prob kernel path elsewhere without a warning (it was not asked for); head_path names the path."""
+    batch = make_batch(torch.float32)
+    default = AdaptiveFusedLinearGRPOLoss(compiled=False, beta=0.1, max_completion_length=T)
+    assert default.fused_head == "auto"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        auto = module("dapo", fused_head="auto", method="clip")
+        assert_same(run(auto, batch), run(module("dapo", fused_head=True, method="clip"), batch), atol=0, rtol=0)
+        assert auto.head_path == "fused"
+        run(default, batch)
+        assert default.head_path == "fused"
+        vespo = module("vespo", fused_head="auto")
+        assert_same(run(vespo, batch), run(module("vespo", fused_head=False), batch), atol=0, rtol=0)
+        assert vespo.head_path == "log-prob kernel"
+
+
 @pytest.mark.parametrize("kwargs", [dict(fused_head="yes"), dict(fused_chunk_tokens=0), dict(fused_chunk_tokens=2.5)])
 def test_invalid_fused_arguments_raise(kwargs):
     with pytest.raises(ValueError, match=next(iter(kwargs))):
@@ -274,12 +296,18 @@ def test_invalid_fused_arguments_raise(kwargs):
 
 
 # -- memory ---------------------------------------------------------------------------------------------------
-def test_default_chunk_keeps_the_buffer_within_the_kernel_tile_plus_the_weight():
-    """The buffer (chunk × V) is at most TRL's kernel tile, plus the weight's size when the weight gets a gradient;
-    at the benchmark size (N = 8192, V = 128256, H = 4096): 2 chunks of 4096 tokens, 8 of 1024 for a frozen head."""
-    assert fused.default_chunk_tokens(8192, 128256, True, 4096) == 4096
+def test_default_chunk_keeps_the_peak_within_the_accumulating_path():
+    """Several chunks: the buffer (chunk × V) is at most TRL's kernel tile, plus the weight's size when the weight
+    gets a gradient. One chunk (no fp32 accumulator) where its peak, 2·N·V + 2·V·H bytes, is at most the
+    6·V·H bytes the accumulating path needs anyway (fp32 accumulator + its conversion), or the buffer rule allows it. At the benchmark size
+    (N = 8192, V = 128256, H = 4096): one chunk of 8192 tokens (equal peaks), 8 of 1024 for a frozen head."""
+    assert fused.default_chunk_tokens(8192, 128256, True, 4096) == 8192
+    assert fused.default_chunk_tokens(8193, 128256, True, 4096) == 4224  # 2 chunks, multiples of 128
     assert fused.default_chunk_tokens(8192, 128256, False, 4096) == 1024
     for tokens, vocab, hidden, grad in itertools.product([1, 100, 8192, 50000], [300, 32000, 128256, 262144], [64, 4096], [True, False]):
         chunk = fused.default_chunk_tokens(tokens, vocab, grad, hidden)
         assert 1 <= chunk <= tokens
-        assert chunk == 1 or chunk * vocab <= fused.KERNEL_TILE + (vocab * hidden if grad else 0)
+        if grad and chunk == tokens:  # within the 6·V·H floor, or a chunk the buffer rule allows (then 4·V·H less than before)
+            assert 2 * tokens * vocab + 2 * vocab * hidden <= 6 * vocab * hidden or tokens * vocab <= fused.KERNEL_TILE + vocab * hidden
+        else:
+            assert chunk == 1 or chunk * vocab <= fused.KERNEL_TILE + (vocab * hidden if grad else 0)

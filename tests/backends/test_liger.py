@@ -378,6 +378,7 @@ def test_loss_class_matches_trl_loss_and_grads(loss_class_trainer, monkeypatch, 
         spy.setattr(trainer, "_get_per_token_logps_and_entropies", lambda *a, **k: calls.append(1))
         loss_module, grads_module = loss_and_grads(trainer, inputs)
     assert not calls  # TRL's per-token path was not used
+    assert trainer._adaptive_loss_module.head_path == ("log-prob kernel" if loss_type == "vespo" else "fused")  # the default: fused where exact
     module, trainer._adaptive_loss_module = trainer._adaptive_loss_module, None
     try:
         loss_trl, grads_trl = loss_and_grads(trainer, inputs)
@@ -387,6 +388,16 @@ def test_loss_class_matches_trl_loss_and_grads(loss_class_trainer, monkeypatch, 
     assert len(grads_module) == len(grads_trl) > 0
     for a, b in zip(grads_module, grads_trl):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("value, setting", [("auto", "auto"), (False, False), ("false", False), (True, True)])
+def test_the_liger_fused_head_field_sets_the_module_path(loss_class_trainer, value, setting):
+    trainer = loss_class_trainer
+    configure(trainer, "dapo", "none", liger_fused_head=value, epsilon_high=None)
+    trainer.current_gradient_accumulation_steps = 1
+    assert trainer._adaptive_loss_module.fused_head == setting
+    loss_and_grads(trainer, loss_inputs(trainer))
+    assert trainer._adaptive_loss_module.head_path == ("log-prob kernel" if setting is False else "fused")
 
 
 def test_liger_own_class_as_loss_class_matches_trl(loss_class_trainer):
@@ -488,7 +499,7 @@ def test_bench_smoke_runs_on_cpu():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_liger.py"), "--smoke"], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "| path |" in out.stdout and "AdaptiveFusedLinearGRPOLoss (dynamic+length_normalized)" in out.stdout
+    assert "| path |" in out.stdout and "AdaptiveFusedLinearGRPOLoss (dynamic+length_normalized, log-prob kernel)" in out.stdout
 
 
 @pytest.mark.parametrize("method", ["dynamic", "target", "dynamic+clip", "target+length_normalized", "sigmoid+dynamic"])

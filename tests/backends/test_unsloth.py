@@ -154,6 +154,20 @@ def test_changing_beta_never_recompiles_the_fused_loss(tmp_path_factory):
     assert to_zero["raw_kl"][3:] == [None, None]
 
 
+def test_a_loop_with_changing_shapes_compiles_no_more_than_stock_unsloth(tmp_path_factory):
+    """Issue 22: completion lengths, valid-token counts and num_items_in_batch changing every call (β too, patched):
+    after the first two calls no method compiles a graph, and no call compiles more than stock Unsloth's. (The first
+    length, 6, equals the stats accumulator's: before it was marked static, duck sizing specialised the length to it
+    and the second call compiled one graph more than stock.)"""
+    runs = run_worker("unsloth-first", "compiled_loop", tmp_path_factory)["compiled_loop"]
+    stock, stock_again = runs.pop("stock")["graphs"], runs.pop("stock_again")["graphs"]
+    assert stock[0] >= 1 and stock_again == stock  # the loop's position in the process changes nothing
+    for method, run in runs.items():
+        graphs = run["graphs"]
+        assert graphs[0] >= 1 and sum(graphs[2:]) == 0, (method, graphs, stock, run["recompile_reasons"])
+        assert all(ours <= theirs for ours, theirs in zip(graphs[1:], stock[1:])), (method, graphs, stock, run["recompile_reasons"])
+
+
 @pytest.mark.parametrize("method", ["dynamic", "target"])
 def test_resume_from_checkpoint_continues_beta_and_controller_state(method, tmp_path_factory):
     r = run_worker("ours-first", "resume", tmp_path_factory)["resume"][method]

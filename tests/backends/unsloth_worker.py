@@ -27,7 +27,7 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="induct
 # inductor's own inductor::_alloc_from_pool in a graph Unsloth compiles (transformers'
 # create_causal_mask); outside CI it is a warning. Keep torch's default, not its CI strictness.
 os.environ.setdefault("TORCHINDUCTOR_ERROR_ON_CUSTOM_OP_ALIASING", "0")
-if SCENARIO != "compiled":
+if not SCENARIO.startswith("compiled"):
     os.environ["UNSLOTH_COMPILE_DISABLE"] = "1"  # eager: exact comparisons and fast tests
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for reference.py
 
@@ -361,6 +361,57 @@ def scenario_compiled():
         }
 
 
+def scenario_compiled_loop():
+    """The compiled fused loss in a loop whose shapes change every call, as in training: a new completion length
+    (max_completion_length at most), new valid-token counts and num_items_in_batch, and (patched) a new β.
+    Graphs compiled per call, for stock Unsloth (unpatched in place, fixed β) and each method (dapo)."""
+    import logging
+
+    from torch._dynamo.utils import counters
+
+    reasons = []
+    handler = logging.Handler()
+    handler.emit = lambda record: reasons.append(record.getMessage())
+    torch._logging.set_logs(recompiles=True)
+    logging.getLogger("torch._dynamo.guards.__recompiles").addHandler(handler)
+    t = trainer(loss_type="dapo")
+    t.model.train()
+    lengths = [reference.MAX_COMPLETION, 2, 4, 5, 3]
+
+    def loop(vary_beta):
+        torch._dynamo.reset()
+        reasons.clear()
+        per_call = []
+        for call, length in enumerate(lengths):
+            inputs = reference.loss_inputs(
+                t.model.config.vocab_size, seed=call, completion=length, ref_spread=2.0, ref_offset=3.0, pad_token_id=TOKENIZER.pad_token_id
+            )  # fmt: skip
+            inputs["num_items_in_batch"] = inputs["num_items_in_batch"] * 3  # gradient accumulation: more than this batch
+            if vary_beta:
+                t.beta = 0.04 * (1 + 0.1 * call)
+            before = counters["stats"]["unique_graphs"]
+            loss_and_grads(t, inputs)
+            per_call.append(counters["stats"]["unique_graphs"] - before)
+        return {"graphs": per_call, "recompile_reasons": list(reasons)}
+
+    set_method(t, "none", "dapo")
+    unsloth_adaptive_kl.unpatch()
+    try:
+        runs = {"stock": loop(vary_beta=False)}
+    finally:
+        unsloth_adaptive_kl.patch()
+    for method in ("none", "clip+sigmoid+length_normalized", "dynamic"):
+        set_method(t, method, "dapo", reward_threshold=-1.0)
+        runs[method] = loop(vary_beta=True)
+    set_method(t, "none", "dapo")
+    unsloth_adaptive_kl.unpatch()
+    try:
+        runs["stock_again"] = loop(vary_beta=False)  # stock after a patched run: what a loop position alone gives
+    finally:
+        unsloth_adaptive_kl.patch()
+    results["compiled_loop"] = runs
+
+
 def scenario_unpatch():
     """Configs built by stock Unsloth, then after each of import, unpatch(), patch(), unpatch()."""
     results["never_patched"] = never_patched
@@ -370,6 +421,6 @@ def scenario_unpatch():
         results["sequence"][step] = probe_config()
 
 
-{"early_config": scenario_early_config, "config": scenario_config, "unpatch": scenario_unpatch, "identity": scenario_identity, "resume": scenario_resume, "kl_part": scenario_kl_part, "train": scenario_train, "compiled": scenario_compiled}[SCENARIO]()
+{"early_config": scenario_early_config, "config": scenario_config, "unpatch": scenario_unpatch, "identity": scenario_identity, "resume": scenario_resume, "kl_part": scenario_kl_part, "train": scenario_train, "compiled": scenario_compiled, "compiled_loop": scenario_compiled_loop}[SCENARIO]()
 with open(OUT, "w") as f:
     json.dump(results, f, default=lambda o: None if isinstance(o, float) and math.isnan(o) else str(o))

@@ -1,5 +1,6 @@
-"""The fused LM head of the Liger module (``fused_head=True``): the gradient computed in the forward,
-3 GEMMs of 2·N·H·V FLOP instead of the 4 of a forward that recomputes the logits in its backward.
+"""The fused LM head of the Liger module (its default, ``fused_head="auto"``, wherever exact; ``True`` requires it):
+the gradient computed in the forward, 3 GEMMs of 2·N·H·V FLOP instead of the 4 of a forward that recomputes
+the logits in its backward.
 
 **Why it can be done.** The loss is ``L = Σ_t w_t ℓ_t(logp_t)``: every loss type aggregates its
 per-token loss linearly, with weights ``w_t`` known before any logit (token counts from the mask,
@@ -33,15 +34,22 @@ sequence-level importance sampling (GSPO: a token's ratio is its completion's me
 detached weight is a function of the completion's summed log-ratio), ``use_ref_model=False`` with a
 KL (the reference is the batch's own log-probs), an estimator or a shaping method registered by the
 user or an overridden ``per_token_kl`` (locality unknown), inputs other than hidden states, weight and bias
-that require grad, and the dapo/cispo normaliser without ``num_items_in_batch`` under
+that require grad, hidden states and weight (or bias) of different dtypes, and the dapo/cispo normaliser
+without ``num_items_in_batch`` under
 ``torch.distributed`` (Liger all-reduces it on every evaluation, and the number of chunks differs
 between ranks).
 
-**Memory.** The logits buffer holds ``chunk_tokens × V`` values: by default what TRL's kernel tile
-takes (4096 × 32768) plus, when the weight needs a gradient, the weight's own size, which the
-fp32 accumulator's conversion to the weight's dtype needs at the end anyway (the buffer is freed
-first). So the peak stays at or below the log-prob kernel's, whose backward holds the fp32
-accumulator, the converted gradient and its tile at once.
+**Memory and the chunk schedule.** Over several chunks the weight gradient is accumulated in an
+fp32 buffer (4 bytes × V·H) and converted to the weight's dtype at the end (2 bytes × V·H more,
+after the logits buffer is freed), so that path peaks at no less than 6 bytes × V·H. The logits
+buffer holds ``chunk_tokens × V`` values: by default what TRL's kernel tile takes (4096 × 32768)
+plus, when the weight needs a gradient, the weight's own size. When all N tokens fit in one chunk
+within that same 6 bytes × V·H (``N · V ≤ 2 · V · H``, i.e. N ≤ 2H: 2·N·V bytes of logits and
+the gradient in the weight's dtype), there is one chunk and no accumulator: the weight gradient
+is one GEMM written in the weight's dtype (accumulated in fp32 inside the GEMM and rounded once,
+as the accumulator's conversion rounds once), which saves zeroing, reading and writing the fp32
+accumulator per chunk and the final conversion. Either way the peak stays at or below the
+log-prob kernel's, whose backward holds the fp32 accumulator, the converted gradient and its tile at once.
 """
 
 from __future__ import annotations
@@ -59,15 +67,18 @@ TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def check_fused_arguments(fused_head, chunk_tokens) -> None:
-    if not isinstance(fused_head, bool):
-        raise ValueError(f"fused_head={fused_head!r} is not valid; allowed: True or False")
+    if not (isinstance(fused_head, bool) or fused_head == "auto"):
+        raise ValueError(
+            f"fused_head={fused_head!r} is not valid; allowed: 'auto' (the fused head wherever it is exact, the default), "
+            "True (required: a call where it is not exact warns with the reason) or False (the log-prob kernel path)"
+        )
     if chunk_tokens is not None and (isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1):
         raise ValueError(f"fused_chunk_tokens={chunk_tokens!r} is not valid; allowed: None (from the memory rule) or an int >= 1")
 
 
-def fallback_reason(*, loss_type, level, with_kl, use_ref_model, builtin_estimator, builtin_shaping, own_kl, num_items_given, inputs):
+def fallback_reason(*, loss_type, level, with_kl, use_ref_model, builtin_estimator, builtin_shaping, own_kl, num_items_given, inputs, head=()):
     """Why the fused head would not be exact for this call (see the module docstring), or None. ``inputs``: the
-    loss's tensor inputs other than hidden states, weight and bias, by name."""
+    loss's tensor inputs other than hidden states, weight and bias, by name; ``head``: hidden states, weight, bias."""
     dist = torch.distributed
     distributed_normaliser = loss_type in ("dapo", "cispo") and not num_items_given and dist.is_available() and dist.is_initialized()
     grad_inputs = [name for name, t in inputs.items() if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -87,14 +98,20 @@ def fallback_reason(*, loss_type, level, with_kl, use_ref_model, builtin_estimat
         return f"loss_type={loss_type!r} without num_items_in_batch under torch.distributed: Liger all-reduces its normaliser per call"
     if grad_inputs:
         return f"{grad_inputs} require grad"
+    dtypes = sorted({str(t.dtype) for t in head if t is not None})
+    if len(dtypes) > 1:
+        return f"hidden states, weight and bias of different dtypes ({', '.join(dtypes)}): the logits GEMM takes one"
     return None
 
 
 def default_chunk_tokens(tokens: int, vocab: int, weight_needs_grad: bool, hidden: int) -> int:
-    """Tokens per chunk: a buffer of ``KERNEL_TILE`` values (+ the weight's, when it gets a gradient),
-    then chunks of equal size, multiples of 128 where the budget allows."""
+    """Tokens per chunk: all of them when the weight gets a gradient and N ≤ 2H (one chunk, no accumulator);
+    else a buffer of ``KERNEL_TILE`` values (+ the weight's, when it gets a gradient), then chunks of equal
+    size, multiples of 128 where the budget allows."""
     if tokens == 0:
         return 1
+    if weight_needs_grad and tokens <= 2 * hidden:  # one chunk, no fp32 accumulator, within the same peak (docstring)
+        return tokens
     budget = KERNEL_TILE + (vocab * hidden if weight_needs_grad else 0)
     most = max(1, budget // vocab)
     if most >= 128:
@@ -189,6 +206,18 @@ def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
 
 
+def _full_precision_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` in the inputs' dtype, reduced in fp32 (no reduced-precision split-K for bf16/fp16 on CUDA): one
+    rounding of the fp32 sum, as the fp32 accumulator's conversion."""
+    matmul = torch.backends.cuda.matmul
+    saved = matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction
+    matmul.allow_bf16_reduced_precision_reduction = matmul.allow_fp16_reduced_precision_reduction = False
+    try:
+        return torch.mm(a, b)
+    finally:
+        matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction = saved
+
+
 class FusedLinearLogProbs(torch.autograd.Function):
     """``(logps, anchor)``: the log-probs ``(N,)`` of ``ids`` under ``softmax((hidden @ weightᵀ + bias) / τ)``
     (float32, float64 for a float64 weight; no gradient through them) and a 0-dim zero carrying the loss's gradient.
@@ -206,7 +235,8 @@ class FusedLinearLogProbs(torch.autograd.Function):
         inv_t = 1.0 / temperature
         logps = torch.empty(tokens, device=hidden.device, dtype=acc_dtype)
         grad_hidden = torch.empty_like(hidden) if needs_hidden else None
-        grad_weight = torch.zeros(weight.shape, device=weight.device, dtype=acc_dtype) if needs_weight else None
+        one_chunk = 0 < tokens <= chunk_tokens  # the weight gradient in one GEMM, no accumulator (module docstring)
+        grad_weight = torch.zeros(weight.shape, device=weight.device, dtype=acc_dtype) if needs_weight and not one_chunk else None
         grad_bias = torch.zeros(vocab, device=weight.device, dtype=acc_dtype) if needs_bias else None
         buffer = torch.empty(min(tokens, chunk_tokens), vocab, device=hidden.device, dtype=hidden.dtype)
         logits = None
@@ -224,7 +254,9 @@ class FusedLinearLogProbs(torch.autograd.Function):
             logits_to_grad_(logits, ids[start:end], lse, grad_logp, inv_t)
             if needs_hidden:
                 torch.mm(logits, weight, out=grad_hidden[start:end])
-            if needs_weight:
+            if needs_weight and one_chunk:
+                grad_weight = _full_precision_mm(logits.t(), h)
+            elif needs_weight:
                 _accumulate(grad_weight, logits.t(), h)
             if needs_bias:
                 grad_bias += logits.sum(0, dtype=acc_dtype)

@@ -41,6 +41,31 @@ def aggregate(per_token, mask, loss_type: str, *, max_completion_length=None, nu
     raise ValueError(f"loss_type={loss_type!r} is not valid; allowed: {list(LOSS_TYPES)}")
 
 
+def normaliser_tensor(num_items_in_batch, device) -> torch.Tensor | None:
+    """``num_items_in_batch`` as a 0-dim float32 tensor on ``device`` (None stays None): the value Liger's dapo
+    normaliser makes of an int or a tensor, but an input of the compiled loss rather than a constant, so
+    that a count changing every step does not recompile it (a Python number is specialised into the graph)."""
+    if num_items_in_batch is None:
+        return None
+    if isinstance(num_items_in_batch, torch.Tensor):
+        return num_items_in_batch.detach().to(device=device, dtype=torch.float32)
+    return torch.tensor(float(num_items_in_batch), device=device, dtype=torch.float32)
+
+
+def sequence_dynamic(*tensors) -> tuple:
+    """The inputs of the compiled loss, each ``(B, T)`` one as a view whose sequence dimension (1) is marked
+    dynamic, as Liger's engine marks its chunks (``fused_linear_ppo.py``): completion lengths change every
+    step, and without the mark the first graph is specialised to the first length (a recompile at the second,
+    a guard on every size after). Views, so that the caller's own tensors carry no mark."""
+    marked = []
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[1] > 1:
+            t = t.view_as(t)
+            torch._dynamo.maybe_mark_dynamic(t, 1)
+        marked.append(t)
+    return tuple(marked)
+
+
 VOCAB_TILE = 32768  # vocabulary tile width TRL 1.15 uses (trl/trainer/utils.py, _CHUNKED_LOGPROB_CHUNK_SIZE)
 
 

@@ -8,9 +8,11 @@ same ``(loss, (kl_mean, clip_ratio))`` (``(loss, (clip_ratio,))`` when β is 0).
 :mod:`unsloth_adaptive_kl.config`. One call is three steps:
 
 1. **Per-token log-probs** from the final hidden states and the LM head, logits never
-   materialised (TRL's chunked log-prob kernel: ``backends/_liger_parts.py``; with ``fused_head=True``,
-   where exact, the gradient computed in the forward, 3 GEMMs instead of 4: ``backends/_fused_head.py``;
-   ``module.head_path`` names the last call's path; a fallback from ``fused_head=True`` warns once per reason).
+   materialised: by default (``fused_head="auto"``), wherever it is exact, the fused LM head: the gradient
+   computed in the forward, 3 GEMMs instead of 4 (``backends/_fused_head.py``); elsewhere, or with
+   ``fused_head=False``, TRL's chunked log-prob kernel (``backends/_liger_parts.py``).
+   ``module.head_path`` names the last call's path; with ``fused_head=True`` (required) a fallback
+   warns once per reason.
 2. **Batch-level quantities**, from the whole batch before anything else: the estimator's
    statistic (``bottom_q``'s threshold) and the number of completions (``length_normalized``).
 3. **The elementwise loss** (``torch.compile``d when ``compiled=True``). The policy part *is*
@@ -62,7 +64,7 @@ from ._liger_interface import (  # noqa: F401  (LOSS_TYPES: a name of this modul
     check_liger_configuration,
     check_liger_version,
 )
-from ._liger_parts import aggregate, log_importance_weights, neutral_padding, selected_token_logps
+from ._liger_parts import aggregate, log_importance_weights, neutral_padding, normaliser_tensor, selected_token_logps, sequence_dynamic
 
 class AdaptiveFusedLinearGRPOLoss(nn.Module):
     """Drop-in for Liger's ``LigerFusedLinearGRPOLoss`` with adaptive KL; see the module docstring.
@@ -158,7 +160,8 @@ class AdaptiveFusedLinearGRPOLoss(nn.Module):
             raise ValueError("use_ref_model=True needs ref_per_token_logps or ref_input (with ref_weight, ref_bias)")
         # Liger's unmasked luspo also weighs padded positions, so it needs their log-probs.
         rows = None if self.loss_type == "luspo" else attention_mask
-        if self._takes_fused_head(with_kl, advantages, ref_per_token_logps, old_per_token_logps, vllm_is_ratio, num_items_in_batch):
+        head = (_input, lin_weight, bias)
+        if self._takes_fused_head(with_kl, advantages, ref_per_token_logps, old_per_token_logps, vllm_is_ratio, num_items_in_batch, head):
             ref = self._reference_logps(None, selected_token_ids, rows, ref_per_token_logps, ref_input, ref_weight, ref_bias) if with_kl else None
             inputs = self._elementwise_inputs(attention_mask, advantages, ref, old_per_token_logps, vllm_is_ratio, num_items_in_batch)
             evaluate = functools.partial(self._evaluate, inputs=inputs)
@@ -222,13 +225,14 @@ class AdaptiveFusedLinearGRPOLoss(nn.Module):
             ref, old = neutral_padding(mask, ref, old)
         statistic = self.adaptive_kl.batch_statistic(ref, mask) if with_kl else None
         beta = torch.as_tensor(self.beta, dtype=torch.float32, device=mask.device)
-        return mask, advantages, ref, old, vllm_is_ratio, beta, statistic, num_items_in_batch
+        return mask, advantages, ref, old, vllm_is_ratio, beta, statistic, normaliser_tensor(num_items_in_batch, mask.device)
 
     def _evaluate(self, logps, inputs) -> LossTerms:
         mask = inputs[0]
         if self.loss_type != "luspo":
             (logps,) = neutral_padding(mask, logps)
-        loss, raw, adapted, clip_ratio = self._terms_function()(logps, *inputs)
+        arguments = sequence_dynamic(logps, *inputs) if self.compiled else (logps, *inputs)
+        loss, raw, adapted, clip_ratio = self._terms_function()(*arguments)
         if raw is None:
             return LossTerms(loss, None, None, None, clip_ratio.detach())
         raw, adapted = raw.detach(), adapted.detach()
@@ -236,17 +240,17 @@ class AdaptiveFusedLinearGRPOLoss(nn.Module):
         return LossTerms(loss, raw, adapted, kl_mean.float(), clip_ratio.detach())
 
     # -- the fused head (backends/_fused_head.py) ----------------------------------------------------------
-    def _takes_fused_head(self, with_kl, advantages, ref, old, vllm_is_ratio, num_items_in_batch) -> bool:
+    def _takes_fused_head(self, with_kl, advantages, ref, old, vllm_is_ratio, num_items_in_batch, head) -> bool:
         reason = "fused_head=False"
-        if self.fused_head:
+        if self.fused_head is not False:  # "auto" or True
             reason = fallback_reason(
                 loss_type=self.loss_type, level=self.importance_sampling_level, with_kl=with_kl, use_ref_model=self.use_ref_model,
                 builtin_estimator=get_estimator(self.adaptive_kl.estimator).builtin, num_items_given=num_items_in_batch is not None,
                 builtin_shaping=all(step.builtin for step in self.adaptive_kl.method.per_token_steps),
                 own_kl=type(self).per_token_kl is not AdaptiveFusedLinearGRPOLoss.per_token_kl,
-                inputs=dict(advantages=advantages, ref_per_token_logps=ref, old_per_token_logps=old, vllm_is_ratio=vllm_is_ratio),
+                inputs=dict(advantages=advantages, ref_per_token_logps=ref, old_per_token_logps=old, vllm_is_ratio=vllm_is_ratio), head=head,
             )  # fmt: skip
-            if reason is not None and reason not in self._warned:
+            if reason is not None and self.fused_head is True and reason not in self._warned:  # required: say why not
                 self._warned.add(reason)
                 warnings.warn(f"{type(self).__name__}(fused_head=True) runs the log-prob kernel path (4 GEMMs): {reason}", stacklevel=3)
         self.head_path = "log-prob kernel" if reason else "fused"
@@ -310,7 +314,7 @@ def _signature() -> inspect.Signature:
     parameter = inspect.Parameter
     liger = [parameter(p.name, parameter.POSITIONAL_OR_KEYWORD, default=p.default) for p in LIGER_PARAMETERS]
     own = {name: DEFAULTS[name] for name in TERM_FIELD_NAMES}
-    own.update(adaptive_kl=None, fused_head=False, fused_chunk_tokens=None)
+    own.update(adaptive_kl=None, fused_head="auto", fused_chunk_tokens=None)
     keyword_only = [parameter(name, parameter.KEYWORD_ONLY, default=default) for name, default in own.items()]
     return inspect.Signature([parameter("self", parameter.POSITIONAL_OR_KEYWORD), *liger, *keyword_only])
 

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from .. import metrics
+from ..config import fused_head_setting
 from ._liger_interface import LIGER_PARAMETER_NAMES, LIGER_PARAMETERS, LossTerms, check_liger_version
 from .liger import AdaptiveFusedLinearGRPOLoss
 
@@ -66,6 +67,8 @@ def module_arguments(trainer, loss_class) -> dict:
     kwargs = {p.name: p.from_trainer(trainer) for p in LIGER_PARAMETERS}
     if kwargs["loss_type"] == "luspo":  # TRL's luspo == Liger's dr_grpo with normaliser B * 1 (module docstring)
         kwargs.update(loss_type="dr_grpo", max_completion_length=1)
+    if "fused_head" in inspect.signature(loss_class).parameters:  # ours; Liger's own class has no fused head
+        kwargs["fused_head"] = fused_head_setting(getattr(trainer.args, "liger_fused_head", "auto"))
     return kwargs  # the adaptive-KL fields reach the module as the trainer's state (make_loss_module)
 
 

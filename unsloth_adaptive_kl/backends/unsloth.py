@@ -107,8 +107,10 @@ UNSLOTH_2026_10 = AnchorSet(
             "UnslothEfficientGRPO.forward",
             "unsloth_zoo",
             "        accumulated_mean_kl           = torch.zeros(1, device = device)[0]\n",
-            f"        accumulated_mean_kl           = torch.zeros({STATS_SIZE}, dtype = torch.float64, device = device)\n",
-            "the mean_kl accumulator holds Unsloth's kl and the metric sums",
+            f"        accumulated_mean_kl           = torch.zeros({STATS_SIZE}, dtype = torch.float64, device = device)\n"
+            "        torch._dynamo.mark_static(accumulated_mean_kl)\n",
+            "the mean_kl accumulator holds Unsloth's kl and the metric sums; static: under Unsloth's dynamic=True its "
+            f"length would get a symbol that duck sizing shares with a sequence length of {STATS_SIZE}, specialising it",
         ),
         _gate(" " * 16),
         Rewrite(
