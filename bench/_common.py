@@ -148,7 +148,10 @@ def beta_reporter(report, title: str, rows: list, trainers: list, stock_name: st
 
     def on_block(_, round_finished):
         for row, trainer in zip(rows, trainers):
-            row.info["beta_now"] = float(trainer.beta)
+            # The controller's β: trainer.beta reads it only while the patch is on, and a block may end with
+            # the stock functions switched in (then trainer.beta is the trainer's own, unmoved value).
+            runtime = getattr(trainer, "_adaptive_kl", None)
+            row.info["beta_now"] = float(trainer.beta if runtime is None else runtime.beta)
         report.update(title, rows, stock_name, note, tables=round_finished)
 
     return on_block

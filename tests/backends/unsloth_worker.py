@@ -357,7 +357,7 @@ def scenario_compiled():
         results[f"compiled_{name}"] = {
             "graphs": counter.per_step,
             "betas": [h["adaptive_kl/current_beta"] for h in logs],
-            "raw_kl": [h["adaptive_kl/raw_kl"] for h in logs],
+            "raw_kl": [h.get("adaptive_kl/raw_kl") for h in logs],  # absent once β is 0 (nothing observed)
         }
 
 
