@@ -6,9 +6,10 @@
 #   bash scripts/gpu/build-line-sites.sh                       # unsloth-2026.8 unsloth-2026.9 unsloth-2026.10
 #   bash scripts/gpu/build-line-sites.sh unsloth-2026.8 ...    # some of them
 #
-# Unlike scripts/gpu/build-site.sh (one stack, everything the GPU tests need) these sites leave out
-# bitsandbytes (~30 MB; 16-bit LoRA does not need it, and the 4-bit runs skip without it) and are
-# layered so that what stacks share is carried once:
+# Like scripts/gpu/build-site.sh these sites hold bitsandbytes (its CUDA 13 library only): the 16-bit
+# LoRA run needs it too, since unsloth_zoo's patching imports it in FastLanguageModel.from_pretrained
+# ("Unsloth: Please install bitsandbytes", every line, H100, 2026-11-24). They are layered so that
+# what stacks share is carried once:
 #   .gpu-lines/common/             what every stack needs that the GPU machine lacks (Liger, tyro, ...)
 #   .gpu-lines/<trl>[+<transformers>+...]/  a stack's pinned TRL, datasets and, where it is not the
 #                                  machine's 5.17.0, transformers (with the tokenizers and huggingface_hub
@@ -27,7 +28,7 @@ MACHINE_TRANSFORMERS=transformers==5.17.0  # what the GPU machine has (/work/sha
 PACK_OVER_MB=${PACK_OVER_MB:-0}
 [ $# -gt 0 ] || set -- unsloth-2026.8 unsloth-2026.9 unsloth-2026.10
 PLAT="--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64"
-COMMON_PKGS="liger-kernel==0.8.5 dill==0.4.0 multiprocess==0.70.18 xxhash tyro docstring-parser shtab typeguard msgspec
+COMMON_PKGS="liger-kernel==0.8.5 bitsandbytes==0.50.2 dill==0.4.0 multiprocess==0.70.18 xxhash tyro docstring-parser shtab typeguard msgspec
 cut_cross_entropy pydantic pydantic-core annotated-types typing-inspection json5 nest-asyncio structlog"
 
 layer() {  # layer NAME PKG...: download the wheels and unpack them into $DEST/NAME, trimmed
@@ -40,6 +41,7 @@ layer() {  # layer NAME PKG...: download the wheels and unpack them into $DEST/N
   python3 -m pip install -q --no-deps --no-compile $PLAT --target "$DEST/$name" "$whl"/*.whl
   rm -rf "$whl" "$DEST/$name"/studio "$DEST/$name"/unsloth_cli "$DEST/$name"/bin
   find "$DEST/$name" -name '__pycache__' -prune -exec rm -rf {} +
+  [ ! -d "$DEST/$name/bitsandbytes" ] || find "$DEST/$name/bitsandbytes" -name 'libbitsandbytes_cuda*.so' ! -name '*cuda130.so' -delete
 }
 
 pack_if_large() {  # pack_if_large NAME: NAME.tgz instead of NAME/ when the folder is over PACK_OVER_MB

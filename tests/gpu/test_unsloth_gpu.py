@@ -51,7 +51,7 @@ LOADER = os.environ.get("UAKL_GPU_LOADER", "fast")
 
 def lora_model(path, load_in_4bit):
     if load_in_4bit and importlib.util.find_spec("bitsandbytes") is None:
-        pytest.skip("4-bit QLoRA needs bitsandbytes, which this site leaves out (scripts/gpu/build-line-sites.sh)")
+        pytest.skip("4-bit QLoRA needs bitsandbytes, which this site lacks")
     if LOADER == "fast":
         model, tokenizer = FastLanguageModel.from_pretrained(
             model_name=path, max_seq_length=128, load_in_4bit=load_in_4bit, dtype=None if load_in_4bit else torch.bfloat16
