@@ -56,30 +56,22 @@ def parse_args(argv=None):
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--methods", default="all", help="comma-separated kl_adaptation_method values; all: every method alone, and dynamic+length_normalized")
-    parser.add_argument(
-        "--tiles", default="4096x32768",
-        help="comma-separated TOKENSxVOCAB tile shapes for the adaptive module's log-prob kernel (TRL's "
-        "TOKEN_CHUNK_SIZE x this package's VOCAB_TILE); each adds rows 'AdaptiveFusedLinearGRPOLoss (METHOD, log-prob kernel, tile TxV)'. "
-        "The first is the default; e.g. 4096x32768,2048x65536,1024x131072 (same buffer, fewer kernel launches)",
-    )
-    parser.add_argument(
-        "--fused-chunks", default="",
-        help="comma-separated token chunk sizes for the module with fused_head=True ('auto': its memory rule); each adds "
-        "rows 'AdaptiveFusedLinearGRPOLoss (METHOD, fused head, chunk C)'. Default: none",
-    )
-    parser.add_argument(
-        "--fused-blocks", default="",
-        help="comma-separated vocabulary widths per Triton program of the fused head's two passes over the logits "
-        "(default 1024); each adds rows 'AdaptiveFusedLinearGRPOLoss (METHOD, fused head, chunk auto, block K)'",
-    )
+    tiles_help = ("comma-separated TOKENSxVOCAB tile shapes for the adaptive module's log-prob kernel (TRL's TOKEN_CHUNK_SIZE x "
+                  "this package's VOCAB_TILE); each adds rows 'AdaptiveFusedLinearGRPOLoss (METHOD, log-prob kernel, tile TxV)'. "
+                  "The first is the default; e.g. 4096x32768,2048x65536,1024x131072 (same buffer, fewer kernel launches)")
+    parser.add_argument("--tiles", default="4096x32768", help=tiles_help)
+    fused_chunks_help = ("comma-separated token chunk sizes for the module with fused_head=True ('auto': its memory rule); "
+                         "each adds rows 'AdaptiveFusedLinearGRPOLoss (METHOD, fused head, chunk C)'. Default: none")
+    parser.add_argument("--fused-chunks", default="", help=fused_chunks_help)
+    fused_blocks_help = ("comma-separated vocabulary widths per Triton program of the fused head's two passes over the logits "
+                         "(default 1024); each adds rows 'AdaptiveFusedLinearGRPOLoss (METHOD, fused head, chunk auto, block K)'")
+    parser.add_argument("--fused-blocks", default="", help=fused_blocks_help)
     parser.add_argument("--peak-tflops", type=float, help="bf16 dense peak of the GPU for the GEMM floor (default: from the device name)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on CPU, eager (compiled=False)")
-    parser.add_argument(
-        "--recompile-loop", action="store_true",
-        help="instead of timing: the realistic loop of bench/recompile_loop.py (compiled module, B 8, H 1024, V 32000, "
-        "lengths 300-1030, num_items_in_batch an int and a tensor in turn, β changing) for every loss type × method × head; "
-        "prints the graphs compiled in calls 1-2 + after them (the target: +0)",
-    )
+    loop_help = ("instead of timing: the realistic loop of bench/recompile_loop.py (compiled module, B 8, H 1024, V 32000, "
+                 "lengths 300-1030, num_items_in_batch an int and a tensor in turn, β changing) for every loss type × method × "
+                 "head; prints the graphs compiled in calls 1-2 + after them (the target: +0)")
+    parser.add_argument("--recompile-loop", action="store_true", help=loop_help)
     parser.add_argument("--loop-calls", type=int, default=8, help="calls per configuration in --recompile-loop")
     parser.add_argument("--loop-workers", type=int, default=8, help="processes compiling configurations in parallel in --recompile-loop")
     args = parser.parse_args(argv)

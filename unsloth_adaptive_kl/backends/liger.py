@@ -267,17 +267,11 @@ class AdaptiveFusedLinearGRPOLoss(nn.Module):
         """The elementwise part (compiled when ``compiled=True``): Liger's policy loss plus β × the adapted KL."""
         from liger_kernel.chunked_loss.grpo_loss import LigerFusedLinearGRPOFunction
 
+        # Liger's policy loss alone (beta=0, no reference): the KL is added below, adapted.
         policy_loss, policy_metrics = LigerFusedLinearGRPOFunction.ppo_loss_fn(
-            per_token_logps=logps,
-            attention_mask=mask,
-            advantages=advantages,
-            full_attention_mask=mask,
-            ref_per_token_logps=None,
-            old_per_token_logps=old,
-            beta=0.0,
-            vllm_is_ratio=vllm_is_ratio,
-            use_bias_correction_kl=False,
-            num_items_in_batch=num_items_in_batch,
+            per_token_logps=logps, attention_mask=mask, full_attention_mask=mask, advantages=advantages,
+            ref_per_token_logps=None, old_per_token_logps=old, beta=0.0, use_bias_correction_kl=False,
+            vllm_is_ratio=vllm_is_ratio, num_items_in_batch=num_items_in_batch,
             **{name: getattr(self, name) for name in POLICY_PARAMETER_NAMES},
         )
         clip_ratio = policy_metrics[-1]
