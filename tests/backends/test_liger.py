@@ -523,6 +523,9 @@ def test_a_module_given_a_state_uses_its_controller_and_refuses_a_second_set_of_
     assert module.adaptive_kl is state and state.controller.name == "dynamic"
     with pytest.raises(ValueError, match=r"\['kl_target'\] given together with adaptive_kl="):
         AdaptiveFusedLinearGRPOLoss(beta=0.1, compiled=False, adaptive_kl=state, kl_target=0.3)
+    # A field passed at its default value would be overridden by the state's just as silently.
+    with pytest.raises(ValueError, match=r"\['kl_adaptation_method'\] given together with adaptive_kl="):
+        AdaptiveFusedLinearGRPOLoss(compiled=False, adaptive_kl=state, kl_adaptation_method=DEFAULTS["kl_adaptation_method"])
 
 
 def test_a_module_beta_is_its_state_controller_beta():
@@ -535,3 +538,7 @@ def test_a_module_beta_is_its_state_controller_beta():
     assert shared.beta == 0.2
     with pytest.raises(ValueError, match=r"\['beta'\] given together with adaptive_kl="):
         AdaptiveFusedLinearGRPOLoss(beta=0.9, compiled=False, adaptive_kl=module.adaptive_kl)
+    # β passed at Liger's default (0.04) while the state's is 0.2: refused too, not silently the state's.
+    with pytest.raises(ValueError, match=r"\['beta'\] given together with adaptive_kl="):
+        AdaptiveFusedLinearGRPOLoss(beta=0.04, compiled=False, adaptive_kl=module.adaptive_kl)
+    assert AdaptiveFusedLinearGRPOLoss(beta=0.2, compiled=False, adaptive_kl=module.adaptive_kl).beta == 0.2

@@ -79,6 +79,7 @@ class AdaptiveFusedLinearGRPOLoss(nn.Module):
     def __init__(self, *args, **kwargs):
         super().__init__()
         bound = _SIGNATURE.bind(self, *args, **kwargs)
+        given = set(bound.arguments)  # what the caller passed, before the defaults fill the rest
         bound.apply_defaults()
         arguments = dict(bound.arguments)
         del arguments["self"]
@@ -101,8 +102,10 @@ class AdaptiveFusedLinearGRPOLoss(nn.Module):
                     "GRPOTrainer(loss_class=...), whose trainer runs the controller"
                 )
         else:  # the caller's state (GRPOTrainer(loss_class=...) passes its own), with its controller
-            changed = [name for name, value in fields.items() if value != DEFAULTS[name]]
-            if arguments["beta"] not in (_SIGNATURE.parameters["beta"].default, adaptive_kl.beta):
+            # Any KL field passed here is refused, its default value included (it would be silently
+            # overridden by adaptive_kl's); β only where it differs from adaptive_kl's.
+            changed = [name for name in fields if name in given]
+            if "beta" in given and arguments["beta"] != adaptive_kl.beta:
                 changed.append("beta")
             if changed:
                 raise ValueError(f"{changed} given together with adaptive_kl=; allowed: the KL settings in one place (adaptive_kl's)")
