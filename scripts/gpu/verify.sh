@@ -127,6 +127,15 @@ for stage in "$@"; do
       timeout 130 python bench/bench_liger.py --methods none,target --fused-chunks auto,4096 --fused-blocks 4096 2>&1 | tee "$OUT/bench-liger-fused.log" | grep -v "^measured" | tail -22
       timeout 110 python bench/bench_loss_class.py --budget 90 --out "$OUT/bench-loss-class.md" > /tmp/bench-loss-class.log 2>&1
       echo "bench_loss_class exit status $?"; cat "$OUT/bench-loss-class.md" 2>/dev/null || tail -30 /tmp/bench-loss-class.log ;;
+    perf3)  # issue 22's rest (one GPU, <= 560 s): what bounds the fused head (its parts alone, interleaved with the
+      # whole; a kernel profile), Unsloth length_normalized against stock with only the rows it needs (more rounds),
+      # then the bf16 fused-vs-kernel cases that perf2's time limit cut (the combined method, every loss type)
+      timeout 120 python bench/bench_fused_head_parts.py 2>&1 | tee "$OUT/bench-fused-head-parts.log" | grep -v Warning | tail -45
+      timeout 270 python bench/bench_unsloth.py --modes lora --batch 16 --rows stock,none,length_normalized --rounds 200 \
+        --budget 240 --out "$OUT/bench-unsloth-ln.md" > "$OUT/bench-unsloth-ln.log" 2>&1
+      echo "bench_unsloth exit status $?"; cat "$OUT/bench-unsloth-ln.md" 2>/dev/null || tail -30 "$OUT/bench-unsloth-ln.log"
+      timeout 150 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_liger_gpu.py -k "fused_head_matches and target" 2>&1 \
+        | tee "$OUT/gpu-liger-fused-cases.log" | grep -E "passed|failed|Error|FAIL|relative error" | tail -30 ;;
     bench-1b)
       timeout 130 python bench/bench_liger.py --methods none,target --fused-chunks auto,1024 2>&1 | tee "$OUT/bench-liger-fused.log" | grep -v "^measured" | tail -22
       timeout 200 python bench/bench_trl.py --modes lora,full --budget 165 --out "$OUT/bench-trl.md" > /tmp/bench-trl.log 2>&1
