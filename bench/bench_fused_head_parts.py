@@ -103,9 +103,14 @@ def parts(args, x, device):
     def reduced_mm3():
         torch.mm(logits.t(), hidden)
 
+    def queued_whole():  # the whole behind a GEMM of the same size, as behind a model's forward in a training step
+        torch.mm(hidden, weight.t(), out=scratch)
+        run_whole()
+
     gemm, elem = 2 * n * h_ * v, logits.element_size() * n * v
     return module, {
         "whole: fused head, forward + backward (module `none`, chunk auto)": (run_whole, None, None),
+        "queued: a GEMM 1 of the same size, then the whole": (queued_whole, None, None),
         "GEMM 1: logits = h Wᵀ": (lambda: torch.mm(hidden, weight.t(), out=logits), gemm, "TFLOP/s"),
         "row pass: logsumexp and the selected logit (reads N·V)": (lambda: _fused_head.row_logsumexp(logits, ids, 1.0), elem, "GB/s"),
         "gradient pass: G = g·(onehot − softmax) in place (reads and writes N·V)": (
@@ -140,6 +145,42 @@ def kernel_table(fn, top=14) -> str:
     return "\n".join(lines)
 
 
+def gap_table(fn, top=6) -> str:
+    """Where the GPU waits during one call of ``fn`` (torch.profiler, CPU and CUDA): before its first kernel, between
+    kernels, after its last one until the call returns; the largest gaps between kernels, with their neighbours."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with record_function("whole call"):
+            fn()
+        torch.cuda.synchronize()
+    events = prof.events()
+    call = next(e for e in events if e.name == "whole call" and e.device_type.name == "CPU")
+    kernels = sorted((e for e in events if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
+    if not kernels:
+        return "no CUDA kernel in the profile"
+    busy_end, gaps, busy = kernels[0].time_range.start, [], 0.0
+    previous = None
+    for k in kernels:
+        start, end = k.time_range.start, k.time_range.end
+        if start > busy_end and previous is not None:
+            gaps.append((start - busy_end, previous.name, k.name))
+        busy += max(0.0, end - max(start, busy_end))
+        busy_end, previous = max(busy_end, end), k
+    before = kernels[0].time_range.start - call.time_range.start
+    after = call.time_range.end - busy_end
+    between = sum(g for g, _, _ in gaps)
+    short = lambda name: name if len(name) <= 60 else name[:57] + "..."  # noqa: E731
+    lines = [f"GPU idle in one whole call (torch.profiler, CPU + CUDA; µs → ms): call {(call.time_range.end - call.time_range.start) / 1e3:.2f} ms "
+             f"on the CPU, kernels busy {busy / 1e3:.2f} ms; before the first kernel {before / 1e3:.2f} ms, between kernels "
+             f"{between / 1e3:.2f} ms ({len(gaps)} gaps), after the last kernel until the call returns {after / 1e3:.2f} ms", "",
+             "| gap (ms) | after kernel | before kernel |", "|---|---|---|"]
+    for g, a, b in sorted(gaps, reverse=True)[:top]:
+        lines.append(f"| {g / 1e3:.3f} | `{short(a)}` | `{short(b)}` |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     cuda = torch.cuda.is_available() and not args.smoke
@@ -166,10 +207,12 @@ def main(argv=None) -> int:
     for name, (_, work, unit) in table.items():
         rate = "" if work is None else f"{work / (med[name] * 1e-3) / (1e12 if unit == 'TFLOP/s' else 1e9):.0f} {unit}"
         print(f"| {name} | {med[name]:.2f} | {q[name][0]:.2f}-{q[name][2]:.2f} | {med[name] / whole:.3f} | {rate} |")
-    names = list(table)
+    names = [name for name in table if not name.startswith("queued")]
     gemms = med[names[1]] + med[names[4]] + med[names[5]]
     passes = med[names[2]] + med[names[3]]
     rest = whole - gemms - passes
+    queued = med[list(table)[1]] - med[names[1]]
+    print(f"\nthe whole queued behind GPU work (queued row − GEMM 1): {queued:.2f} ms, {queued / whole:.3f} of the whole alone")
     print(f"\nmeasured GEMM floor (GEMMs 1-3 as cuBLAS runs them here): {gemms:.2f} ms; the two passes: {passes:.2f} ms; "
           f"the rest of the whole (elementwise loss and its gradient, launches, gathers): {rest:.2f} ms")
     print(f"whole / measured GEMM floor: {whole / gemms:.3f}; (GEMMs + passes) / measured GEMM floor: {(gemms + passes) / gemms:.3f}")
@@ -186,6 +229,8 @@ def main(argv=None) -> int:
                   f"{3 * elem / gbs / 1e6:.2f} ms at least")
         print()
         print(kernel_table(table[names[0]][0]))
+        print()
+        print(gap_table(table[names[0]][0]))
     return 0
 
 
