@@ -16,6 +16,7 @@ import torch
 from . import metrics
 from .controllers import BetaController, ControllerConfig, make_controller
 from .kl_term import KLTerm
+from .shaping import format_method
 
 logger = logging.getLogger("unsloth_adaptive_kl")
 
@@ -124,9 +125,8 @@ class AdaptiveKL:
 
     @property
     def method_text(self) -> str:
-        """The method as ``kl_adaptation_method`` writes it (controller first, shaping in applied order)."""
-        method = self.term.method
-        return "+".join([*([method.controller] if method.controller != "fixed" else []), *method.shaping]) or "none"
+        """The method as ``kl_adaptation_method`` writes it (:func:`~unsloth_adaptive_kl.shaping.format_method`)."""
+        return format_method(self.term.method)
 
     def load_state_dict(self, state: dict, *, restart: bool = False) -> None:
         """Restore the controller from a checkpoint's state; ``restart`` (``restart_beta_controller``)
