@@ -144,6 +144,9 @@ def test_dynamic_schedule_still_counts_optimizer_steps_without_new_rewards():
         ("target", {"name": "target", "beta": float("inf")}, "beta=inf"),
         ("target", {"name": "target", "beta": -1.0}, "beta=-1.0"),
         ("fixed", {"name": "fixed", "beta": float("nan")}, "beta=nan"),
+        ("fixed", {"name": "fixed", "beta": True}, "beta=True"),
+        ("target", {"name": "target", "beta": 0.1, "configured_beta": float("inf")}, "configured_beta=inf"),
+        ("dynamic", {"name": "dynamic", "beta": 0.1, "rewards": [], "configured_beta": -0.1}, "configured_beta=-0.1"),
     ],
 )
 def test_load_state_dict_refuses_a_non_finite_negative_or_impossible_beta(name, state, words):
@@ -152,6 +155,26 @@ def test_load_state_dict_refuses_a_non_finite_negative_or_impossible_beta(name, 
         c.load_state_dict(state)
     assert words in str(info.value)
     assert c.beta == 0.1  # nothing was half-loaded
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -0.01, True, "0.1"])
+def test_a_controller_config_refuses_a_beta_that_is_not_a_finite_number_at_least_0(bad):
+    with pytest.raises(ValueError, match="allowed: a finite number >= 0") as info:
+        ControllerConfig(beta=bad)
+    assert f"beta={bad!r} is not valid" in str(info.value)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("-inf"), -1.0, False])
+def test_setting_beta_by_hand_refuses_a_beta_that_is_not_a_finite_number_at_least_0(bad):
+    import torch
+
+    state = _adaptive("dynamic")
+    for value in (bad, *([] if isinstance(bad, bool) else [torch.tensor(bad)])):
+        with pytest.raises(ValueError, match="allowed: a finite number >= 0") as info:
+            state.beta = value
+        assert "beta=" in str(info.value) and state.beta == 0.2  # unchanged
+    state.beta = torch.tensor(0.5, dtype=torch.float64)  # a 0-dim tensor or a number >= 0 is taken
+    assert state.beta == 0.5 and state.controller.beta == 0.5
 
 
 def test_target_beta_above_the_initial_one_loads():  # target may legitimately raise β

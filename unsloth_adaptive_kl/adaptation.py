@@ -8,12 +8,12 @@ Pure torch. A backend supplies a ``reduce`` (sum across processes) and a metrics
 from __future__ import annotations
 
 import logging
-import math
 from typing import Callable
 
 import torch
 
 from . import metrics
+from .config import checked_beta
 from .controllers import BetaController, ControllerConfig, make_controller
 from .kl_term import KLTerm
 from .shaping import format_method
@@ -57,9 +57,7 @@ class AdaptiveKL:
         """Set β by hand (``trainer.beta = x``, ``module.beta = x``; a number or a 0-dim tensor): the controller goes on from it."""
         if isinstance(value, torch.Tensor) and value.numel() == 1:
             value = value.item()
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-            raise ValueError(f"beta={value!r} is not valid; allowed: a finite number >= 0")
-        self.controller.beta = float(value)
+        self.controller.beta = float(checked_beta(value))
 
     @property
     def length_normalized(self) -> bool:

@@ -22,7 +22,7 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-from .config import DEFAULTS
+from .config import DEFAULTS, checked_beta
 
 logger = logging.getLogger("unsloth_adaptive_kl")
 
@@ -62,8 +62,7 @@ class ControllerConfig:
         )
 
     def __post_init__(self):
-        if not (_finite(self.beta) and self.beta >= 0):
-            raise ValueError(f"beta={self.beta!r} is not valid; allowed: a finite number >= 0")
+        checked_beta(self.beta)
         if not (_finite(self.beta_min) and 0 <= self.beta_min <= self.beta):
             raise ValueError(f"beta_min={self.beta_min!r} is not valid; allowed: a number in [0, beta={self.beta!r}]")
 
@@ -113,15 +112,14 @@ class BetaController:
     def load_state_dict(self, state: dict) -> None:
         if state.get("name") != self.name:
             raise ValueError(f"cannot load β-controller state of {state.get('name')!r} into a {self.name!r} controller")
-        beta = state.get("beta")
-        if not _finite(beta) or not beta >= 0:
-            raise ValueError(f"β-controller state: beta={beta!r} is not valid for the {self.name!r} controller; allowed: a finite number >= 0")
+        source = f"β-controller state of the {self.name!r} controller: "
+        beta = checked_beta(state.get("beta"), source=source)
         skipped = state.get("skipped_updates", 0)  # absent in checkpoints written before it existed
         if isinstance(skipped, bool) or not isinstance(skipped, int) or skipped < 0:
             raise ValueError(f"β-controller state: skipped_updates={skipped!r} is not valid; allowed: an integer >= 0")
         configured = state.get("configured_beta")  # absent in checkpoints written before it existed
-        if configured is not None and not (_finite(configured) and configured >= 0):
-            raise ValueError(f"β-controller state: configured_beta={configured!r} is not valid; allowed: a finite number >= 0")
+        if configured is not None:
+            checked_beta(configured, "configured_beta", source=source)
         self.beta = self.resumed_beta(float(beta), configured)
         self.skipped_updates = skipped
 
@@ -147,7 +145,7 @@ class BetaController:
         limit = self.max_loaded_beta()
         if saved > limit:
             raise ValueError(
-                f"β-controller state: beta={saved!r} is not valid for the {self.name!r} controller; allowed: a finite "
+                f"β-controller state of the {self.name!r} controller: beta={saved!r} is not valid; allowed: a finite "
                 f"number >= 0 and <= the configured beta={limit}"
             )
         logger.info("unsloth_adaptive_kl: the %s controller resumes from the checkpoint's beta=%s", self.name, saved)
