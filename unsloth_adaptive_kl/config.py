@@ -167,16 +167,18 @@ def _require(condition: bool, name: str, value, allowed: str) -> None:
         raise ValueError(f"{name}={value!r} is not valid; allowed: {allowed}")
 
 
-def fused_head_setting(value, name: str = "liger_fused_head"):
-    """The Liger module's ``fused_head`` (``"auto"``, True or False) for a config value: those, or the strings
-    ``"true"``/``"false"`` (a command line gives strings); ValueError otherwise."""
+def fused_head_setting(value, name: str = "liger_fused_head", *, text: bool = True):
+    """The Liger module's ``fused_head`` (``"auto"``, True or False) for ``value``: those, or, with ``text``
+    (a config field: a command line gives strings), the strings ``"true"``/``"false"``; ValueError
+    otherwise. The one check of a ``fused_head`` value (the Liger module's keyword calls it with ``text=False``)."""
     if isinstance(value, bool) or value == "auto":
         return value
-    if isinstance(value, str) and value.lower() in ("true", "false"):
+    if text and isinstance(value, str) and value.lower() in ("true", "false"):
         return value.lower() == "true"
+    true, false = ("true", "false") if text else ("True", "False")
     raise ValueError(
-        f"{name}={value!r} is not valid; allowed: 'auto' (the fused LM head wherever it is exact), true (required: "
-        "a fallback warns with its reason) or false (TRL's log-prob kernel)"
+        f"{name}={value!r} is not valid; allowed: 'auto' (the fused LM head wherever it is exact, the default), {true} "
+        f"(required: a call where it is not exact warns with the reason) or {false} (TRL's log-prob kernel)"
     )
 
 
