@@ -2,7 +2,7 @@
 
 import pytest
 
-from unsloth_adaptive_kl.controllers import ControllerConfig, DynamicBeta, FixedBeta, TargetKLBeta, make_controller
+from unsloth_adaptive_kl.controllers import ControllerConfig, ControllerMismatchError, DynamicBeta, FixedBeta, TargetKLBeta, make_controller
 
 
 def test_fixed_beta_never_changes():
@@ -78,6 +78,24 @@ def test_state_dict_round_trip_continues_identically(name):
 def test_loading_another_controllers_state_fails_loudly():
     with pytest.raises(ValueError, match="dynamic"):
         FixedBeta(ControllerConfig(beta=0.1)).load_state_dict(DynamicBeta(ControllerConfig(beta=0.1)).state_dict())
+    for saved, name in [("fixed", "dynamic"), ("dynamic", "target"), ("target", "fixed")]:
+        c = make_controller(name, ControllerConfig(beta=0.1))
+        with pytest.raises(ControllerMismatchError, match=f"state of {saved!r} into a {name!r} controller") as info:
+            c.load_state_dict(make_controller(saved, ControllerConfig(beta=0.05)).state_dict())
+        assert (info.value.saved, info.value.name) == (saved, name) and c.beta == 0.1  # the name is checked first
+
+
+def test_resuming_with_another_controller_names_both_methods_and_the_restart_option():
+    with pytest.raises(ValueError) as info:
+        _adaptive("dynamic+clip").load_state_dict(_adaptive("length_normalized").state_dict())
+    message = str(info.value)
+    assert not isinstance(info.value, ControllerMismatchError)
+    assert "kl_adaptation_method='length_normalized' (no β controller)" in message
+    assert "kl_adaptation_method='dynamic+clip' (the 'dynamic' β controller)" in message
+    assert "restart_beta_controller=True" in message and "beta=0.2" in message
+    state = _adaptive("target")
+    state.load_state_dict(_adaptive("dynamic").state_dict(), restart=True)  # starts fresh: no error
+    assert state.beta == 0.2
 
 
 @pytest.mark.parametrize("name", ["dynamic", "target"])

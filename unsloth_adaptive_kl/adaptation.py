@@ -14,7 +14,7 @@ import torch
 
 from . import metrics
 from .config import checked_beta
-from .controllers import BetaController, ControllerConfig, make_controller
+from .controllers import BetaController, ControllerConfig, ControllerMismatchError, make_controller
 from .kl_term import KLTerm
 from .shaping import format_method
 
@@ -140,17 +140,18 @@ class AdaptiveKL:
                 self.controller.name, self.controller.beta, state.get("kl_adaptation_method"), saved.get("beta"),
             )
             return
-        if saved.get("name") != self.controller.name:
+        try:
+            self.controller.load_state_dict(saved)
+        except ControllerMismatchError as error:
             method = state.get("kl_adaptation_method")  # absent in checkpoints written before it was saved
             before = f"kl_adaptation_method={method!r}" if method is not None else "a method"
             raise ValueError(
-                f"cannot resume: the checkpoint was trained with {before} ({_controller_words(saved.get('name'))}) and this "
-                f"run has kl_adaptation_method={self.method_text!r} ({_controller_words(self.controller.name)}); one β "
+                f"cannot resume: the checkpoint was trained with {before} ({_controller_words(error.saved)}) and this "
+                f"run has kl_adaptation_method={self.method_text!r} ({_controller_words(error.name)}); one β "
                 f"controller's state cannot be restored into another. Allowed: set restart_beta_controller=True to start "
                 f"the new controller fresh from beta={self.controller.beta} (the checkpoint's controller state is then not "
                 "restored), or resume with a method of the checkpoint's controller"
-            )
-        self.controller.load_state_dict(saved)
+            ) from None
 
 
 def _controller_words(name) -> str:
