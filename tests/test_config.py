@@ -128,6 +128,9 @@ BAD = [
     (dict(kl_bottom_q=1.5), "kl_bottom_q", "1.5"),
     (dict(kl_bottom_q=0.001), "kl_bottom_q", "0.001"),  # 1/q = 1000 would blow the KL up; the floor is 0.01
     (dict(reward_threshold=float("nan")), "reward_threshold", "nan"),
+    (dict(beta=-0.1), "beta", "-0.1"),
+    (dict(beta=float("nan")), "beta", "nan"),
+    (dict(beta=float("inf")), "beta", "inf"),
     (dict(beta=0.0, kl_adaptation_method="dynamic"), "beta", "0.0"),
     (dict(beta=0.0, kl_adaptation_method="clip"), "beta", "0.0"),
     (dict(liger_fused_head="yes"), "liger_fused_head", "yes"),

@@ -2,7 +2,7 @@
 
 import pytest
 
-from unsloth_adaptive_kl.controllers import ControllerConfig, DynamicBeta, FixedBeta, TargetKLBeta, make_controller
+from unsloth_adaptive_kl.controllers import ControllerConfig, ControllerMismatchError, DynamicBeta, FixedBeta, TargetKLBeta, make_controller
 
 
 def test_fixed_beta_never_changes():
@@ -78,6 +78,24 @@ def test_state_dict_round_trip_continues_identically(name):
 def test_loading_another_controllers_state_fails_loudly():
     with pytest.raises(ValueError, match="dynamic"):
         FixedBeta(ControllerConfig(beta=0.1)).load_state_dict(DynamicBeta(ControllerConfig(beta=0.1)).state_dict())
+    for saved, name in [("fixed", "dynamic"), ("dynamic", "target"), ("target", "fixed")]:
+        c = make_controller(name, ControllerConfig(beta=0.1))
+        with pytest.raises(ControllerMismatchError, match=f"state of {saved!r} into a {name!r} controller") as info:
+            c.load_state_dict(make_controller(saved, ControllerConfig(beta=0.05)).state_dict())
+        assert (info.value.saved, info.value.name) == (saved, name) and c.beta == 0.1  # the name is checked first
+
+
+def test_resuming_with_another_controller_names_both_methods_and_the_restart_option():
+    with pytest.raises(ValueError) as info:
+        _adaptive("dynamic+clip").load_state_dict(_adaptive("length_normalized").state_dict())
+    message = str(info.value)
+    assert not isinstance(info.value, ControllerMismatchError)
+    assert "kl_adaptation_method='length_normalized' (no β controller)" in message
+    assert "kl_adaptation_method='dynamic+clip' (the 'dynamic' β controller)" in message
+    assert "restart_beta_controller=True" in message and "beta=0.2" in message
+    state = _adaptive("target")
+    state.load_state_dict(_adaptive("dynamic").state_dict(), restart=True)  # starts fresh: no error
+    assert state.beta == 0.2
 
 
 @pytest.mark.parametrize("name", ["dynamic", "target"])
@@ -144,6 +162,9 @@ def test_dynamic_schedule_still_counts_optimizer_steps_without_new_rewards():
         ("target", {"name": "target", "beta": float("inf")}, "beta=inf"),
         ("target", {"name": "target", "beta": -1.0}, "beta=-1.0"),
         ("fixed", {"name": "fixed", "beta": float("nan")}, "beta=nan"),
+        ("fixed", {"name": "fixed", "beta": True}, "beta=True"),
+        ("target", {"name": "target", "beta": 0.1, "configured_beta": float("inf")}, "configured_beta=inf"),
+        ("dynamic", {"name": "dynamic", "beta": 0.1, "rewards": [], "configured_beta": -0.1}, "configured_beta=-0.1"),
     ],
 )
 def test_load_state_dict_refuses_a_non_finite_negative_or_impossible_beta(name, state, words):
@@ -152,6 +173,26 @@ def test_load_state_dict_refuses_a_non_finite_negative_or_impossible_beta(name, 
         c.load_state_dict(state)
     assert words in str(info.value)
     assert c.beta == 0.1  # nothing was half-loaded
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -0.01, True, "0.1"])
+def test_a_controller_config_refuses_a_beta_that_is_not_a_finite_number_at_least_0(bad):
+    with pytest.raises(ValueError, match="allowed: a finite number >= 0") as info:
+        ControllerConfig(beta=bad)
+    assert f"beta={bad!r} is not valid" in str(info.value)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("-inf"), -1.0, False])
+def test_setting_beta_by_hand_refuses_a_beta_that_is_not_a_finite_number_at_least_0(bad):
+    import torch
+
+    state = _adaptive("dynamic")
+    for value in (bad, *([] if isinstance(bad, bool) else [torch.tensor(bad)])):
+        with pytest.raises(ValueError, match="allowed: a finite number >= 0") as info:
+            state.beta = value
+        assert "beta=" in str(info.value) and state.beta == 0.2  # unchanged
+    state.beta = torch.tensor(0.5, dtype=torch.float64)  # a 0-dim tensor or a number >= 0 is taken
+    assert state.beta == 0.5 and state.controller.beta == 0.5
 
 
 def test_target_beta_above_the_initial_one_loads():  # target may legitimately raise β

@@ -16,6 +16,7 @@ from unsloth_adaptive_kl.shaping import (
     Method,
     Parameter,
     clip,
+    format_method,
     length_normalized_term,
     method_names,
     parse_method,
@@ -70,6 +71,34 @@ def test_sequence_mean_and_length_normalized_sum_match_definition():
 )
 def test_parse_method_accepts_compositions_in_fixed_order(text, expected):
     assert parse_method(text) == expected
+
+
+@pytest.mark.parametrize(
+    "text, canonical",
+    [
+        ("none", "none"),
+        (" none ", "none"),
+        ("clip", "clip"),
+        ("target", "target"),
+        ("length_normalized+dynamic", "dynamic+length_normalized"),
+        ("sigmoid+clip+target", "target+clip+sigmoid"),
+        (" dynamic + clip ", "dynamic+clip"),
+        ("length_normalized+sigmoid+soft_clip+clip", "clip+soft_clip+sigmoid+length_normalized"),
+    ],
+)
+def test_format_method_writes_the_canonical_text_of_a_parsed_method(text, canonical):
+    assert format_method(parse_method(text)) == canonical
+
+
+def test_format_method_is_the_inverse_of_parse_method_for_every_registered_method_and_combinations(half_kl):
+    shaping = [name for name in method_names() if name not in ("none", "dynamic", "target")]
+    assert "half_kl" in shaping and "clip" in shaping  # a registered method is covered, as the built-ins
+    methods = [Method("fixed", ())] + [parse_method(name) for name in method_names()]
+    methods += [Method(controller, (name,)) for controller in ("fixed", "dynamic", "target") for name in shaping]
+    methods += [Method("dynamic", tuple(shaping_names())), Method("target", ("clip", "half_kl", "length_normalized"))]
+    for method in methods:
+        assert parse_method(format_method(method)) == method, method
+    assert format_method(Method("target", ("clip", "half_kl", "length_normalized"))) == "target+clip+half_kl+length_normalized"
 
 
 @pytest.mark.parametrize("text", ["", "bogus", "dynamic+target", "clip+clip", "none+clip", "clip+", 3])

@@ -8,14 +8,15 @@ Pure torch. A backend supplies a ``reduce`` (sum across processes) and a metrics
 from __future__ import annotations
 
 import logging
-import math
 from typing import Callable
 
 import torch
 
 from . import metrics
-from .controllers import BetaController, ControllerConfig, make_controller
+from .config import checked_beta
+from .controllers import BetaController, ControllerConfig, ControllerMismatchError, make_controller
 from .kl_term import KLTerm
+from .shaping import format_method
 
 logger = logging.getLogger("unsloth_adaptive_kl")
 
@@ -56,9 +57,7 @@ class AdaptiveKL:
         """Set β by hand (``trainer.beta = x``, ``module.beta = x``; a number or a 0-dim tensor): the controller goes on from it."""
         if isinstance(value, torch.Tensor) and value.numel() == 1:
             value = value.item()
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-            raise ValueError(f"beta={value!r} is not valid; allowed: a finite number >= 0")
-        self.controller.beta = float(value)
+        self.controller.beta = float(checked_beta(value))
 
     @property
     def length_normalized(self) -> bool:
@@ -124,9 +123,8 @@ class AdaptiveKL:
 
     @property
     def method_text(self) -> str:
-        """The method as ``kl_adaptation_method`` writes it (controller first, shaping in applied order)."""
-        method = self.term.method
-        return "+".join([*([method.controller] if method.controller != "fixed" else []), *method.shaping]) or "none"
+        """The method as ``kl_adaptation_method`` writes it (:func:`~unsloth_adaptive_kl.shaping.format_method`)."""
+        return format_method(self.term.method)
 
     def load_state_dict(self, state: dict, *, restart: bool = False) -> None:
         """Restore the controller from a checkpoint's state; ``restart`` (``restart_beta_controller``)
@@ -142,17 +140,18 @@ class AdaptiveKL:
                 self.controller.name, self.controller.beta, state.get("kl_adaptation_method"), saved.get("beta"),
             )
             return
-        if saved.get("name") != self.controller.name:
+        try:
+            self.controller.load_state_dict(saved)
+        except ControllerMismatchError as error:
             method = state.get("kl_adaptation_method")  # absent in checkpoints written before it was saved
             before = f"kl_adaptation_method={method!r}" if method is not None else "a method"
             raise ValueError(
-                f"cannot resume: the checkpoint was trained with {before} ({_controller_words(saved.get('name'))}) and this "
-                f"run has kl_adaptation_method={self.method_text!r} ({_controller_words(self.controller.name)}); one β "
+                f"cannot resume: the checkpoint was trained with {before} ({_controller_words(error.saved)}) and this "
+                f"run has kl_adaptation_method={self.method_text!r} ({_controller_words(error.name)}); one β "
                 f"controller's state cannot be restored into another. Allowed: set restart_beta_controller=True to start "
                 f"the new controller fresh from beta={self.controller.beta} (the checkpoint's controller state is then not "
                 "restored), or resume with a method of the checkpoint's controller"
-            )
-        self.controller.load_state_dict(saved)
+            ) from None
 
 
 def _controller_words(name) -> str:

@@ -153,21 +153,32 @@ def _checked_number(name: str, value, *, integer: bool = False) -> float:
     return value
 
 
+def checked_beta(value, name: str = "beta", *, source: str = ""):
+    """``value`` if it is a valid β: a finite number >= 0 (an int or a float, not a bool). Otherwise
+    ValueError naming ``name``, the value and what is allowed; ``source`` starts the message (where
+    the value was read, e.g. a checkpoint's controller state). The one check of a β, wherever it enters."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{source}{name}={value!r} is not valid; allowed: a finite number >= 0{_yaml_hint(value)}")
+    return value
+
+
 def _require(condition: bool, name: str, value, allowed: str) -> None:
     if not condition:
         raise ValueError(f"{name}={value!r} is not valid; allowed: {allowed}")
 
 
-def fused_head_setting(value, name: str = "liger_fused_head"):
-    """The Liger module's ``fused_head`` (``"auto"``, True or False) for a config value: those, or the strings
-    ``"true"``/``"false"`` (a command line gives strings); ValueError otherwise."""
+def fused_head_setting(value, name: str = "liger_fused_head", *, text: bool = True):
+    """The Liger module's ``fused_head`` (``"auto"``, True or False) for ``value``: those, or, with ``text``
+    (a config field: a command line gives strings), the strings ``"true"``/``"false"``; ValueError
+    otherwise. The one check of a ``fused_head`` value (the Liger module's keyword calls it with ``text=False``)."""
     if isinstance(value, bool) or value == "auto":
         return value
-    if isinstance(value, str) and value.lower() in ("true", "false"):
+    if text and isinstance(value, str) and value.lower() in ("true", "false"):
         return value.lower() == "true"
+    true, false = ("true", "false") if text else ("True", "False")
     raise ValueError(
-        f"{name}={value!r} is not valid; allowed: 'auto' (the fused LM head wherever it is exact), true (required: "
-        "a fallback warns with its reason) or false (TRL's log-prob kernel)"
+        f"{name}={value!r} is not valid; allowed: 'auto' (the fused LM head wherever it is exact, the default), {true} "
+        f"(required: a call where it is not exact warns with the reason) or {false} (TRL's log-prob kernel)"
     )
 
 
@@ -230,7 +241,7 @@ def validate(config) -> Method:
     method = parse_method(config.kl_adaptation_method)
     get_estimator(config.kl_estimator)
     _require(isinstance(config.restart_beta_controller, bool), "restart_beta_controller", config.restart_beta_controller, "true or false")
-    beta = _number(config, "beta")
+    beta = checked_beta(config.beta)
     shaping_values(config, method)
     horizon = _number(config, "kl_horizon")
     _require(horizon > 0, "kl_horizon", horizon, "a number > 0")
@@ -244,7 +255,6 @@ def validate(config) -> Method:
     q = _number(config, "kl_bottom_q")
     _require(MIN_BOTTOM_Q <= q <= 1, "kl_bottom_q", q, f"a number in [{MIN_BOTTOM_Q}, 1] (bottom_q scales the KL by 1 / q)")
     fused_head_setting(config.liger_fused_head)
-    _require(beta >= 0, "beta", beta, "a number >= 0")
     beta_min = _number(config, "beta_min")
     _require(0 <= beta_min <= beta, "beta_min", beta_min, f"a number in [0, beta={beta}]")
     if method.is_none and beta == 0 and get_estimator(config.kl_estimator).name != DEFAULTS["kl_estimator"]:

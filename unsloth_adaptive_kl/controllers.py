@@ -22,7 +22,7 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-from .config import DEFAULTS
+from .config import DEFAULTS, checked_beta
 
 logger = logging.getLogger("unsloth_adaptive_kl")
 
@@ -34,6 +34,15 @@ def _finite(value) -> bool:
         return math.isfinite(value)
     except TypeError:
         return False
+
+
+class ControllerMismatchError(ValueError):
+    """A β-controller state of another controller (``saved``, a name) than this one (``name``): the one check of
+    a controller's name on load; ``AdaptiveKL`` turns it into the resume error naming both methods."""
+
+    def __init__(self, saved, name: str):
+        self.saved, self.name = saved, name
+        super().__init__(f"cannot load β-controller state of {saved!r} into a {name!r} controller")
 
 
 @dataclass(frozen=True)
@@ -62,8 +71,7 @@ class ControllerConfig:
         )
 
     def __post_init__(self):
-        if not (_finite(self.beta) and self.beta >= 0):
-            raise ValueError(f"beta={self.beta!r} is not valid; allowed: a finite number >= 0")
+        checked_beta(self.beta)
         if not (_finite(self.beta_min) and 0 <= self.beta_min <= self.beta):
             raise ValueError(f"beta_min={self.beta_min!r} is not valid; allowed: a number in [0, beta={self.beta!r}]")
 
@@ -111,19 +119,27 @@ class BetaController:
         return math.inf
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` saved, every part checked before any is restored (nothing is half-loaded).
+        Another controller's state: :class:`ControllerMismatchError`; an invalid value: ValueError naming it."""
         if state.get("name") != self.name:
-            raise ValueError(f"cannot load β-controller state of {state.get('name')!r} into a {self.name!r} controller")
-        beta = state.get("beta")
-        if not _finite(beta) or not beta >= 0:
-            raise ValueError(f"β-controller state: beta={beta!r} is not valid for the {self.name!r} controller; allowed: a finite number >= 0")
+            raise ControllerMismatchError(state.get("name"), self.name)
+        source = f"β-controller state of the {self.name!r} controller: "
+        beta = checked_beta(state.get("beta"), source=source)
         skipped = state.get("skipped_updates", 0)  # absent in checkpoints written before it existed
         if isinstance(skipped, bool) or not isinstance(skipped, int) or skipped < 0:
             raise ValueError(f"β-controller state: skipped_updates={skipped!r} is not valid; allowed: an integer >= 0")
         configured = state.get("configured_beta")  # absent in checkpoints written before it existed
-        if configured is not None and not (_finite(configured) and configured >= 0):
-            raise ValueError(f"β-controller state: configured_beta={configured!r} is not valid; allowed: a finite number >= 0")
+        if configured is not None:
+            checked_beta(configured, "configured_beta", source=source)
+        own = self.checked_own_state(state)
         self.beta = self.resumed_beta(float(beta), configured)
         self.skipped_updates = skipped
+        for name, value in own.items():
+            setattr(self, name, value)
+
+    def checked_own_state(self, state: dict) -> dict:
+        """A subclass's own part of ``state``, checked (ValueError otherwise), as attribute name -> value to restore."""
+        return {}
 
     def resumed_beta(self, saved: float, configured: float | None) -> float:
         """The β a resumed run continues with, from the checkpoint's β and the β configured when it was saved.
@@ -147,7 +163,7 @@ class BetaController:
         limit = self.max_loaded_beta()
         if saved > limit:
             raise ValueError(
-                f"β-controller state: beta={saved!r} is not valid for the {self.name!r} controller; allowed: a finite "
+                f"β-controller state of the {self.name!r} controller: beta={saved!r} is not valid; allowed: a finite "
                 f"number >= 0 and <= the configured beta={limit}"
             )
         logger.info("unsloth_adaptive_kl: the %s controller resumes from the checkpoint's beta=%s", self.name, saved)
@@ -182,22 +198,25 @@ class DynamicBeta(BetaController):
         super().__init__(config)
         self.rewards: deque[float] = deque(maxlen=config.reward_window)
         self.new_reward = False  # a reward arrived that no decay has used yet
-        if config.beta_schedule_steps == 0:
-            if self.beta != config.beta_min:
-                self.log_schedule_floor(0)
-            self.beta = float(config.beta_min)
+        self.apply_schedule(0)  # beta_schedule_steps=0: β starts at its floor
 
-    def log_schedule_floor(self, global_step: int) -> None:
-        """Say, once, that the schedule set β to its floor: it does so whatever the reward did."""
+    def apply_schedule(self, global_step: int) -> bool:
+        """From optimizer step ``beta_schedule_steps`` on, β = ``beta_min``, whatever the reward did; said
+        once (when it moves β). Returns whether the schedule applies at ``global_step``."""
         cfg = self.config
-        reward = self.trailing_reward()
-        logger.warning(
-            "unsloth_adaptive_kl: dynamic: from optimizer step %d (beta_schedule_steps=%d) beta = beta_min = %s (it was "
-            "%s), whatever the reward (trailing mean %s, reward_threshold %s)%s",
-            global_step, cfg.beta_schedule_steps, cfg.beta_min, self.beta,
-            "none yet" if reward is None else f"{reward:.4g}", cfg.reward_threshold,
-            ": the KL term and the reference model are off from now on" if cfg.beta_min == 0 else "",
-        )
+        if global_step < cfg.beta_schedule_steps:
+            return False
+        if self.beta != cfg.beta_min:
+            reward = self.trailing_reward()
+            logger.warning(
+                "unsloth_adaptive_kl: dynamic: from optimizer step %d (beta_schedule_steps=%d) beta = beta_min = %s (it was "
+                "%s), whatever the reward (trailing mean %s, reward_threshold %s)%s",
+                global_step, cfg.beta_schedule_steps, cfg.beta_min, self.beta,
+                "none yet" if reward is None else f"{reward:.4g}", cfg.reward_threshold,
+                ": the KL term and the reference model are off from now on" if cfg.beta_min == 0 else "",
+            )
+        self.beta = float(cfg.beta_min)
+        return True
 
     def observe_reward(self, reward: float) -> None:
         if reward != reward:  # NaN: every reward of the batch was None (TRL logs NaN); no observation
@@ -213,12 +232,7 @@ class DynamicBeta(BetaController):
 
     def update(self, *, global_step: int, kl: float | None, num_completions: int) -> float:
         cfg = self.config
-        if self.beta == 0.0:
-            return self.beta
-        if global_step >= cfg.beta_schedule_steps:
-            if self.beta != cfg.beta_min:
-                self.log_schedule_floor(global_step)
-            self.beta = float(cfg.beta_min)
+        if self.beta == 0.0 or self.apply_schedule(global_step):
             return self.beta
         if not self.new_reward:  # no new reward since the last decay: the same observation is not counted twice
             return self.beta
@@ -234,16 +248,14 @@ class DynamicBeta(BetaController):
     def state_dict(self) -> dict:
         return {**super().state_dict(), "rewards": list(self.rewards), "new_reward": self.new_reward}
 
-    def load_state_dict(self, state: dict) -> None:
+    def checked_own_state(self, state: dict) -> dict:
         rewards = state.get("rewards")
         if not isinstance(rewards, list) or not all(_finite(r) for r in rewards):
             raise ValueError(f"β-controller state: rewards={rewards!r} is not valid; allowed: a list of finite numbers")
         new_reward = state.get("new_reward", False)
         if not isinstance(new_reward, bool):
             raise ValueError(f"β-controller state: new_reward={new_reward!r} is not valid; allowed: true or false")
-        super().load_state_dict(state)
-        self.rewards = deque((float(r) for r in rewards), maxlen=self.config.reward_window)
-        self.new_reward = new_reward
+        return {"rewards": deque((float(r) for r in rewards), maxlen=self.config.reward_window), "new_reward": new_reward}
 
 
 class TargetKLBeta(BetaController):

@@ -211,6 +211,12 @@ def parse_method(method: str) -> Method:
     return Method(controllers[0] if controllers else "fixed", shaping)
 
 
+def format_method(method: Method) -> str:
+    """The inverse of :func:`parse_method`: ``method`` as ``kl_adaptation_method`` writes it, canonically
+    (the β controller first, then the shaping steps in applied order; ``"none"`` for no adaptation)."""
+    return "+".join([*([method.controller] if method.controller != "fixed" else []), *method.shaping]) or "none"
+
+
 def shape_per_token(kl: torch.Tensor, method: Method, parameters: dict[str, object]) -> torch.Tensor:
     """Apply the per-token shaping steps of ``method``, in order; ``parameters``: name -> value."""
     for step in method.per_token_steps:

@@ -289,10 +289,25 @@ def test_by_default_the_fused_head_runs_wherever_it_is_exact_and_falls_back_sile
         assert vespo.head_path == "log-prob kernel"
 
 
-@pytest.mark.parametrize("kwargs", [dict(fused_head="yes"), dict(fused_chunk_tokens=0), dict(fused_chunk_tokens=2.5)])
+@pytest.mark.parametrize("kwargs", [dict(fused_head="yes"), dict(fused_head="true"), dict(fused_head=1), dict(fused_chunk_tokens=0), dict(fused_chunk_tokens=2.5)])
 def test_invalid_fused_arguments_raise(kwargs):
     with pytest.raises(ValueError, match=next(iter(kwargs))):
         AdaptiveFusedLinearGRPOLoss(compiled=False, **kwargs)
+
+
+def test_the_module_keyword_and_the_config_field_share_one_fused_head_check():
+    """The keyword takes Python's True/False, the GRPOConfig field also the command line's "true"/"false"."""
+    from unsloth_adaptive_kl.config import fused_head_setting
+
+    with pytest.raises(ValueError) as keyword:
+        fused.check_fused_arguments("true", None)
+    with pytest.raises(ValueError) as field:
+        fused_head_setting("yes")
+    assert str(keyword.value).startswith("fused_head='true' is not valid; allowed: 'auto'") and "True" in str(keyword.value)
+    assert str(field.value).startswith("liger_fused_head='yes' is not valid; allowed: 'auto'") and "true" in str(field.value)
+    assert fused_head_setting("TRUE") is True and fused_head_setting("false") is False and fused_head_setting("auto") == "auto"
+    for value in (True, False, "auto"):
+        fused.check_fused_arguments(value, None)
 
 
 # -- memory ---------------------------------------------------------------------------------------------------

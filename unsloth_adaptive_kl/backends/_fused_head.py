@@ -59,6 +59,7 @@ import os
 
 import torch
 
+from ..config import fused_head_setting
 from ._liger_parts import VOCAB_TILE
 
 KERNEL_TILE = 4096 * VOCAB_TILE  # values in TRL 1.15's log-prob kernel tile (TOKEN_CHUNK_SIZE × the package's VOCAB_TILE)
@@ -67,11 +68,7 @@ TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def check_fused_arguments(fused_head, chunk_tokens) -> None:
-    if not (isinstance(fused_head, bool) or fused_head == "auto"):
-        raise ValueError(
-            f"fused_head={fused_head!r} is not valid; allowed: 'auto' (the fused head wherever it is exact, the default), "
-            "True (required: a call where it is not exact warns with the reason) or False (the log-prob kernel path)"
-        )
+    fused_head_setting(fused_head, "fused_head", text=False)
     if chunk_tokens is not None and (isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1):
         raise ValueError(f"fused_chunk_tokens={chunk_tokens!r} is not valid; allowed: None (from the memory rule) or an int >= 1")
 
