@@ -58,14 +58,16 @@ def parse_args(argv=None):
 
 
 def make_row(key, *, args, model, ref_model, optimizer, batch, tokenizer, loss_class=None, fused_head=None, name=None):
-    """The row ``key`` (``_common.ROW_KEYS``); with ``loss_class``, trained through ``GRPOTrainer(loss_class=...)``,
-    its module's ``fused_head`` set to ``fused_head`` unless None, named ``name``."""
+    """The row ``key`` (one of ``_common.row_keys()``); with ``loss_class``, trained through ``GRPOTrainer(loss_class=...)``,
+    its config's ``liger_fused_head`` set to ``fused_head`` unless None, named ``name``."""
     import unsloth_adaptive_kl
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
     from trl.trainer import grpo_trainer
 
     default_name, fields = _common.row_name_and_fields(key, STOCK)
+    if fused_head is not None:
+        fields["liger_fused_head"] = fused_head
     name = name or default_name
     patched = key != "stock"
     extra = {} if loss_class is None else {"loss_class": loss_class}
@@ -84,8 +86,6 @@ def make_row(key, *, args, model, ref_model, optimizer, batch, tokenizer, loss_c
             model=model, processing_class=tokenizer, reward_funcs=[lambda completions, **k: [0.0] * len(completions)], args=config,
             train_dataset=dataset, **extra,
         )  # fmt: skip
-    if fused_head is not None:
-        trainer._adaptive_loss_module.fused_head = fused_head
     trainer.current_gradient_accumulation_steps = 1  # set by the training loop, which does not run here
     model.train()
     step = _common.training_step(trainer, model, optimizer, batch)

@@ -170,3 +170,16 @@ def test_the_trainer_side_state_is_the_kl_term_and_the_controller():
     assert not hasattr(state, "use_bias_correction_kl")
     own = set(vars(state)) - {"reduce", "_step_sums"}  # the cross-process sum and the step's sums
     assert own == {"term", "controller"}, own
+
+
+def test_backends_reach_the_length_normalised_term_only_through_kl_term():
+    """The length-normalised KL loss has one call site pattern: ``KLTerm.length_normalized_loss``.
+    No backend imports ``shaping.length_normalized_term`` itself (the Liger module did)."""
+    offenders = [
+        f"{name}:{node.lineno}"
+        for name in MODULES
+        if name.startswith(f"{NAME}.backends")
+        for source, names, node in imports(name)
+        if source == f"{NAME}.shaping" and names and "length_normalized_term" in names
+    ]
+    assert offenders == []

@@ -188,6 +188,7 @@ def test_k3_and_k2_are_non_negative(pairs):
 def test_bottom_q_warns_once_when_few_or_tied_tokens_inflate_it(ref, q, selected, inflation, monkeypatch, caplog):
     # Before the fix these inflated the KL (the issue's numbers: 16.7, 5.0, 100) without a word.
     monkeypatch.setattr(estimators, "_warned_bottom_q", False, raising=False)
+    monkeypatch.setattr(estimators, "_pending_selection", None, raising=False)
     logp = ref - 0.3  # the same log-ratio everywhere: every token's k3 is the same
     mask = torch.ones(1, ref.numel(), dtype=torch.bool)
     with caplog.at_level("WARNING", logger="unsloth_adaptive_kl"):
@@ -203,8 +204,40 @@ def test_bottom_q_warns_once_when_few_or_tied_tokens_inflate_it(ref, q, selected
     assert ("tied" in warnings[0]) == (selected > 1)
 
 
+def count_host_reads(monkeypatch) -> list[str]:
+    """Record every read of a tensor's value into Python (what blocks on a GPU: item, int, float, bool, tolist)."""
+    reads = []
+    for name in ("item", "tolist", "__int__", "__float__", "__bool__", "__index__"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _n=name, _f=original, **k: (reads.append(_n), _f(self, *a, **k))[1])
+    return reads
+
+
+def test_bottom_q_threshold_reads_no_value_for_its_warning_and_warns_a_tie_at_the_next_call(monkeypatch, caplog):
+    """The count of selected tokens was read with int() on every call, a second GPU sync beside the
+    boolean indexing, only for the warning. Now it is read without a wait: a tie at the threshold
+    warns at the next call, with the first call's numbers; a call without one warns never."""
+    monkeypatch.setattr(estimators, "_warned_bottom_q", False, raising=False)
+    monkeypatch.setattr(estimators, "_pending_selection", None, raising=False)
+    distinct = torch.linspace(-5.0, -0.1, 100)[None]
+    tied = torch.full((1, 32), -2.0)
+    with caplog.at_level("WARNING", logger="unsloth_adaptive_kl"):
+        for ref in (distinct, tied):  # each with nothing deferred before it: no read at all
+            monkeypatch.setattr(estimators, "_pending_selection", None)
+            with monkeypatch.context() as spy:
+                reads = count_host_reads(spy)
+                threshold = estimators.bottom_q_threshold(ref, torch.ones_like(ref, dtype=torch.bool), q=0.2)
+            assert reads == []
+            assert threshold.item() == ref.flatten().sort().values[estimators.bottom_q_count(0.2, ref.numel()) - 1].item()
+        assert "bottom_q selected" not in caplog.text
+        estimators.bottom_q_threshold(distinct, torch.ones_like(distinct, dtype=torch.bool), q=0.2)  # checks the tied call's count
+    warnings = [r.getMessage() for r in caplog.records if "bottom_q selected" in r.getMessage()]
+    assert len(warnings) == 1 and "bottom_q selected 32 of 32 valid tokens (tied" in warnings[0]
+
+
 def test_bottom_q_on_enough_distinct_tokens_does_not_warn(monkeypatch, caplog):
     monkeypatch.setattr(estimators, "_warned_bottom_q", False, raising=False)
+    monkeypatch.setattr(estimators, "_pending_selection", None, raising=False)
     ref = torch.linspace(-5.0, -0.1, 100)[None]
     with caplog.at_level("WARNING", logger="unsloth_adaptive_kl"):
         out = estimate_kl("bottom_q", ref - 0.3, ref, mask=torch.ones_like(ref, dtype=torch.bool), bottom_q=0.2)

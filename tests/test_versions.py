@@ -155,6 +155,21 @@ def test_the_readme_supported_versions_table_is_the_one_of_versions_py():
     assert versions.supported_versions_table() in readme
 
 
+def test_the_tested_column_names_every_release_a_stack_pins():
+    """The "tested" cell comes from STACKS: every release a stack pins is in it (or in its range of
+    minor lines); the hand-written text was missing transformers 4.56.2 (the trl-1.16-transformers-4 stack)."""
+    cells = {row.split(" | ")[0].strip("| "): row.split(" | ")[-1] for row in versions.supported_versions_table().splitlines()[2:]}
+    for distribution in versions.SUPPORTED:
+        cell = cells[distribution]
+        pins = [v for stack in versions.STACKS.values() if (v := stack.pin(distribution)) is not None]
+        assert versions.pinned_releases(distribution) == sorted(set(pins), key=versions.Version)
+        if cell.startswith("one release per minor line"):
+            assert f"{min(pins, key=versions.Version)} to {max(pins, key=versions.Version)} ({len(set(pins))} lines)" in cell
+        else:
+            assert all(v in cell for v in pins), (distribution, cell)
+    assert "4.56.2" in cells["transformers"]
+
+
 def test_the_loss_types_offered_are_those_the_installed_trl_computes():
     """versions.trl_loss_types against the installed TRL's own _compute_loss (run on every stack)."""
     import inspect

@@ -171,19 +171,56 @@ def bottom_q_threshold(ref_logp: torch.Tensor, mask: torch.Tensor, *, q: float) 
     Liger module the batch of its forward call; never the whole generation batch nor all processes.
     Where it selects a fraction of the valid tokens other than ``q`` (too few tokens, ``q * N < 1``,
     or tied reference log-probs at the threshold), the 1/q scale no longer keeps the mean on k3's
-    scale: :func:`warn_bottom_q_selection` says so, once."""
+    scale: :func:`warn_bottom_q_selection` says so, once.
+
+    One host sync: the number of valid tokens (boolean indexing), which sets k. The count of selected
+    tokens for the warning adds none: where the warning is certain from the counts alone (``q * N`` too
+    small) it is read then, once per process; otherwise it is copied without waiting and checked at the
+    next call, after that call's own sync (a tie at the threshold is warned one call late)."""
     valid = ref_logp.detach()[mask.bool()]
+    _check_pending_selection()  # the previous call's count: finished by the sync above
     if valid.numel() == 0:
         return torch.tensor(float("-inf"), dtype=ref_logp.dtype, device=ref_logp.device)
     # torch.quantile refuses inputs above 2**24 elements, kthvalue does not.
-    threshold = valid.kthvalue(bottom_q_count(q, valid.numel())).values
-    warn_bottom_q_selection(int((valid <= threshold).sum()), valid.numel(), q)
+    count = bottom_q_count(q, valid.numel())
+    threshold = valid.kthvalue(count).values
+    if not _warned_bottom_q:
+        selected = (valid <= threshold).sum()
+        if bottom_q_inflation(count, valid.numel(), q) >= BOTTOM_Q_INFLATION_WARNING:  # warns whatever the ties
+            warn_bottom_q_selection(int(selected), valid.numel(), q)
+        else:
+            _defer_selection(selected, valid.numel(), q)
     return threshold
 
 
 #: Selected fraction / q beyond which :func:`warn_bottom_q_selection` warns.
 BOTTOM_Q_INFLATION_WARNING = 1.5
 _warned_bottom_q = False
+#: The last call's selected count not yet checked: ``(count on the host, CUDA event of its copy or None, N, q)``.
+_pending_selection = None
+
+
+def _defer_selection(selected: torch.Tensor, num_tokens: int, q: float) -> None:
+    """Copy ``selected`` to the host without waiting; :func:`_check_pending_selection` reads it later."""
+    global _pending_selection
+    done = None
+    if selected.is_cuda:
+        selected = selected.to("cpu", non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+    _pending_selection = (selected, done, num_tokens, q)
+
+
+def _check_pending_selection() -> None:
+    """Warn from the deferred count once its copy has finished (never waits for it)."""
+    global _pending_selection
+    if _pending_selection is None:
+        return
+    selected, done, num_tokens, q = _pending_selection
+    if done is not None and not done.query():
+        return
+    _pending_selection = None
+    warn_bottom_q_selection(int(selected), num_tokens, q)
 
 
 def bottom_q_inflation(selected: int, num_tokens: int, q: float) -> float:

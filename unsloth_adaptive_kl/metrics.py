@@ -60,8 +60,18 @@ def global_token_mean(local_mean: torch.Tensor, mask: torch.Tensor, reduce) -> f
     for a metric the loss reports only as a local mean (Liger's clip ratio, its own ``kl_mean``);
     ``reduce`` sums a tensor across processes."""
     tokens = mask.sum().float()
-    totals = reduce(torch.stack([local_mean.float() * tokens.clamp(min=1.0), tokens]))
-    return (totals[0] / totals[1].clamp(min=1.0)).item()  # 0 with no token, as TRL's own metric
+    return _clamped_mean(reduce(torch.stack([local_mean.float() * tokens.clamp(min=1.0), tokens])))
+
+
+def global_masked_mean(values: torch.Tensor, mask: torch.Tensor, reduce) -> float:
+    """TRL's ``global_masked_mean`` of a per-token tensor, as stock TRL logs its ``kl``: the masked sum
+    over all processes over the token count (0 with no token; NaN where a valid value is NaN)."""
+    return _clamped_mean(reduce(torch.stack([(values * mask).sum().float(), mask.sum().float()])))
+
+
+def _clamped_mean(totals: torch.Tensor) -> float:
+    """``totals[0] / max(totals[1], 1)``: 0 with no token, as TRL's own metrics."""
+    return (totals[0] / totals[1].clamp(min=1.0)).item()
 
 
 def metric_values(totals: torch.Tensor | None, *, length_normalized: bool) -> dict[str, float]:

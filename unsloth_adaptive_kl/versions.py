@@ -24,7 +24,9 @@ class Supported:
     specifier: str
     label: str
     guarded: bool  # refused outside the range at patch time (others are only reported by doctor)
-    tested: str = ""  # the releases the version matrix runs (docs/compatibility.md)
+    #: Tested releases that no stack of STACKS pins (the machines' torch, what pip resolves beside the
+    #: pins); the pinned ones come from STACKS (:func:`tested_releases`).
+    unpinned: str = ""
 
     def contains(self, version: str) -> bool:
         """Whether ``version`` is in the range; local tags (``2.13.0+cpu``) and pre-releases count as their release."""
@@ -43,17 +45,17 @@ class Supported:
 SUPPORTED: dict[str, Supported] = {
     s.distribution: s
     for s in (
-        Supported("torch", ">=2.6", "2.6 and newer", guarded=False, tested="2.13.0 (CPU stacks), 2.11.0 (GPU)"),
-        Supported("trl", ">=0.24.0,<1.17", "0.24 to 1.16.x", guarded=True, tested="the latest release of every minor line, 0.24.0 to 1.16.0"),
+        Supported("torch", ">=2.6", "2.6 and newer", guarded=False, unpinned="2.13.0 (CPU stacks), 2.11.0 (GPU)"),
+        Supported("trl", ">=0.24.0,<1.17", "0.24 to 1.16.x", guarded=True),
         # 4.56.1: TRL 0.24's own floor (TRL 1.16 asks 4.56.2). No cap: the patches anchor on TRL's and
         # Unsloth's source, which the runtime anchor check guards whatever transformers is installed.
-        Supported("transformers", ">=4.56.1", "4.56.1 and newer", guarded=False, tested="4.56.1 (TRL 0.24), 4.57.6 (TRL 0.2x, Unsloth 2026.8/9), 5.17.0 (TRL 1.x), 5.24.0 (TRL 1.16)"),
-        Supported("peft", ">=0.17", "0.17 and newer", guarded=False, tested="0.21.2 (the newest; every stack resolves it)"),
-        Supported("accelerate", ">=1.10", "1.10 and newer", guarded=False, tested="1.15.0 (the newest; every stack resolves it)"),
-        Supported("datasets", ">=3.0", "3.0 and newer", guarded=False, tested="4.3.0 (Unsloth 2026.8/9), 4.8.5 (2026.10), 5.0.1 (transformers 4.x), 5.2.0 (TRL 1.16)"),
-        Supported("liger-kernel", ">=0.8.0,<0.9", "0.8.x", guarded=True, tested="0.8.5"),
-        Supported("unsloth", ">=2026.8.0,<2026.11", "2026.8.x to 2026.10.x", guarded=True, tested="2026.8.22, 2026.9.14, 2026.10.9"),
-        Supported("unsloth_zoo", ">=2026.8.0,<2026.11", "2026.8.x to 2026.10.x", guarded=True, tested="2026.8.17, 2026.9.9, 2026.10.9"),
+        Supported("transformers", ">=4.56.1", "4.56.1 and newer", guarded=False),
+        Supported("peft", ">=0.17", "0.17 and newer", guarded=False, unpinned="0.21.2 (the newest; every stack resolves it)"),
+        Supported("accelerate", ">=1.10", "1.10 and newer", guarded=False, unpinned="1.15.0 (the newest; every stack resolves it)"),
+        Supported("datasets", ">=3.0", "3.0 and newer", guarded=False, unpinned="5.0.1 (resolved with transformers 4.x), 5.2.0 (with TRL 1.16)"),
+        Supported("liger-kernel", ">=0.8.0,<0.9", "0.8.x", guarded=True),
+        Supported("unsloth", ">=2026.8.0,<2026.11", "2026.8.x to 2026.10.x", guarded=True),
+        Supported("unsloth_zoo", ">=2026.8.0,<2026.11", "2026.8.x to 2026.10.x", guarded=True),
     )
 }
 #: The distributions of the ``unsloth`` extra (the others are ``dependencies`` of pyproject.toml).
@@ -103,8 +105,25 @@ def offered_loss_types(version: str) -> dict[str, str | None]:
 def supported_versions_table() -> str:
     """The README's "Supported versions" table (tests/test_versions.py checks the README has it)."""
     rows = ["| library | range | tested |", "|---|---|---|", f"| Python | {PYTHON} | 3.11 (CPU), 3.12 (GPU) |"]
-    rows += [f"| {s.distribution} | `{s.specifier}` ({s.label}) | {s.tested} |" for s in SUPPORTED.values()]
+    rows += [f"| {s.distribution} | `{s.specifier}` ({s.label}) | {tested_releases(s.distribution)} |" for s in SUPPORTED.values()]
     return "\n".join(rows)
+
+
+def pinned_releases(distribution: str) -> list[str]:
+    """The releases of ``distribution`` that the stacks of :data:`STACKS` pin, oldest first."""
+    pins = {stack.pin(distribution) for stack in STACKS.values()} - {None}
+    return sorted(pins, key=Version)
+
+
+def tested_releases(distribution: str) -> str:
+    """The "tested" cell of the table: the releases :data:`STACKS` pins (one per minor line, many of
+    them: as a range), then the distribution's ``unpinned`` ones."""
+    pinned = pinned_releases(distribution)
+    if len(pinned) > 4 and len({Version(v).release[:2] for v in pinned}) == len(pinned):
+        text = f"one release per minor line, {pinned[0]} to {pinned[-1]} ({len(pinned)} lines)"
+    else:
+        text = ", ".join(pinned)
+    return ", ".join(part for part in (text, SUPPORTED[distribution].unpinned) if part)
 
 
 def requirement(distribution: str) -> str:

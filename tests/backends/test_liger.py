@@ -437,6 +437,41 @@ def test_liger_own_class_with_an_adaptive_method_is_refused(loss_class_trainer):
         configure(loss_class_trainer, "dapo", "clip", loss_class=LigerFusedLinearGRPOLoss, beta=0.04)
 
 
+def logged_metrics(trainer, compute_loss, inputs) -> dict:
+    """The metrics one ``compute_loss`` call appends (the trainer's metrics cleared first)."""
+    trainer._metrics["train"].clear()
+    compute_loss(trainer, trainer.model, inputs)
+    return {name: list(values) for name, values in trainer._metrics["train"].items()}
+
+
+@pytest.mark.parametrize("method", ["none", "clip+sigmoid+length_normalized"])
+@pytest.mark.parametrize("case", ["no valid token", "a NaN KL on a valid token"])
+def test_loss_class_logs_trls_kl_as_stock_trl_for_a_micro_batch_without_a_valid_token(loss_class_trainer, method, case):
+    """TRL's ``kl`` is sum / max(tokens, 1) over all processes: 0 for a micro-batch whose completions
+    are all masked (the path appended NaN there), and still NaN when a valid token's KL is NaN. The
+    reference is stock TRL's own ``_compute_loss`` on the same input. The adaptive_kl/* KL metrics
+    observed no token: they get no entry (never a NaN), and current_beta is still logged."""
+    trainer = loss_class_trainer
+    configure(trainer, "grpo", method, beta=0.3, kl_clip_threshold=0.4, kl_target=0.2, epsilon_high=None)
+    trainer.current_gradient_accumulation_steps = 1
+    inputs = loss_inputs(trainer, seed=3)
+    if case == "no valid token":
+        inputs["completion_mask"] = torch.zeros_like(inputs["completion_mask"])
+        inputs["num_items_in_batch"] = torch.tensor(12.0)  # the generation batch's other micro-batches have tokens
+    else:
+        inputs["ref_per_token_logps"][0, 0] = math.nan
+    stock = logged_metrics(trainer, trl_backend.original(GRPOTrainer, "_compute_loss"), inputs)
+    ours = logged_metrics(trainer, GRPOTrainer._compute_loss, inputs)
+    assert len(stock["kl"]) == len(ours["kl"]) == 1
+    if case == "no valid token":
+        assert ours["kl"] == stock["kl"]
+        assert ours.get("adaptive_kl/raw_kl", []) == ours.get("adaptive_kl/adapted_kl", []) == []
+    else:
+        assert math.isnan(stock["kl"][0]) and math.isnan(ours["kl"][0])  # a broken KL is not hidden as 0
+    assert ours["adaptive_kl/current_beta"] == [0.3]
+    assert not any(math.isnan(v) for name, values in ours.items() if name.startswith("adaptive_kl/") for v in values)
+
+
 METHODS = reference.METHODS
 
 

@@ -52,7 +52,6 @@ from torch import nn
 from ..adaptation import AdaptiveKL
 from ..config import DEFAULTS, TERM_FIELD_NAMES
 from ..estimators import get_estimator
-from ..shaping import length_normalized_term
 from ._fused_head import check_fused_arguments, fallback_reason, fused_loss
 from ._liger_interface import (  # noqa: F401  (LOSS_TYPES: a name of this module's API)
     LIGER_PARAMETER_NAMES,
@@ -288,13 +287,13 @@ class AdaptiveFusedLinearGRPOLoss(nn.Module):
         # every other loss type's KL is 0 on padding (estimate_kl zeroes masked positions).
         kl_mask = torch.ones_like(mask) if self.loss_type == "luspo" else mask
         raw, adapted = self.kl_terms(logps, ref, kl_mask, coef, statistic)
-        if self.adaptive_kl.length_normalized:
-            kl_part = length_normalized_term(adapted, mask, mask.shape[0])
+        if self.adaptive_kl.length_normalized:  # accumulation=1: the caller scales the whole loss
+            kl_loss = self.adaptive_kl.term.length_normalized_loss(adapted, mask, beta=beta, num_completions=mask.shape[0])
         else:
-            kl_part = aggregate(
+            kl_loss = beta * aggregate(
                 adapted, mask, self.loss_type, max_completion_length=self.max_completion_length, num_items_in_batch=num_items_in_batch
             )
-        return policy_loss + beta * kl_part, raw, adapted, clip_ratio
+        return policy_loss + kl_loss, raw, adapted, clip_ratio
 
     def _check_configuration(self) -> None:
         """Liger's checks, made before any work (they are per call: the attributes are mutable)."""

@@ -155,8 +155,12 @@ def compute_loss(trainer, model, inputs):
 def _log_adaptive(trainer, mode, terms: LossTerms, mask, beta) -> None:
     runtime = trainer._adaptive_kl
     values = runtime.log_metrics(runtime.record(terms.raw_kl, terms.adapted_kl, mask, training=mode == "train", beta=beta), mode)
-    if terms.raw_kl is not None:
-        trainer._metrics[mode]["kl"].append(values[metrics.RAW_KL])  # TRL's kl: the unshaped KL
+    if terms.raw_kl is not None:  # TRL's kl: the unshaped KL
+        kl = values[metrics.RAW_KL]
+        if kl != kl:  # NaN: no valid token on any process, or a NaN KL. Stock TRL logs 0 for the first, NaN for
+            # the second: its own formula decides. The value is global, so every process takes this branch together.
+            kl = metrics.global_masked_mean(terms.raw_kl, mask, runtime.reduce)
+        trainer._metrics[mode]["kl"].append(kl)
 
 
 def _log_foreign(trainer, mode, liger_metrics, mask, beta) -> None:
