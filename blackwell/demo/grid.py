@@ -17,6 +17,7 @@ FINAL_KEYS = {"kl": "adaptive_kl/raw_kl", "reward": "reward", "length": "complet
 TRACKING = 0.25  # target's claim: the final KL within ±25 % of kl_target
 BETA_IN_TAG = re.compile(r"-b(\d[\d.]*(?:e[+-]?\d+)?)(?=-|$)")
 KT_IN_TAG = re.compile(r"-kt(\d[\d.]*(?:e[+-]?\d+)?)(?=-|$)")
+STEPS_IN_TAG = re.compile(r"-s(\d+)(?=-|$)")
 
 
 def final_values(rows: list[dict], last: int = FINAL_STEPS) -> dict:
@@ -46,14 +47,20 @@ def kl_target_of(tag: str, rows: list[dict]) -> float:
 
 
 def read_grid(paths: list[str]) -> dict[str, dict]:
-    """{setting without β: {"kl_target": K, "runs": {(method, β, seed): final values}}}."""
+    """{setting without β: {"kl_target": K, "runs": {(method, β, seed): final values}, "incomplete": [...]}}.
+    A run that stopped before the step count in its tag (``-sN``: a call's time limit cut it) is left out
+    of "runs" (its "final" steps would be other steps than the rest's) and listed in "incomplete"."""
     grids: dict[str, dict] = {}
     for tag, runs in read_rows(paths).items():
         base, beta = split_tag(tag)
-        grid = grids.setdefault(base, {"kl_target": None, "runs": {}})
+        steps = STEPS_IN_TAG.search(tag)
+        grid = grids.setdefault(base, {"kl_target": None, "runs": {}, "incomplete": []})
         for (method, seed), rows in runs.items():
             if rows[0].get("beta0") is not None and float(rows[0]["beta0"]) != beta:
                 raise ValueError(f"setting {tag!r}: the rows say initial β {rows[0]['beta0']}, the tag {beta:g}")
+            if steps and rows[-1]["step"] < int(steps.group(1)):
+                grid["incomplete"].append(f"{method}/seed{seed}/b{beta:g} (step {rows[-1]['step']} of {steps.group(1)})")
+                continue
             grid["runs"][(method, beta, seed)] = final_values(rows)
             kt = kl_target_of(tag, rows)
             if grid["kl_target"] is not None and grid["kl_target"] != kt:
@@ -131,7 +138,8 @@ def analyze_grid(paths: list[str], baseline: str = "none", target: str = "target
         methods = list(dict.fromkeys(m for m, _, _ in sorted(runs, key=lambda k: (k[0] != baseline, k[0]))))
         out += [f"## β grid: {base}", "",
                 f"Final values: means over the last {FINAL_STEPS} steps of each run; mean ± std over seeds. KL: "
-                f"adaptive_kl/raw_kl; β: adaptive_kl/current_beta. kl_target {kt:g}.", "",
+                f"adaptive_kl/raw_kl; β: adaptive_kl/current_beta. kl_target {kt:g}."
+                + (f" Left out, stopped early: {', '.join(grid['incomplete'])}." if grid["incomplete"] else ""), "",
                 "| method | initial β | seeds | last step | final KL | final reward | final length | final β |",
                 "|---|---|---|---|---|---|---|---|"]
         for method in methods:
