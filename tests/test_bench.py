@@ -265,3 +265,16 @@ def test_bench_unsloth_smoke_runs_the_generated_trainer_interleaved_with_stock_a
         # instead of PatchSwitch compiled 1 graph in the timed steps of dynamic and beta -> 0, checked)
         assert sum(r["graphs_in_warmup"] for r in rows.values()) > 0
         assert [r["graphs"] for r in rows.values()] == [0, 0, 0]
+
+
+def test_bench_fused_head_parts_smoke_times_every_part_and_the_whole_on_the_fused_head(capsys):
+    import bench_fused_head_parts
+
+    assert bench_fused_head_parts.main(["--smoke"]) == 0
+    out = capsys.readouterr().out
+    assert "the whole ran the fused head" in out
+    for part in ("whole: fused head", "queued: a GEMM 1", "GEMM 1: logits", "row pass", "gradient pass", "GEMM 2: grad_h",
+                 "GEMM 3: grad_W", "GEMM 3 variant: reduced-precision reduction allowed", "GEMM 3 variant: layout (hᵀ G)ᵀ"):
+        assert f"| {part}" in out, part
+    assert "measured GEMM floor (GEMMs 1-3 as cuBLAS runs them here)" in out
+

@@ -20,6 +20,9 @@
 # every round) and bench-1b-raw.tar.gz (bench-trl.md.json, bench-unsloth.md.json: every timing; both logs).
 # perf2 (issue 22, one GPU, <= 540 s): tests/gpu/test_liger_gpu.py, bench_liger.py --recompile-loop, the fused head's
 # chunk schedules (auto: one chunk, no fp32 accumulator; 4096: the former default), bench_loss_class.py (budget 90 s).
+# perf3 (issue 22, one GPU, <= 560 s): bench_fused_head_parts.py (the fused head's GEMMs and passes alone, interleaved
+# with the whole; a kernel profile), bench_unsloth.py with stock, none and length_normalized only (budget 240 s), and
+# the bf16 fused-vs-kernel GPU cases of the combined method.
 # multi-gpu (2 GPUs): examples/multi_gpu/check_ranks.py for each of MULTI_GPU_RUNS (below): DDP, FSDP2, FSDP2 with a
 # LoRA adapter, DeepSpeed ZeRO-2 and ZeRO-3 (full fine-tuning), and the Unsloth backend (LoRA) under DDP;
 # multi-gpu:NAME,NAME runs those only (6 runs do not fit one 10-minute call: see docs/gpu-verification.md).
