@@ -283,7 +283,7 @@ def test_grid_spread_target_tracking_and_best_fixed_beta(tmp_path):
     assert "| `none` | 0.01, 0.1, 1 | 8.00 | 0.01 / 1 | 8.00 [8.00, 8.00] | 0.200 |" in text
 
 
-def test_grid_leaves_out_a_run_cut_before_its_step_count_and_says_so(tmp_path):
+def test_grid_names_a_run_cut_before_its_step_count_and_a_rerun_completes_it(tmp_path):
     from demo import grid
 
     path = tmp_path / "g.jsonl"
@@ -292,9 +292,15 @@ def test_grid_leaves_out_a_run_cut_before_its_step_count_and_says_so(tmp_path):
     cut = [r for r in rows if not (r["method"] == "target" and r["beta0"] == 1.0 and r["seed"] == 1 and r["step"] > 45)]
     path.write_text("".join(json.dumps(r) + "\n" for r in cut))
     g = grid.read_grid([str(path)])["medium-dapo-b*-h128x4-L48-s60-kt0.2"]
-    assert ("target", 1.0, 1) not in g["runs"] and ("target", 1.0, 0) in g["runs"] and len(g["runs"]) == 17
+    assert len(g["runs"]) == 18 and g["runs"][("target", 1.0, 1)]["steps"] == 45
     assert g["incomplete"] == ["target/seed1/b1 (step 45 of 60)"]
-    assert "Left out, stopped early: target/seed1/b1 (step 45 of 60)." in grid.analyze_grid([str(path)])
+    text = grid.analyze_grid([str(path)])
+    assert "the 'last step' column is a row's shortest run): target/seed1/b1 (step 45 of 60)." in text
+    assert "| `target` | 1 | 3 | 45 |" in text
+    rerun = tmp_path / "rerun.jsonl"  # the same seed run again in a later call (deterministic: the same rows)
+    rerun.write_text("".join(json.dumps(r) + "\n" for r in rows if r["method"] == "target" and r["beta0"] == 1.0 and r["seed"] == 1))
+    g = grid.read_grid([str(path), str(rerun)])["medium-dapo-b*-h128x4-L48-s60-kt0.2"]
+    assert g["incomplete"] == [] and g["runs"][("target", 1.0, 1)]["steps"] == 60
 
 
 def test_grid_needs_the_initial_beta_in_the_tag():

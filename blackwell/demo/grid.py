@@ -48,8 +48,9 @@ def kl_target_of(tag: str, rows: list[dict]) -> float:
 
 def read_grid(paths: list[str]) -> dict[str, dict]:
     """{setting without β: {"kl_target": K, "runs": {(method, β, seed): final values}, "incomplete": [...]}}.
-    A run that stopped before the step count in its tag (``-sN``: a call's time limit cut it) is left out
-    of "runs" (its "final" steps would be other steps than the rest's) and listed in "incomplete"."""
+    A run that stopped before the step count in its tag (``-sN``: a call's time limit cut it) stays in
+    "runs", its final values over the last steps it reached, and is named in "incomplete" (a rerun of the
+    same seed, in the same or a later stream, completes it: a step seen twice counts once)."""
     grids: dict[str, dict] = {}
     for tag, runs in read_rows(paths).items():
         base, beta = split_tag(tag)
@@ -60,7 +61,6 @@ def read_grid(paths: list[str]) -> dict[str, dict]:
                 raise ValueError(f"setting {tag!r}: the rows say initial β {rows[0]['beta0']}, the tag {beta:g}")
             if steps and rows[-1]["step"] < int(steps.group(1)):
                 grid["incomplete"].append(f"{method}/seed{seed}/b{beta:g} (step {rows[-1]['step']} of {steps.group(1)})")
-                continue
             grid["runs"][(method, beta, seed)] = final_values(rows)
             kt = kl_target_of(tag, rows)
             if grid["kl_target"] is not None and grid["kl_target"] != kt:
@@ -139,7 +139,8 @@ def analyze_grid(paths: list[str], baseline: str = "none", target: str = "target
         out += [f"## β grid: {base}", "",
                 f"Final values: means over the last {FINAL_STEPS} steps of each run; mean ± std over seeds. KL: "
                 f"adaptive_kl/raw_kl; β: adaptive_kl/current_beta. kl_target {kt:g}."
-                + (f" Left out, stopped early: {', '.join(grid['incomplete'])}." if grid["incomplete"] else ""), "",
+                + (f" Stopped early (final values over the last {FINAL_STEPS} steps they reached; the 'last step' column "
+                   f"is a row's shortest run): {', '.join(grid['incomplete'])}." if grid["incomplete"] else ""), "",
                 "| method | initial β | seeds | last step | final KL | final reward | final length | final β |",
                 "|---|---|---|---|---|---|---|---|"]
         for method in methods:
