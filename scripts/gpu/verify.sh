@@ -80,7 +80,7 @@ for stage in "$@"; do
       nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/machine.txt"
       python -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(), torch.cuda.get_device_capability())" | tee -a "$OUT/machine.txt" ;;
     tests)  # the Unsloth GPU tests (tests/gpu/test_liger_gpu.py runs in stage perf2)
-      UAKL_GPU_REPORT="$OUT/gpu-report.json" timeout 540 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_unsloth_gpu.py 2>&1 | tee "$OUT/gpu-tests.log" | grep -E "passed|failed|Error|FAIL" | tail -30 ;;
+      UAKL_GPU_REPORT="$OUT/gpu-report.json" timeout 540 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_unsloth_gpu.py tests/gpu/test_estimators_gpu.py 2>&1 | tee "$OUT/gpu-tests.log" | grep -E "passed|failed|Error|FAIL" | tail -30 ;;
     unsloth-line)  # issue 9, point 6: a few methods as 16-bit LoRA and 4-bit QLoRA on the Unsloth stack whose site is on PYTHONPATH
       line=$(python -c "import importlib.metadata as m; print('-'.join(m.version(d) for d in ('unsloth', 'unsloth_zoo', 'trl', 'transformers')))")
       echo "unsloth-unsloth_zoo-trl-transformers: $line" | tee -a "$OUT/unsloth-line.txt"
