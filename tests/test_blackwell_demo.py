@@ -301,6 +301,9 @@ def test_grid_names_a_run_cut_before_its_step_count_and_a_rerun_completes_it(tmp
     rerun.write_text("".join(json.dumps(r) + "\n" for r in rows if r["method"] == "target" and r["beta0"] == 1.0 and r["seed"] == 1))
     g = grid.read_grid([str(path), str(rerun)])["medium-dapo-b*-h128x4-L48-s60-kt0.2"]
     assert g["incomplete"] == [] and g["runs"][("target", 1.0, 1)]["steps"] == 60
+    custom = tmp_path / "custom.jsonl"  # a custom tag has no -sN: the rows' planned_steps tell
+    custom.write_text("".join(json.dumps({**r, "tag": f"mine-b{r['beta0']:g}", "planned_steps": 60}) + "\n" for r in cut))
+    assert grid.read_grid([str(custom)])["mine-b*"]["incomplete"] == ["target/seed1/b1 (step 45 of 60)"]
 
 
 def test_grid_needs_the_initial_beta_in_the_tag():

@@ -257,3 +257,13 @@ def test_dynamic_logs_once_when_the_schedule_drops_beta_to_its_floor_whatever_th
     assert c.beta == 0.01 and len(records) == 1, records
     assert "from optimizer step 3 (beta_schedule_steps=3) beta = beta_min = 0.01 (it was 0.1)" in records[0]
     assert "whatever the reward (trailing mean 0.1, reward_threshold 0.8)" in records[0]
+
+
+def test_controller_mismatch_error_crosses_processes_intact():
+    import pickle
+
+    from unsloth_adaptive_kl.controllers import ControllerMismatchError
+
+    error = pickle.loads(pickle.dumps(ControllerMismatchError("fixed", "dynamic")))
+    assert (error.saved, error.name) == ("fixed", "dynamic") and str(error) == str(ControllerMismatchError("fixed", "dynamic"))
+

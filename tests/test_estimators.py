@@ -242,3 +242,30 @@ def test_bottom_q_on_enough_distinct_tokens_does_not_warn(monkeypatch, caplog):
     with caplog.at_level("WARNING", logger="unsloth_adaptive_kl"):
         out = estimate_kl("bottom_q", ref - 0.3, ref, mask=torch.ones_like(ref, dtype=torch.bool), bottom_q=0.2)
     assert int((out > 0).sum()) == 20 and "bottom_q selected" not in caplog.text
+
+
+def test_bottom_q_keeps_a_deferred_count_whose_copy_has_not_finished_and_warns_from_it_later(monkeypatch, caplog):
+    """A count whose copy is still in flight at the next call stays pending; that call's own count does not
+    replace it (it was overwritten, so a tie could go unwarned for ever while the device stayed busy)."""
+
+    class Event:
+        done = False
+
+        def query(self):
+            return self.done
+
+    event = Event()
+    monkeypatch.setattr(estimators, "_warned_bottom_q", False, raising=False)
+    monkeypatch.setattr(estimators, "_pending_selection", (torch.tensor(32), event, 32, 0.2), raising=False)  # a tie
+    distinct = torch.linspace(-5.0, -0.1, 100)[None]
+    mask = torch.ones_like(distinct, dtype=torch.bool)
+    with caplog.at_level("WARNING", logger="unsloth_adaptive_kl"):
+        for _ in range(2):
+            estimators.bottom_q_threshold(distinct, mask, q=0.2)
+            assert estimators._pending_selection[1] is event  # kept, not replaced by the distinct call's count
+        assert "bottom_q selected" not in caplog.text
+        event.done = True
+        estimators.bottom_q_threshold(distinct, mask, q=0.2)
+    warnings = [r.getMessage() for r in caplog.records if "bottom_q selected" in r.getMessage()]
+    assert len(warnings) == 1 and "bottom_q selected 32 of 32 valid tokens (tied" in warnings[0]
+

@@ -133,6 +133,18 @@ def test_a_controller_resumed_with_a_changed_beta_restarts_from_it_and_says_so(t
     assert len(states[3]["controller"]["rewards"]) == 3  # the rest of the state (the reward window) was kept
 
 
+@pytest.mark.parametrize("restart", [False, True])
+def test_a_dynamic_run_resumed_past_its_schedule_with_a_changed_beta_trains_at_the_floor_from_its_first_step(tiny_checkpoint, tmp_path, restart):
+    """beta_schedule_steps=2: from step 3 on β = beta_min. Resumed at step 2 with beta changed 0.04 -> 0.1 (restored
+    or restarted), the first resumed step trained with 0.1 and only the next update dropped β to the floor."""
+    fields = dict(kl_adaptation_method="dynamic", reward_threshold=100.0, beta_min=0.01, beta_schedule_steps=SAVED_AT, max_steps=EDITED_STEPS)
+    _, _, first = train(tiny_checkpoint, tmp_path / "run", **fields)
+    assert first == {1: 0.04, 2: 0.04, 3: 0.01, 4: 0.01}
+    checkpoint = str(tmp_path / "run" / f"checkpoint-{SAVED_AT}")
+    _, _, resumed = train(tiny_checkpoint, tmp_path / "resumed", resume_from=checkpoint, **fields, beta=0.1, restart_beta_controller=restart)
+    assert _resumed(resumed) == {3: 0.01, 4: 0.01}  # before the fix: {3: 0.1, 4: 0.01}
+
+
 @pytest.mark.parametrize("method", ["dynamic", "target"])
 def test_changing_the_controller_on_resume_names_both_methods_and_the_option_that_allows_it(tiny_checkpoint, none_checkpoint, tmp_path, method):
     # Before the fix: "rewards=None is not valid" (dynamic), "cannot load β-controller state of 'fixed'" (target).

@@ -126,9 +126,10 @@ class AdaptiveKL:
         """The method as ``kl_adaptation_method`` writes it (:func:`~unsloth_adaptive_kl.shaping.format_method`)."""
         return format_method(self.term.method)
 
-    def load_state_dict(self, state: dict, *, restart: bool = False) -> None:
+    def load_state_dict(self, state: dict, *, restart: bool = False, global_step: int = 0) -> None:
         """Restore the controller from a checkpoint's state; ``restart`` (``restart_beta_controller``)
-        keeps the fresh controller instead.
+        keeps the fresh controller instead. ``global_step``: the optimizer step the resumed run starts at
+        (its schedule applies from that step: ``dynamic`` past ``beta_schedule_steps`` is at ``beta_min``).
 
         A checkpoint of another β controller (e.g. trained with ``none``, resumed with ``dynamic``)
         cannot be restored: ValueError naming both methods and the option that starts it fresh."""
@@ -139,6 +140,7 @@ class AdaptiveKL:
                 "checkpoint's controller state (kl_adaptation_method=%r, beta=%s) is not restored",
                 self.controller.name, self.controller.beta, state.get("kl_adaptation_method"), saved.get("beta"),
             )
+            self.controller.resume_at(global_step)
             return
         try:
             self.controller.load_state_dict(saved)
@@ -152,6 +154,7 @@ class AdaptiveKL:
                 f"the new controller fresh from beta={self.controller.beta} (the checkpoint's controller state is then not "
                 "restored), or resume with a method of the checkpoint's controller"
             ) from None
+        self.controller.resume_at(global_step)
 
 
 def _controller_words(name) -> str:

@@ -44,6 +44,9 @@ class ControllerMismatchError(ValueError):
         self.saved, self.name = saved, name
         super().__init__(f"cannot load β-controller state of {saved!r} into a {name!r} controller")
 
+    def __reduce__(self):  # its arguments, not its message: it crosses processes (pickle) intact
+        return type(self), (self.saved, self.name)
+
 
 @dataclass(frozen=True)
 class ControllerConfig:
@@ -141,6 +144,10 @@ class BetaController:
         """A subclass's own part of ``state``, checked (ValueError otherwise), as attribute name -> value to restore."""
         return {}
 
+    def resume_at(self, global_step: int) -> None:
+        """After a resume (restored or restarted), before optimizer step ``global_step`` (the index of the step about
+        to start): what that step's schedule sets, so that it trains with it."""
+
     def resumed_beta(self, saved: float, configured: float | None) -> float:
         """The β a resumed run continues with, from the checkpoint's β and the β configured when it was saved.
 
@@ -217,6 +224,9 @@ class DynamicBeta(BetaController):
             )
         self.beta = float(cfg.beta_min)
         return True
+
+    def resume_at(self, global_step: int) -> None:
+        self.apply_schedule(global_step)  # a beta changed on resume past beta_schedule_steps: the floor at once
 
     def observe_reward(self, reward: float) -> None:
         if reward != reward:  # NaN: every reward of the batch was None (TRL logs NaN); no observation

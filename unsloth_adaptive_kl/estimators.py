@@ -201,13 +201,17 @@ _pending_selection = None
 
 
 def _defer_selection(selected: torch.Tensor, num_tokens: int, q: float) -> None:
-    """Copy ``selected`` to the host without waiting; :func:`_check_pending_selection` reads it later."""
+    """Copy ``selected`` to the host without waiting; :func:`_check_pending_selection` reads it later. A count
+    not yet checked is kept (the new one is dropped), so that no count goes unchecked for ever."""
     global _pending_selection
+    if _pending_selection is not None:
+        return
     done = None
     if selected.is_cuda:
+        stream = torch.cuda.current_stream(selected.device)  # the copy's stream (not the current device's)
         selected = selected.to("cpu", non_blocking=True)
         done = torch.cuda.Event()
-        done.record()
+        done.record(stream)
     _pending_selection = (selected, done, num_tokens, q)
 
 

@@ -48,7 +48,8 @@ def kl_target_of(tag: str, rows: list[dict]) -> float:
 
 def read_grid(paths: list[str]) -> dict[str, dict]:
     """{setting without β: {"kl_target": K, "runs": {(method, β, seed): final values}, "incomplete": [...]}}.
-    A run that stopped before the step count in its tag (``-sN``: a call's time limit cut it) stays in
+    A run that stopped before its planned step count (the rows' ``planned_steps``; streams written before
+    it existed: the tag's ``-sN``) stays in
     "runs", its final values over the last steps it reached, and is named in "incomplete" (a rerun of the
     same seed, in the same or a later stream, completes it: a step seen twice counts once)."""
     grids: dict[str, dict] = {}
@@ -59,8 +60,9 @@ def read_grid(paths: list[str]) -> dict[str, dict]:
         for (method, seed), rows in runs.items():
             if rows[0].get("beta0") is not None and float(rows[0]["beta0"]) != beta:
                 raise ValueError(f"setting {tag!r}: the rows say initial β {rows[0]['beta0']}, the tag {beta:g}")
-            if steps and rows[-1]["step"] < int(steps.group(1)):
-                grid["incomplete"].append(f"{method}/seed{seed}/b{beta:g} (step {rows[-1]['step']} of {steps.group(1)})")
+            planned = rows[0].get("planned_steps") or (int(steps.group(1)) if steps else None)
+            if planned and rows[-1]["step"] < planned:
+                grid["incomplete"].append(f"{method}/seed{seed}/b{beta:g} (step {rows[-1]['step']} of {planned})")
             grid["runs"][(method, beta, seed)] = final_values(rows)
             kt = kl_target_of(tag, rows)
             if grid["kl_target"] is not None and grid["kl_target"] != kt:

@@ -67,7 +67,7 @@ def step_logger(metrics_path: str, spec: dict):
             if not logs or "reward" not in logs:  # the end-of-training summary
                 return
             row = {"tag": spec["tag"], "method": spec["method"], "seed": spec["seed"], "step": state.global_step,
-                   "step_time": self.seconds, "beta0": spec["settings"]["beta"],
+                   "step_time": self.seconds, "beta0": spec["settings"]["beta"], "planned_steps": spec["settings"]["steps"],
                    "kl_target": spec["settings"]["kl_target"]}
             row.update({k: v for k, v in logs.items() if isinstance(v, (int, float)) or v is None})
             line = json.dumps(row) + "\n"

@@ -262,7 +262,9 @@ def _wrap_load_callback_state(original, runtime_cls):
         stored = self.state.stateful_callbacks.get(_callback.AdaptiveKLCallback.__name__)
         if stored is not None:
             stored = stored[0] if isinstance(stored, list) else stored
-            runtime.load_state_dict(stored["attributes"]["adaptive_kl_state"], restart=self.args.restart_beta_controller)
+            runtime.load_state_dict(
+                stored["attributes"]["adaptive_kl_state"], restart=self.args.restart_beta_controller, global_step=self.state.global_step
+            )
             resume_generation_schedule(self, runtime)  # trainer.beta reads the restored β from the runtime
         # With restore_callback_states_from_checkpoint=True the Trainer rebuilt our callback without
         # its runtime: drop such copies and keep exactly one bound callback.
