@@ -49,7 +49,7 @@ def parse_args(argv=None):
     p.add_argument("--hbm-gbs", type=float, help="the GPU's memory bandwidth in GB/s for the pass rows (default: from the name)")
     p.add_argument("--smoke", action="store_true")
     args = p.parse_args(argv)
-    args.dtype, args.loss_type, args.estimator, args.beta, args.peak_tflops = "bf16", "dapo", "k3", 0.04, None
+    args.dtype, args.loss_type, args.estimator, args.beta = "bf16", "dapo", "k3", 0.04  # what bench_liger's helpers read
     if args.smoke:
         args.tokens, args.seq_len, args.hidden, args.vocab, args.rounds, args.warmup, args.dtype = 64, 16, 32, 300, 3, 1, "fp32"
     return args
@@ -78,7 +78,7 @@ class Timer:
 
 
 def parts(args, x, device):
-    """{name: (fn, work, unit)}: each part on its own buffers, the whole as bench_liger's module row."""
+    """{key: (label, fn, work, unit)}: each part on its own buffers, the whole as bench_liger's module row."""
     from unsloth_adaptive_kl.backends import _fused_head
     from unsloth_adaptive_kl.backends.liger import AdaptiveFusedLinearGRPOLoss
 
@@ -109,17 +109,22 @@ def parts(args, x, device):
 
     gemm, elem = 2 * n * h_ * v, logits.element_size() * n * v
     return module, {
-        "whole: fused head, forward + backward (module `none`, chunk auto)": (run_whole, None, None),
-        "queued: a GEMM 1 of the same size, then the whole": (queued_whole, None, None),
-        "GEMM 1: logits = h Wᵀ": (lambda: torch.mm(hidden, weight.t(), out=logits), gemm, "TFLOP/s"),
-        "row pass: logsumexp and the selected logit (reads N·V)": (lambda: _fused_head.row_logsumexp(logits, ids, 1.0), elem, "GB/s"),
-        "gradient pass: G = g·(onehot − softmax) in place (reads and writes N·V)": (
-            lambda: _fused_head.logits_to_grad_(scratch, ids, lse, grad_logp, 1.0), 2 * elem, "GB/s"),
-        "GEMM 2: grad_h = G W": (lambda: torch.mm(logits, weight, out=grad_hidden), gemm, "TFLOP/s"),
-        "GEMM 3: grad_W = Gᵀ h (fp32 reduction, as the module)": (lambda: _fused_head._full_precision_mm(logits.t(), hidden), gemm, "TFLOP/s"),
-        "GEMM 3 variant: reduced-precision reduction allowed": (reduced_mm3, gemm, "TFLOP/s"),
-        "GEMM 3 variant: layout (hᵀ G)ᵀ": (lambda: _fused_head._full_precision_mm(hidden.t(), logits), gemm, "TFLOP/s"),
+        "whole": ("whole: fused head, forward + backward (module `none`, chunk auto)", run_whole, None, None),
+        "queued": ("queued: a GEMM 1 of the same size, then the whole", queued_whole, None, None),
+        "gemm1": ("GEMM 1: logits = h Wᵀ", lambda: torch.mm(hidden, weight.t(), out=logits), gemm, "TFLOP/s"),
+        "row": ("row pass: logsumexp and the selected logit (reads N·V)", lambda: _fused_head.row_logsumexp(logits, ids, 1.0), elem, "GB/s"),
+        "grad": ("gradient pass: G = g·(onehot − softmax) in place (reads and writes N·V)",
+                 lambda: _fused_head.logits_to_grad_(scratch, ids, lse, grad_logp, 1.0), 2 * elem, "GB/s"),
+        "gemm2": ("GEMM 2: grad_h = G W", lambda: torch.mm(logits, weight, out=grad_hidden), gemm, "TFLOP/s"),
+        "gemm3": ("GEMM 3: grad_W = Gᵀ h (fp32 reduction, as the module)", lambda: _fused_head._full_precision_mm(logits.t(), hidden), gemm, "TFLOP/s"),
+        "gemm3_reduced": ("GEMM 3 variant: reduced-precision reduction allowed", reduced_mm3, gemm, "TFLOP/s"),
+        "gemm3_layout": ("GEMM 3 variant: layout (hᵀ G)ᵀ", lambda: _fused_head._full_precision_mm(hidden.t(), logits), gemm, "TFLOP/s"),
     }
+
+
+def _short(name: str, width: int) -> str:
+    """A kernel name cut to ``width`` characters for a table cell."""
+    return name if len(name) <= width else name[: width - 3] + "..."
 
 
 def kernel_table(fn, top=14) -> str:
@@ -134,7 +139,7 @@ def kernel_table(fn, top=14) -> str:
     for e in prof.events():
         if e.device_type.name != "CUDA":
             continue
-        name = e.name if len(e.name) <= 90 else e.name[:87] + "..."
+        name = _short(e.name, 90)
         total, count = rows.get(name, (0.0, 0))
         rows[name] = (total + e.device_time_total / 1e3, count + 1)
     everything = sum(t for t, _ in rows.values())
@@ -171,13 +176,12 @@ def gap_table(fn, top=6) -> str:
     before = kernels[0].time_range.start - call.time_range.start
     after = call.time_range.end - busy_end
     between = sum(g for g, _, _ in gaps)
-    short = lambda name: name if len(name) <= 60 else name[:57] + "..."  # noqa: E731
     lines = [f"GPU idle in one whole call (torch.profiler, CPU + CUDA; µs → ms): call {(call.time_range.end - call.time_range.start) / 1e3:.2f} ms "
              f"on the CPU, kernels busy {busy / 1e3:.2f} ms; before the first kernel {before / 1e3:.2f} ms, between kernels "
              f"{between / 1e3:.2f} ms ({len(gaps)} gaps), after the last kernel until the call returns {after / 1e3:.2f} ms", "",
              "| gap (ms) | after kernel | before kernel |", "|---|---|---|"]
     for g, a, b in sorted(gaps, reverse=True)[:top]:
-        lines.append(f"| {g / 1e3:.3f} | `{short(a)}` | `{short(b)}` |")
+        lines.append(f"| {g / 1e3:.3f} | `{_short(a, 60)}` | `{_short(b, 60)}` |")
     return "\n".join(lines)
 
 
@@ -188,30 +192,29 @@ def main(argv=None) -> int:
     x = bench_liger.make_inputs(args, device)
     module, table = parts(args, x, device)
     timer = Timer(cuda)
-    samples = {name: [] for name in table}
+    samples = {key: [] for key in table}
     for r in range(args.warmup + args.rounds):
-        pending = [(name, timer(fn)) for name, (fn, _, _) in table.items()]
+        pending = [(key, timer(fn)) for key, (_, fn, _, _) in table.items()]
         if cuda:
             torch.cuda.synchronize()
         if r >= args.warmup:
-            for name, elapsed in pending:
-                samples[name].append(elapsed())
+            for key, elapsed in pending:
+                samples[key].append(elapsed())
     machine = torch.cuda.get_device_name() if cuda else "cpu"
     print(f"machine: {machine}; torch {torch.__version__}; N={args.tokens}, H={args.hidden}, V={args.vocab}, {args.dtype}; "
           f"{args.rounds} interleaved rounds after {args.warmup}; the whole ran the {module.head_path} head")
     print(f"command: python bench/bench_fused_head_parts.py {' '.join(argv if argv is not None else sys.argv[1:])}\n")
-    med = {name: statistics.median(s) for name, s in samples.items()}
-    q = {name: statistics.quantiles(s, n=4) if len(s) > 1 else (s[0], s[0], s[0]) for name, s in samples.items()}
-    whole = next(iter(med.values()))
+    med = {key: statistics.median(s) for key, s in samples.items()}
+    q = {key: statistics.quantiles(s, n=4) if len(s) > 1 else (s[0], s[0], s[0]) for key, s in samples.items()}
+    whole = med["whole"]
     print("| part | median (ms) | quartiles (ms) | / whole | rate |\n|---|---|---|---|---|")
-    for name, (_, work, unit) in table.items():
-        rate = "" if work is None else f"{work / (med[name] * 1e-3) / (1e12 if unit == 'TFLOP/s' else 1e9):.0f} {unit}"
-        print(f"| {name} | {med[name]:.2f} | {q[name][0]:.2f}-{q[name][2]:.2f} | {med[name] / whole:.3f} | {rate} |")
-    names = [name for name in table if not name.startswith("queued")]
-    gemms = med[names[1]] + med[names[4]] + med[names[5]]
-    passes = med[names[2]] + med[names[3]]
+    for key, (label, _, work, unit) in table.items():
+        rate = "" if work is None else f"{work / (med[key] * 1e-3) / (1e12 if unit == 'TFLOP/s' else 1e9):.0f} {unit}"
+        print(f"| {label} | {med[key]:.2f} | {q[key][0]:.2f}-{q[key][2]:.2f} | {med[key] / whole:.3f} | {rate} |")
+    gemms = med["gemm1"] + med["gemm2"] + med["gemm3"]
+    passes = med["row"] + med["grad"]
     rest = whole - gemms - passes
-    queued = med[list(table)[1]] - med[names[1]]
+    queued = med["queued"] - med["gemm1"]
     print(f"\nthe whole queued behind GPU work (queued row − GEMM 1): {queued:.2f} ms, {queued / whole:.3f} of the whole alone")
     print(f"\nmeasured GEMM floor (GEMMs 1-3 as cuBLAS runs them here): {gemms:.2f} ms; the two passes: {passes:.2f} ms; "
           f"the rest of the whole (elementwise loss and its gradient, launches, gathers): {rest:.2f} ms")
@@ -228,9 +231,9 @@ def main(argv=None) -> int:
             print(f"the passes' bytes (3 × N·V × {x['hidden'].element_size()} B = {3 * elem / 1e9:.2f} GB) at {gbs:.0f} GB/s: "
                   f"{3 * elem / gbs / 1e6:.2f} ms at least")
         print()
-        print(kernel_table(table[names[0]][0]))
+        print(kernel_table(table["whole"][1]))
         print()
-        print(gap_table(table[names[0]][0]))
+        print(gap_table(table["whole"][1]))
     return 0
 
 

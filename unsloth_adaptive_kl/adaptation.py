@@ -140,10 +140,14 @@ class AdaptiveKL:
                 "checkpoint's controller state (kl_adaptation_method=%r, beta=%s) is not restored",
                 self.controller.name, self.controller.beta, state.get("kl_adaptation_method"), saved.get("beta"),
             )
-            self.controller.resume_at(global_step)
-            return
+        else:
+            self._restore(state)
+        self.controller.resume_at(global_step)
+
+    def _restore(self, state: dict) -> None:
+        """The checkpoint's controller state into this controller; another controller's: the resume error."""
         try:
-            self.controller.load_state_dict(saved)
+            self.controller.load_state_dict(state["controller"])
         except ControllerMismatchError as error:
             method = state.get("kl_adaptation_method")  # absent in checkpoints written before it was saved
             before = f"kl_adaptation_method={method!r}" if method is not None else "a method"
@@ -154,7 +158,6 @@ class AdaptiveKL:
                 f"the new controller fresh from beta={self.controller.beta} (the checkpoint's controller state is then not "
                 "restored), or resume with a method of the checkpoint's controller"
             ) from None
-        self.controller.resume_at(global_step)
 
 
 def _controller_words(name) -> str:
