@@ -359,3 +359,22 @@ def test_smoke_betas_warm_start_once_and_tag_each_beta(smoke_betas):
 
     runs = grid.read_grid([str(out / "stream.jsonl")])[f"easy-dapo-b*-h32x2-L24-s{steps}-kt0.3"]["runs"]
     assert sorted(runs) == [(m, b, 0) for m in ("none", "target") for b in (0.05, 0.2)]
+
+
+def test_every_gpu_evidence_list_parses_and_names_known_methods():
+    """scripts/gpu/evidence/*.txt feed `verify.sh evidence:NAME` on the GPU, one demo invocation a line: a typo
+    there costs a GPU call, so each line must parse here, with methods the demo knows and a loss type given."""
+    from demo.settings import ALL_METHODS
+
+    folder = os.path.join(ROOT, "scripts", "gpu", "evidence")
+    names = sorted(n for n in os.listdir(folder) if n.endswith(".txt"))
+    assert "betagrid14.txt" in names and "betagrid15.txt" in names
+    for name in names:
+        with open(os.path.join(folder, name)) as f:
+            lines = [line.split() for line in f if line.strip() and not line.lstrip().startswith("#")]
+        assert lines, name
+        for argv in lines:
+            args = demo.parse_args(argv)
+            unknown = [m for m in args.methods if m not in ALL_METHODS]
+            assert not unknown, f"{name}: {' '.join(argv)}: unknown methods {unknown}"
+            assert "--loss-type" in argv, f"{name}: {' '.join(argv)}: the loss type must be explicit"

@@ -12,6 +12,8 @@
 # docs/evidence.md). An evidence stage writes to $OUT: NAME-stream.jsonl (every run's steps, as they
 # come), NAME-analysis.md (the slope table), NAME.log and NAME-runs.tar.gz (logs, summaries, plots); a list with
 # --betas (the beta grid, betagrid*.txt) also NAME-grid.md and NAME-grid.png (--analyze --grid).
+# evidence-pair:A,B (a 2-GPU machine): evidence:A on GPU 0 and evidence:B on GPU 1 at once; writes A-stream.jsonl,
+# B-stream.jsonl, A-grid.md, B-grid.md and evidence-pair.tar.gz (everything else) to $OUT.
 # bench-1b (one GPU, <= ~530 s): bench_liger.py with the GEMM-floor column, the log-prob-kernel path and the fused
 # head (fused_head=True, chunks auto and 1024) for none and target (<= 130 s), then on the ~1 B Llama, interleaved
 # (docs/benchmarks.md): bench_trl.py, LoRA and full FT, 16 completions per step (budget 165 s, model building
@@ -48,8 +50,8 @@ multi_gpu() {  # $1: comma-separated names of MULTI_GPU_RUNS, or "" for all
     echo "== $name: exit status $?"; cat "$OUT/multi-gpu-$name/report.md" 2>/dev/null || tail -20 "$OUT/multi-gpu-$name.log"
   done
 }
-evidence() {
-  local name=$1 work=/tmp/evidence-$1 i=0 pids=()
+evidence() {  # $1: NAME; the stream goes to $EVIDENCE_STREAM_DIR (default $OUT), everything else to $OUT
+  local name=$1 work=/tmp/evidence-$1 i=0 pids=() stream=${EVIDENCE_STREAM_DIR:-$OUT}/$1-stream.jsonl
   mkdir -p "$work"
   while read -r line; do
     case $line in ''|'#'*) continue ;; esac
@@ -57,14 +59,14 @@ evidence() {
     echo "[$name.$i] $line"
     # shellcheck disable=SC2086
     timeout "$EVIDENCE_TIMEOUT" python blackwell/test_adaptive_kl_grpo.py $line --keep-going \
-      --stream "$OUT/$name-stream.jsonl" --output-dir "$work/$i" > "$work/$i.log" 2>&1 &
+      --stream "$stream" --output-dir "$work/$i" > "$work/$i.log" 2>&1 &
     pids+=($!)
   done < "scripts/gpu/evidence/$name.txt"
   for pid in "${pids[@]}"; do wait "$pid"; done
   for f in "$work"/*.log; do echo "== $f"; grep -v "^\[\|  started \|^step" "$f" | tail -25; done > "$OUT/$name.log"
-  python blackwell/test_adaptive_kl_grpo.py --analyze "$OUT/$name-stream.jsonl" | tee "$OUT/$name-analysis.md"
+  python blackwell/test_adaptive_kl_grpo.py --analyze "$stream" | tee "$OUT/$name-analysis.md"
   if grep -q -- "--betas" "scripts/gpu/evidence/$name.txt"; then  # a beta grid: its own analysis and figure
-    python blackwell/test_adaptive_kl_grpo.py --analyze "$OUT/$name-stream.jsonl" --grid --plot "$OUT/$name-grid.png" \
+    python blackwell/test_adaptive_kl_grpo.py --analyze "$stream" --grid --plot "$OUT/$name-grid.png" \
       | tee "$OUT/$name-grid.md"
   fi
   (cd "$work" && tar czf "$OUT/$name-runs.tar.gz" --exclude=checkpoints --exclude=unsloth_compiled_cache --exclude='*.safetensors' .)
@@ -155,6 +157,18 @@ for stage in "$@"; do
       names=${stage#multi-gpu}; multi_gpu "${names#:}" ;;
     evidence:*)
       evidence "${stage#evidence:}" ;;
+    evidence-pair:*)  # evidence-pair:A,B: two evidence lists at once, A on GPU 0 and B on GPU 1 (a 2-GPU machine).
+      # A call returns at most 8 files, and two evidence stages write 12: the streams go to $OUT as they grow (all a
+      # timeout leaves), A-grid.md and B-grid.md follow, the rest is packed into evidence-pair.tar.gz.
+      pair=${stage#evidence-pair:}
+      CUDA_VISIBLE_DEVICES=0 EVIDENCE_STREAM_DIR=$OUT bash "$0" /tmp/evidence-pair "evidence:${pair%%,*}" > "/tmp/evidence-pair-${pair%%,*}.txt" 2>&1 &
+      CUDA_VISIBLE_DEVICES=1 EVIDENCE_STREAM_DIR=$OUT bash "$0" /tmp/evidence-pair "evidence:${pair#*,}" > "/tmp/evidence-pair-${pair#*,}.txt" 2>&1
+      wait
+      for name in "${pair%%,*}" "${pair#*,}"; do
+        cp "/tmp/evidence-pair/$name-grid.md" "$OUT/" 2>/dev/null; mv "/tmp/evidence-pair-$name.txt" /tmp/evidence-pair/
+        tail -25 "$OUT/$name-grid.md" 2>/dev/null
+      done
+      tar czf "$OUT/evidence-pair.tar.gz" -C /tmp/evidence-pair . ;;
     demo-3seeds)
       timeout 570 python blackwell/test_adaptive_kl_grpo.py --seeds 3 --jobs 21 --output-dir "$OUT/demo-3seeds" 2>&1 | tee "$OUT/demo-3seeds.log" | tail -40 ;;
   esac
