@@ -378,3 +378,26 @@ def test_every_gpu_evidence_list_parses_and_names_known_methods():
             unknown = [m for m in args.methods if m not in ALL_METHODS]
             assert not unknown, f"{name}: {' '.join(argv)}: unknown methods {unknown}"
             assert "--loss-type" in argv, f"{name}: {' '.join(argv)}: the loss type must be explicit"
+
+
+def test_a_run_in_several_files_counts_whole_from_its_longest_copy(tmp_path):
+    """A cut run and its rerun: the copy that went furthest counts, whole; a rerun that diverged is never
+    spliced into the cut run step by step, whichever file comes first."""
+    from demo import grid
+
+    def stream(path, steps, kl):
+        path.write_text("".join(json.dumps({"tag": "medium-dapo-b0.1-h128x4-L48-s60-kt0.2", "method": "none", "seed": 0,
+                                            "step": s, "beta0": 0.1, "reward": 0.5, "completions/mean_length": 4.0,
+                                            "adaptive_kl/raw_kl": kl, "adaptive_kl/current_beta": 0.1}) + "\n"
+                                for s in range(1, steps + 1)))
+        return str(path)
+
+    cut, rerun, shorter = stream(tmp_path / "a.jsonl", 45, 1.0), stream(tmp_path / "b.jsonl", 60, 2.0), stream(tmp_path / "c.jsonl", 30, 3.0)
+    for order in ([cut, rerun], [rerun, cut], [cut, rerun, shorter], [shorter, rerun, cut]):
+        rows = demo.read_rows(order)["medium-dapo-b0.1-h128x4-L48-s60-kt0.2"][("none", 0)]
+        assert [r["step"] for r in rows] == list(range(1, 61)), order
+        assert {r["adaptive_kl/raw_kl"] for r in rows} == {2.0}, order  # all from the rerun, none from the others
+    rows = demo.read_rows([shorter, cut])["medium-dapo-b0.1-h128x4-L48-s60-kt0.2"][("none", 0)]
+    assert len(rows) == 45 and {r["adaptive_kl/raw_kl"] for r in rows} == {1.0}  # the 45-step copy, not steps 31-45 spliced on
+    g = grid.read_grid([shorter, cut])["medium-dapo-b*-h128x4-L48-s60-kt0.2"]
+    assert g["incomplete"] == ["none/seed0/b0.1 (step 45 of 60)"] and g["runs"][("none", 0.1, 0)]["kl"] == 1.0

@@ -58,15 +58,21 @@ def fmt_interval(values: list[float], fmt: str = ".2f") -> str:
 
 
 def read_rows(paths: list[str]) -> dict[str, dict[tuple[str, int], list[dict]]]:
-    """{tag: {(method, seed): rows sorted by step}} from metrics files (.jsonl, or .jsonl.gz); a step seen
-    twice counts once."""
+    """{tag: {(method, seed): rows sorted by step}} from metrics files (.jsonl, or .jsonl.gz). Within one file a
+    step seen twice counts once (the later row). A run found in several files (a cut run and its rerun in a
+    later call) counts whole from one of them: the copy that reached the furthest step, the later file's on a
+    tie. Copies are never spliced step by step, so a rerun that diverged from the cut run cannot lend it steps."""
     by_run: dict[tuple[str, str, int], dict[int, dict]] = {}
     for path in paths:
+        here: dict[tuple[str, str, int], dict[int, dict]] = {}
         with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
             for line in f:
                 if line.strip():
                     row = json.loads(line)
-                    by_run.setdefault((row.get("tag", "default"), row["method"], row["seed"]), {})[row["step"]] = row
+                    here.setdefault((row.get("tag", "default"), row["method"], row["seed"]), {})[row["step"]] = row
+        for key, steps in here.items():
+            if key not in by_run or max(steps) >= max(by_run[key]):
+                by_run[key] = steps
     out: dict[str, dict[tuple[str, int], list[dict]]] = {}
     for (tag, method, seed), steps in sorted(by_run.items()):
         out.setdefault(tag, {})[(method, seed)] = [steps[k] for k in sorted(steps)]

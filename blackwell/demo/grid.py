@@ -50,8 +50,8 @@ def read_grid(paths: list[str]) -> dict[str, dict]:
     """{setting without β: {"kl_target": K, "runs": {(method, β, seed): final values}, "incomplete": [...]}}.
     A run that stopped before its planned step count (the rows' ``planned_steps``; streams written before
     it existed: the tag's ``-sN``) stays in "runs", its final values over the last steps it reached, and is
-    named in "incomplete" (a rerun of the same seed, in the same or a later stream, completes it: a step
-    seen twice counts once)."""
+    named in "incomplete" (a rerun of the same seed, in the same or another stream, completes it: a run in
+    several files counts whole from the copy that went furthest; ``read_rows``)."""
     grids: dict[str, dict] = {}
     for tag, runs in read_rows(paths).items():
         base, beta = split_tag(tag)
