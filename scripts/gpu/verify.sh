@@ -112,8 +112,9 @@ for stage in "$@"; do
     liger)
       timeout 150 python bench/bench_liger.py 2>&1 | tee "$OUT/bench-liger.log" | tail -25 ;;
     unsloth-bench)  # issue 22 item 4: every Unsloth method, a GPU-bound batch, the whole call's time. The run of
-      # 2026-11-25 (40 rounds, all rows) stopped at its 40-round cap in 360 s with +-1.2-2.6 % intervals (stock's step
-      # varied 6 % over rounds, the per-round ratio 8-10 %): up to 200 rounds, and no beta -> 0 row (not a method; bench-1b has it), so ~100 rounds fit.
+      # 2026-11-25 (40 rounds, all rows) stopped at its 40-round cap in 360 s with +-1.2-2.6 % intervals (stock's
+      # step varied 6 % over rounds, the per-round ratio 8-10 %). Now up to 200 rounds, and no beta -> 0 row (not a
+      # method; bench-1b has it): 82 rounds fit in the second run (docs/benchmarks.md perf4).
       timeout 560 python bench/bench_unsloth.py --modes lora --batch 16 --budget 520 --rounds 200 \
         --rows stock,none,clip,soft_clip,sigmoid,length_normalized,dynamic,target,dynamic+length_normalized \
         --out "$OUT/bench-unsloth.md" > "$OUT/bench-unsloth.log" 2>&1
