@@ -161,11 +161,11 @@ for stage in "$@"; do
     evidence-pair:*)  # evidence-pair:A,B: two evidence lists at once, A on GPU 0 and B on GPU 1 (a 2-GPU machine).
       # A call returns at most 8 files, and two evidence stages write 12: the streams go to $OUT as they grow (all a
       # timeout leaves), A-grid.md and B-grid.md follow, the rest is packed into evidence-pair.tar.gz.
-      pair=${stage#evidence-pair:}
-      CUDA_VISIBLE_DEVICES=0 EVIDENCE_STREAM_DIR=$OUT bash "$0" /tmp/evidence-pair "evidence:${pair%%,*}" > "/tmp/evidence-pair-${pair%%,*}.txt" 2>&1 &
-      CUDA_VISIBLE_DEVICES=1 EVIDENCE_STREAM_DIR=$OUT bash "$0" /tmp/evidence-pair "evidence:${pair#*,}" > "/tmp/evidence-pair-${pair#*,}.txt" 2>&1
+      pair=${stage#evidence-pair:}; first=${pair%%,*}; second=${pair#*,}
+      CUDA_VISIBLE_DEVICES=0 EVIDENCE_STREAM_DIR=$OUT bash "$0" /tmp/evidence-pair "evidence:$first" > "/tmp/evidence-pair-$first.txt" 2>&1 &
+      CUDA_VISIBLE_DEVICES=1 EVIDENCE_STREAM_DIR=$OUT bash "$0" /tmp/evidence-pair "evidence:$second" > "/tmp/evidence-pair-$second.txt" 2>&1
       wait
-      for name in "${pair%%,*}" "${pair#*,}"; do
+      for name in "$first" "$second"; do
         cp "/tmp/evidence-pair/$name-grid.md" "$OUT/" 2>/dev/null; mv "/tmp/evidence-pair-$name.txt" /tmp/evidence-pair/
         tail -25 "$OUT/$name-grid.md" 2>/dev/null
       done
