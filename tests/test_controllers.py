@@ -266,4 +266,3 @@ def test_controller_mismatch_error_crosses_processes_intact():
 
     error = pickle.loads(pickle.dumps(ControllerMismatchError("fixed", "dynamic")))
     assert (error.saved, error.name) == ("fixed", "dynamic") and str(error) == str(ControllerMismatchError("fixed", "dynamic"))
-

@@ -268,4 +268,3 @@ def test_bottom_q_keeps_a_deferred_count_whose_copy_has_not_finished_and_warns_f
         estimators.bottom_q_threshold(distinct, mask, q=0.2)
     warnings = [r.getMessage() for r in caplog.records if "bottom_q selected" in r.getMessage()]
     assert len(warnings) == 1 and "bottom_q selected 32 of 32 valid tokens (tied" in warnings[0]
-
