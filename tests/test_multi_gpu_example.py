@@ -195,3 +195,46 @@ def test_a_reference_result_is_compared_with_the_mean_of_the_ranks(tmp_path, mon
         report = check_ranks.check(args, "CHECKPOINT", ranks)
         assert report["passed"] is passed and report["methods"]["clip"]["loss_one_process"] == 0.2001
         assert report["reference_device"] == {"CUDA_VISIBLE_DEVICES": "0", "cuda_device_count": 1}
+
+
+# -- the one-process reference's normaliser: the accumulation divisor the ranks' training loop had -----------
+def two_rank_parts(vocab_size, pad_token_id):
+    """Two ranks' micro-batches (same prompt length, different completion lengths) with the global token count."""
+    import reference
+
+    parts = [reference.loss_inputs(vocab_size, seed=s, pad_token_id=pad_token_id, ref_spread=2.0) for s in (1, 2)]
+    parts[1]["completion_mask"][:, 2:] = 0  # rank 1's completions are shorter: the ranks' sums differ
+    total = sum(p["completion_mask"].sum() for p in parts).float()
+    for p in parts:
+        del p["old_per_token_logps"]  # the policy is its own old policy: the importance ratio is 1
+        p["completion_ids"] = p["completion_ids"].masked_fill(p["completion_mask"] == 0, pad_token_id)
+        p["num_items_in_batch"] = total  # gathered over both ranks, as TRL counts it
+    return parts
+
+
+def test_the_one_process_reference_uses_the_configured_accumulation_divisor(tmp_path, monkeypatch):
+    """dapo normalises by num_items_in_batch / processes x current_gradient_accumulation_steps / steps_per_generation.
+    The training loop sets current_gradient_accumulation_steps to gradient_accumulation_steps; a reference that set it
+    to 1 gave 2x the loss with gradient_accumulation_steps = 2 (Unsloth's GRPOConfig default): the Unsloth DDP run's
+    one-process loss was exactly the sum of the two ranks' losses, not their mean."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from unsloth_adaptive_kl import toy
+
+    checkpoint = toy.build_checkpoint(str(tmp_path / "checkpoint"), hidden_size=32, layers=1)
+    torch.save(AutoModelForCausalLM.from_pretrained(checkpoint).state_dict(), tmp_path / "none-weights.pt")
+    args = check_ranks.parse_args(["--config", os.path.join(EXAMPLE, "ddp.yaml"), "--out", str(tmp_path), "--cpu", "--methods", "none"])
+    tokenizer = toy.build_tokenizer()
+    parts = two_rank_parts(AutoModelForCausalLM.from_pretrained(checkpoint).config.vocab_size, tokenizer.pad_token_id)
+    advantages = torch.cat([p["advantages"] for p in parts]).double()
+    lengths = torch.cat([p["completion_mask"].sum(-1) for p in parts]).double()
+    # β = 0 and an importance ratio of 1: every valid token's loss is -advantage
+    expected = -(advantages * lengths).sum().item() / parts[0]["num_items_in_batch"].item()
+    losses = {}
+    for accumulation in (1, 2):
+        monkeypatch.setitem(check_ranks.METHODS, "none", dict(kl_adaptation_method="none", gradient_accumulation_steps=accumulation))
+        losses[accumulation] = {beta: check_ranks.single_process_loss("none", args, checkpoint, parts, beta) for beta in (0.0, 0.04)}
+    assert losses[1][0.0] == pytest.approx(expected, rel=1e-6)
+    assert losses[2][0.0] == pytest.approx(expected, rel=1e-6)  # was 2 x expected
+    assert losses[2][0.04] == pytest.approx(losses[1][0.04], rel=1e-6) and losses[1][0.04] != pytest.approx(expected, rel=1e-3)

@@ -29,7 +29,8 @@ Then this process (no launcher) checks:
 2. every logged ``adaptive_kl/raw_kl`` and ``adapted_kl`` equals the token-weighted mean of the
    per-token values gathered from both ranks (recomputed here in float64), to 1e-6 relative;
 3. the loss of step 2's global batch (both ranks' inputs concatenated), computed by one process
-   from the same weights and β, equals the mean of the two ranks' losses (the gradient
+   from the same weights, β and gradient-accumulation divisor (Unsloth's config accumulates 2
+   micro-batches by default), equals the mean of the two ranks' losses (the gradient
    DDP/FSDP/ZeRO apply), within bf16 tolerance (float32 tolerance with ``--precision fp32``). That
    process is a child started with exactly one visible GPU (``CUDA_VISIBLE_DEVICES`` = the first this
    process sees): a Trainer that sees 2 GPUs wraps the model in ``nn.DataParallel``, which GRPOTrainer
@@ -331,7 +332,10 @@ def single_process_loss(method, args, checkpoint, parts, beta):
     inputs = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in merge_inputs(parts).items()}
     model = trainer.model
     model.train()
-    trainer.current_gradient_accumulation_steps = 1  # set by the training loop, which does not run here
+    # The accumulation divisor the ranks' training loop set (len of the step's micro-batches: the configured
+    # gradient_accumulation_steps; Unsloth's GRPOConfig defaults to 2). dapo's normaliser scales with it over
+    # steps_per_generation (= gradient_accumulation_steps here): 1 made this loss 2x the ranks' mean under Unsloth.
+    trainer.current_gradient_accumulation_steps = trainer.args.gradient_accumulation_steps
     # bf16 as under the launcher: accelerate's autocast (the launched ranks get it from prepare()).
     with trainer.compute_loss_context_manager(), trainer.accelerator.autocast():
         loss = trainer.compute_loss(model, inputs)
