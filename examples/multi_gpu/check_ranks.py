@@ -105,8 +105,10 @@ def grpo_config(method: str, args, output_dir: str):
         output_dir=output_dir, report_to="none", use_cpu=args.cpu, bf16=args.bf16,
         per_device_train_batch_size=BATCH, num_generations=GENERATIONS, max_completion_length=COMPLETION,
         max_steps=args.steps, logging_steps=1, learning_rate=5e-3, beta=BETA, save_strategy="no", seed=0,
-        disable_tqdm=True, **METHODS[method],
+        disable_tqdm=True, warmup_steps=0, **METHODS[method],
     )  # fmt: skip
+    # warmup_steps=0: TRL's default; Unsloth's config defaults to warmup_steps=0.1 (one step of 4 here, at a
+    # learning rate of 0), which left the policy at the reference at step 2, so the loss check saw a KL of 0.
 
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
