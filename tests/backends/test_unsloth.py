@@ -175,3 +175,25 @@ def test_resume_from_checkpoint_continues_beta_and_controller_state(method, tmp_
     assert r["resumed_after_2"] == pytest.approx(r["full"][2:], rel=1e-12)
     assert r["resumed_after_2"][0] != 0.04  # the controller's state came back, not the configured beta
     assert r["resumed_state"] == r["full_state"]
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_a_micro_batch_with_no_valid_token_logs_stock_unsloths_kl_and_no_adaptive_kl_metric(loss_type, tmp_path_factory):
+    """Every completion truncated and masked (mask_truncated_completions=True): stock Unsloth's ``kl`` is the mean
+    over kept rows with 0 kept rows, so 0.0 (not NaN), its loss 0 and its gradients zero. Method none + k3 logs and
+    computes exactly that (stock is the reference, unpatched in place on the same trainer and input); with any
+    method the adaptive_kl/* KL metrics observed no token and get no entry, not 0 and not NaN
+    (docs/reliability.md), while current_beta is still logged."""
+    case = run_worker("unsloth-first", "all_masked", tmp_path_factory)["all_masked"][loss_type]
+    assert case["fused_tokens"] == [0, 0], case  # Unsloth reapplied TRL's zeroed rows: the fused loss saw no token
+    stock, ours = case["stock_logged"], case["logged"]
+    assert stock["kl"] == [0.0] and stock["completion_length"] == [0.0], stock
+    assert case["stock_loss"] == 0.0 and case["stock_grads"] > 0 and case["stock_grads_zero"], case
+    assert ours["kl"] == stock["kl"] and case["loss_equal"] and case["grads_equal"], case
+    assert {k: v for k, v in ours.items() if not k.startswith("adaptive_kl/")} == stock
+    runs = {"none": {"logged": ours, "loss": case["loss"], "grads_finite": True}, **case["adaptive"]}
+    for method, run in runs.items():
+        logged = run["logged"]
+        assert logged["kl"] == [0.0] and run["loss"] == 0.0 and run["grads_finite"], (method, run)
+        assert "adaptive_kl/raw_kl" not in logged and "adaptive_kl/adapted_kl" not in logged, (method, logged)
+        assert logged["adaptive_kl/current_beta"] == [0.04], (method, logged)

@@ -200,6 +200,63 @@ def scenario_identity():
     results["patched_again"] = generated.grpo_compute_loss is not unsloth_adaptive_kl.backends.trl.original(generated, "grpo_compute_loss")
 
 
+def all_masked_inputs(t, seed):
+    """Every completion truncated (no padding, full length) and masked, as TRL's mask_truncated_completions
+    leaves them: Unsloth rebuilds the mask from the token ids, then reapplies TRL's zeroed rows. The
+    generation batch's other micro-batches have tokens, so num_items_in_batch is not 0."""
+    inputs = hand_made_inputs(t, seed)
+    g = torch.Generator().manual_seed(seed)
+    inputs["completion_ids"] = torch.randint(5, t.model.config.vocab_size, inputs["completion_ids"].shape, generator=g)
+    inputs["completion_mask"] = torch.zeros_like(inputs["completion_mask"])
+    inputs["num_items_in_batch"] = torch.tensor(12.0)
+    return inputs
+
+
+def scenario_all_masked():
+    """A micro-batch with no valid token: the metrics, loss and gradients of stock Unsloth (unpatched in
+    place) and of ours with method none + k3, per loss type; and ours with an adaptive method."""
+
+    def measure(t, inputs):
+        t._metrics["train"].clear()
+        torch.manual_seed(0)
+        loss, grads = loss_and_grads(t, inputs)
+        logged = {k: list(v) for k, v in t._metrics["train"].items()}
+        return loss, grads, logged
+
+    t = trainer(mask_truncated_completions=True)
+    t.model.train()
+    seen = spy_on_fused_loss()
+    out = {}
+    for loss_type in LOSS_TYPES:
+        set_method(t, "none", loss_type, kl_estimator="k3")
+        inputs = all_masked_inputs(t, seed=3)
+        loss, grads, logged = measure(t, inputs)
+        fused_tokens = int(seen["mask"].sum())  # what the fused loss saw: no valid token
+        unsloth_adaptive_kl.unpatch()
+        try:
+            stock_loss, stock_grads, stock_logged = measure(t, inputs)
+            fused_tokens = [fused_tokens, int(seen["mask"].sum())]  # ours, stock
+        finally:
+            unsloth_adaptive_kl.patch()
+        adaptive = {}
+        for method in ("clip+sigmoid+length_normalized", "target"):
+            set_method(t, method, loss_type, kl_estimator="k3", kl_clip_threshold=0.4, kl_target=0.2, kl_horizon=1000.0)
+            a_loss, a_grads, a_logged = measure(t, inputs)
+            adaptive[method] = {
+                "loss": a_loss.item(), "logged": a_logged, "grads_finite": all(bool(g.isfinite().all()) for g in a_grads),
+                "beta_after": t._adaptive_kl.beta,
+            }
+        out[loss_type] = {
+            "stock_logged": stock_logged, "logged": logged, "stock_loss": stock_loss.item(), "loss": loss.item(),
+            "loss_equal": bool(torch.equal(loss, stock_loss)), "fused_tokens": fused_tokens,
+            "stock_grads": len(stock_grads), "stock_grads_zero": all(not bool(g.any()) for g in stock_grads),
+            "grads_equal": len(grads) == len(stock_grads)
+            and all(torch.allclose(a, b, rtol=0, atol=0, equal_nan=True) for a, b in zip(grads, stock_grads)),
+            "adaptive": adaptive,
+        }
+    results["all_masked"] = out
+
+
 # half_kl: a shaping method registered here, outside the package, as a user would (with its float64 reference).
 @unsloth_adaptive_kl.register_shaping("half_kl")
 def half_kl(kl):
@@ -421,6 +478,6 @@ def scenario_unpatch():
         results["sequence"][step] = probe_config()
 
 
-{"early_config": scenario_early_config, "config": scenario_config, "unpatch": scenario_unpatch, "identity": scenario_identity, "resume": scenario_resume, "kl_part": scenario_kl_part, "train": scenario_train, "compiled": scenario_compiled, "compiled_loop": scenario_compiled_loop}[SCENARIO]()
+{"early_config": scenario_early_config, "config": scenario_config, "unpatch": scenario_unpatch, "identity": scenario_identity, "all_masked": scenario_all_masked, "resume": scenario_resume, "kl_part": scenario_kl_part, "train": scenario_train, "compiled": scenario_compiled, "compiled_loop": scenario_compiled_loop}[SCENARIO]()
 with open(OUT, "w") as f:
     json.dump(results, f, default=lambda o: None if isinstance(o, float) and math.isnan(o) else str(o))
