@@ -244,7 +244,6 @@ def scenario_all_masked():
             a_loss, a_grads, a_logged = measure(t, inputs)
             adaptive[method] = {
                 "loss": a_loss.item(), "logged": a_logged, "grads_finite": all(bool(g.isfinite().all()) for g in a_grads),
-                "beta_after": t._adaptive_kl.beta,
             }
         out[loss_type] = {
             "stock_logged": stock_logged, "logged": logged, "stock_loss": stock_loss.item(), "loss": loss.item(),
