@@ -223,10 +223,10 @@ def test_the_one_process_reference_uses_the_configured_accumulation_divisor(tmp_
     from unsloth_adaptive_kl import toy
 
     checkpoint = toy.build_checkpoint(str(tmp_path / "checkpoint"), hidden_size=32, layers=1)
-    torch.save(AutoModelForCausalLM.from_pretrained(checkpoint).state_dict(), tmp_path / "none-weights.pt")
+    model = AutoModelForCausalLM.from_pretrained(checkpoint)
+    torch.save(model.state_dict(), tmp_path / "none-weights.pt")
     args = check_ranks.parse_args(["--config", os.path.join(EXAMPLE, "ddp.yaml"), "--out", str(tmp_path), "--cpu", "--methods", "none"])
-    tokenizer = toy.build_tokenizer()
-    parts = two_rank_parts(AutoModelForCausalLM.from_pretrained(checkpoint).config.vocab_size, tokenizer.pad_token_id)
+    parts = two_rank_parts(model.config.vocab_size, toy.build_tokenizer().pad_token_id)
     advantages = torch.cat([p["advantages"] for p in parts]).double()
     lengths = torch.cat([p["completion_mask"].sum(-1) for p in parts]).double()
     # β = 0 and an importance ratio of 1: every valid token's loss is -advantage

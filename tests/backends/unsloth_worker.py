@@ -231,11 +231,11 @@ def scenario_all_masked():
         set_method(t, "none", loss_type, kl_estimator="k3")
         inputs = all_masked_inputs(t, seed=3)
         loss, grads, logged = measure(t, inputs)
-        fused_tokens = int(seen["mask"].sum())  # what the fused loss saw: no valid token
+        ours_tokens = int(seen["mask"].sum())  # what the fused loss saw: no valid token
         unsloth_adaptive_kl.unpatch()
         try:
             stock_loss, stock_grads, stock_logged = measure(t, inputs)
-            fused_tokens = [fused_tokens, int(seen["mask"].sum())]  # ours, stock
+            fused_tokens = [ours_tokens, int(seen["mask"].sum())]  # ours, stock
         finally:
             unsloth_adaptive_kl.patch()
         adaptive = {}
