@@ -95,5 +95,20 @@ def render(markdown: str, where: str = "") -> str:
     return MARKER.sub(generate, markdown)
 
 
+#: A Sphinx role the docstrings use (``:func:`~pkg.mod.name```), as Markdown renders it.
+SPHINX_ROLE = re.compile(r":(?:func|class|meth|attr|data|mod|exc|obj):<code>(~?)([^<]+)</code>")
+
+
+def plain_roles(html: str) -> str:
+    """The docstrings' Sphinx markup as a reader should see it: ``:meth:`~a.B.c``` as ``c`` in code
+    (the full path without ``~``), and a paragraph ending in ``::`` (reST's literal block) with one colon."""
+    html = SPHINX_ROLE.sub(lambda m: f"<code>{m.group(2).rsplit('.', 1)[-1] if m.group(1) else m.group(2)}</code>", html)
+    return html.replace("::</p>", ":</p>")
+
+
 def on_page_markdown(markdown, page, config, files):
     return render(markdown, page.file.src_uri)
+
+
+def on_page_content(html, page, config, files):
+    return plain_roles(html)
