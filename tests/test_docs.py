@@ -93,3 +93,31 @@ def test_every_docs_page_is_in_the_sites_nav():
     listed = set(re.findall(r":\s*(\S+\.md)\s*$", nav, re.M))
     pages = {p.name for p in (ROOT / "docs").glob("*.md")}
     assert pages == listed, f"not in mkdocs.yml's nav: {sorted(pages - listed)}; in the nav without a page: {sorted(listed - pages)}"
+
+
+def _list_layout_problems(text: str) -> list[str]:
+    """Where Python-Markdown (the site) would not render a list that GitHub does: a list right
+    after a paragraph line (it needs a blank line first) and a nested item indented by fewer than 4
+    spaces (it becomes a sibling)."""
+    problems, fence, lines = [], False, text.split("\n")
+    for i, line in enumerate(lines):
+        if line.lstrip().startswith("```"):
+            fence = not fence
+            continue
+        if fence or i == 0:
+            continue
+        previous = lines[i - 1]
+        if re.match(r"([-*+]|\d+\.) ", line) and previous.strip() and not re.match(r"\s*([-*+]|\d+\.) |\s|\|", previous):
+            problems.append(f"line {i + 1}: a list right after a paragraph (add a blank line): {line[:40]!r}")
+        if re.match(r" {1,3}([-*+]|\d+\.) ", line):
+            problems.append(f"line {i + 1}: a nested list item indented by fewer than 4 spaces: {line[:40]!r}")
+    return problems
+
+
+def test_the_layout_check_finds_what_the_site_would_flatten():
+    assert len(_list_layout_problems("Some text:\n- an item\n  - a nested item\n\n- fine\n    - fine")) == 2
+
+
+@pytest.mark.parametrize("page", sorted(p.name for p in (ROOT / "docs").glob("*.md")))
+def test_every_list_of_the_docs_renders_on_the_site(page):
+    assert _list_layout_problems((ROOT / "docs" / page).read_text()) == []
