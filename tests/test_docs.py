@@ -51,7 +51,7 @@ def test_the_readme_keeps_its_two_commands():
 
 def test_the_readme_liger_example_runs_as_written(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    section = README.split("**The Liger module.**")[1]
+    section = README.split("### The Liger module")[1]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     namespace = {}
     exec(compile(code, "README.md (the Liger module)", "exec"), namespace)
