@@ -1,7 +1,7 @@
 """Adaptive KL regularisation for GRPO in TRL and Unsloth.
 
 Importing this package patches TRL's ``GRPOConfig`` and ``GRPOTrainer`` (idempotently);
-:func:`unpatch` restores the originals. See the README for the methods and fields.
+:func:`unpatch` restores the originals. See docs/methods.md and docs/fields.md for the methods and fields.
 """
 
 from __future__ import annotations

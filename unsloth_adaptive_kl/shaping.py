@@ -57,7 +57,7 @@ class Parameter:
     """A parameter of a shaping method.
 
     ``name`` is how the user sets it: a ``GRPOConfig`` field for the built-ins' parameters, a key of
-    ``kl_shaping_kwargs`` for those of methods registered later (README, "Your own shaping method").
+    ``kl_shaping_kwargs`` for those of methods registered later (docs/methods.md, "Your own shaping method").
     ``keyword`` is the keyword the method's function receives it as (``name`` when None). ``check``
     returns whether a value (already of ``type``) is allowed; ``allowed`` says what is, in words.
     """

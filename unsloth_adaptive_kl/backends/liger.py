@@ -70,7 +70,7 @@ class AdaptiveFusedLinearGRPOLoss(nn.Module):
 
     The arguments before ``kl_adaptation_method`` are Liger 0.8.5's, with its defaults
     (``chunk_size`` has no effect here; the table is ``_liger_interface.LIGER_PARAMETERS``). The
-    keyword-only ones are this package's fields of the same names (README, "Fields"), or
+    keyword-only ones are this package's fields of the same names (docs/fields.md), or
     ``adaptive_kl=``: an :class:`AdaptiveKL` whose β controller the caller runs
     (``GRPOTrainer(loss_class=...)`` passes the trainer's).
     """
