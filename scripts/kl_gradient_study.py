@@ -254,14 +254,15 @@ def _header(columns: list[str]) -> list[str]:
 def placement_table(study: Study, *, on_policy: bool) -> list[str]:
     truth = true_gradient(study)
     lines = _header(["placement", "estimator", "bias correction", "importance ratio"])
-    levels = ["—"] if on_policy else ["token", "sequence"]
     for estimator in study_estimators():
         lines.append(_row(["loss", f"`{estimator}`", "off", "—"], lambda t: loss_placement_gradient(study, estimator, t, bias_correction=False, on_policy=on_policy), truth))
-        for level in levels:
-            lines.append(_row(["loss", f"`{estimator}`", "on", level], lambda t: loss_placement_gradient(study, estimator, t, bias_correction=True, level="token" if level == "—" else level, on_policy=on_policy), truth))
+        for level in ("token", "sequence"):
+            lines.append(_row(["loss", f"`{estimator}`", "on", level], lambda t: loss_placement_gradient(study, estimator, t, bias_correction=True, level=level, on_policy=on_policy), truth))
+    # On-policy the two levels give the same reward-placement gradient: sum_t of the broadcast mean score is the score sum.
+    levels = {"token or sequence": "token"} if on_policy else {"token": "token", "sequence": "sequence"}
     for estimator in study_estimators():
-        for level in levels:
-            lines.append(_row(["reward", f"`{estimator}`", "—", level], lambda t: reward_placement_gradient(study, estimator, t, level="token" if level == "—" else level, on_policy=on_policy), truth))
+        for label, level in levels.items():
+            lines.append(_row(["reward", f"`{estimator}`", "—", label], lambda t: reward_placement_gradient(study, estimator, t, level=level, on_policy=on_policy), truth))
     if on_policy:
         lines.append(_row(["loss (not in TRL)", "`k2` of the sequence log-ratio", "off", "—"], lambda t: sequence_k2_loss_gradient(study, t), truth))
     return lines
