@@ -17,7 +17,7 @@ from .grid import analyze_grid, plot_grid
 from .gpu import GpuCheck, choose_backend, probe_gpu
 from .plot import plot, plot_analysis
 from .scheduler import default_jobs, make_runs, run_all
-from .settings import (ALL_METHODS, HUB, SMOKE, TASKS, Settings, beta_settings, method_fields, parse_betas, seed_list,
+from .settings import (ALL_METHODS, HUB, SMOKE, SOLUTIONS, TASKS, Settings, beta_settings, method_fields, parse_betas, seed_list,
                        settings_from, validate_methods)
 from .summary import markdown_table, read_metrics, table_notes, trained_batch_lines
 from .tasks import starting_model
@@ -157,6 +157,8 @@ def main(argv=None, description: str | None = None) -> None:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before trl imports triton: its kernel, interpreted
     validate_methods(args.methods)
     settings = settings_from(args)
+    if settings.task in SOLUTIONS:  # a deterministic warm start needs cuBLAS's fixed workspace, set before its first call
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     settings_list = beta_settings(args, settings)
     settings = settings_list[0][0]
     gpu = probe_gpu()

@@ -3,6 +3,7 @@ GSM8K-shaped hub data set and model (not reachable offline; small on purpose).""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -140,11 +141,17 @@ def build_task_checkpoint(path: str, settings: Settings, seed: int, device: str)
     texts = [r["prompt"] + solution(r["terms"], style) + tokenizer.eos_token for r, style in zip(rows, styles)]
     losses: list[float] = []
     deterministic = torch.are_deterministic_algorithms_enabled()
+    attention = contextlib.nullcontext()
     if settings.task in SOLUTIONS:  # the same seed, the same start, call after call (earlier tasks: as they ran)
         torch.use_deterministic_algorithms(True, warn_only=True)
+        # SDPA's fused CUDA backward kernels accumulate in a nondeterministic order; the math one does not
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        attention = sdpa_kernel([SDPBackend.MATH])
     started = time.perf_counter()
-    loss = (toy.supervised_warm_start(model, tokenizer, texts, batch_size=64, lr=settings.warm_start_lr, losses=losses)
-            if settings.warm_start_steps else math.nan)
+    with attention:
+        loss = (toy.supervised_warm_start(model, tokenizer, texts, batch_size=64, lr=settings.warm_start_lr, losses=losses)
+                if settings.warm_start_steps else math.nan)
     seconds = time.perf_counter() - started
     torch.use_deterministic_algorithms(deterministic)
     model.to("cpu").save_pretrained(path)
@@ -169,8 +176,10 @@ def build_task_checkpoint(path: str, settings: Settings, seed: int, device: str)
 
 
 def completion_style(completion: str) -> str:
-    """Which warm-start style a completion looks like: "answer" (nothing before '>'), "full" (a column or
-    addition written out: '='), "sums" (anything else)."""
+    """Which warm-start style a completion looks like: "unformatted" (no '>'), "answer" (nothing before '>'),
+    "full" (a column or addition written out: '='), "sums" (anything else)."""
+    if ">" not in completion:
+        return "unformatted"
     scratchpad = completion.strip().split(">", 1)[0]
     return "answer" if not scratchpad else "full" if "=" in scratchpad else "sums"
 
@@ -216,7 +225,7 @@ def evaluate_start(path: str, settings: Settings, seed: int, device: str, n: int
     correct = [c > 0 for c in toy.scratchpad_correctness_reward(completions, answers)]
     formatted = [f > 0 for f in toy.scratchpad_format_reward(completions)]
     styles = [completion_style(c) for c in completions]
-    by_style = {s: [i for i, x in enumerate(styles) if x == s] for s in ("answer", "sums", "full")}
+    by_style = {s: [i for i, x in enumerate(styles) if x == s] for s in ("answer", "sums", "full", "unformatted")}
     return {"n": n, "accuracy": sum(correct) / n, "format": sum(formatted) / n, "reward": (sum(correct) + sum(formatted)) / (2 * n),
             "length": quantiles(lengths), "truncated": truncated / n,
             "styles": {s: {"share": len(ix) / n, "accuracy": sum(correct[i] for i in ix) / len(ix) if ix else None,
