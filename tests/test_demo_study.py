@@ -61,6 +61,7 @@ def test_the_final_window_is_the_last_quarter_of_the_planned_steps():
     rows = [{"step": s} for s in range(1, 201)]
     assert [r["step"] for r in analysis.final_window(rows, 200)] == list(range(151, 201))
     assert analysis.final_window(rows[:140], 200) == []  # cut before the window: no final values
+    assert [r["step"] for r in analysis.final_window(rows[:2], 2)] == [2]  # round(0.5) is 0: at least one step
 
 
 def test_drift_is_the_length_slope_from_saturation_on():

@@ -72,3 +72,14 @@ def test_the_projected_run_list_is_section_7s():
     assert re.search(rf"\n{probe.STUDY_RUNS} runs \(80 with \(d\)\) × {probe.STUDY_STEPS} steps", section)
     rows = re.findall(r"^\| [12] \| \([abc]\) \|.*\| (\d+) \|$", section, flags=re.M)
     assert sum(map(int, rows)) == probe.STUDY_RUNS
+
+
+def test_the_study_analysis_reads_the_probe_streams(tiny):
+    out, _ = tiny
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "blackwell", "test_adaptive_kl_grpo.py"), "--analyze",
+                           str(out / "study33-probe-k8-stream.jsonl"), "--study"], capture_output=True, text=True, cwd=ROOT,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # two fixed β of one family, one copy each, 2 planned steps: the final window is step 2 (the last quarter of 2)
+    assert "## long-dapo-b*-h32x2-L40-s2-wlr0.001 (2 planned steps; final window: steps 2-2)" in proc.stdout
+    assert "| `none` | 0.05 | — | 1 | 1 (1) |" in proc.stdout and "| `none` | 0.2 | — | 1 | 1 (1) |" in proc.stdout

@@ -216,8 +216,13 @@ def runaway_step(rows: list[dict], kl_threshold: float | None, *, window: int = 
 def final_window(rows: list[dict], planned_steps: int, fraction: float = 0.25) -> list[dict]:
     """The rows of the pre-registered final window: steps after (1 - fraction) x planned_steps, i.e. the last
     ``fraction`` of the planned run (steps 151-200 of 200). A run cut before the window has none."""
-    start = planned_steps - round(planned_steps * fraction)
+    start = final_window_start(planned_steps, fraction)
     return [r for r in rows if start < r["step"] <= planned_steps]
+
+
+def final_window_start(planned_steps: int, fraction: float = 0.25) -> int:
+    """The last step before the final window: the window holds at least one step, however short the run."""
+    return planned_steps - max(1, round(planned_steps * fraction))
 
 
 def saturation_step(rows: list[dict], final_reward: float, *, window: int = 10, tolerance: float = 0.02) -> int | None:
@@ -334,7 +339,7 @@ def study_report(paths: list[str]) -> str:
         natural_key = max(positive, key=lambda k: seed_mean(fixed[k], "reward")) if positive else None
         natural = seed_mean(fixed[natural_key], "kl") if natural_key else math.nan
         threshold = RUNAWAY_KL_FACTOR * natural if not math.isnan(natural) else None
-        out += [f"## {family} ({steps} planned steps; final window: steps {steps - round(steps * 0.25) + 1}-{steps})", "",
+        out += [f"## {family} ({steps} planned steps; final window: steps {final_window_start(steps) + 1}-{steps})", "",
                 f"Best fixed β (highest seed-mean final reward of `none`): {best[1]:g}" if best else "No `none` runs.",
                 f"Natural KL (best fixed β > 0, {natural_key[1]:g}): {natural:.4g}; runaway threshold "
                 f"{RUNAWAY_KL_FACTOR:g} x = {threshold:.4g}" if threshold else "No natural KL (no `none` run with β > 0).", "",
