@@ -25,6 +25,10 @@
 # perf3 (issue 22, one GPU, <= 560 s): bench_fused_head_parts.py (the fused head's GEMMs and passes alone, interleaved
 # with the whole; a kernel profile), bench_unsloth.py with stock, none and length_normalized only (budget 240 s), and
 # the bf16 fused-vs-kernel GPU cases of the combined method.
+# study33-probe (issue 33, one GPU, <= 560 s): the long task's warm start and GRPO step time before its study
+# (scripts/gpu/study33_probe.py: one run alone, then eight at once, 8 steps each, each invocation warm-starting
+# seed 0); writes study33-probe.md, study33-probe.json, study33-probe-k1-stream.jsonl, study33-probe-k8-stream.jsonl
+# and study33-probe-runs.tar.gz to $OUT.
 # multi-gpu (2 GPUs): examples/multi_gpu/check_ranks.py for each of MULTI_GPU_RUNS (below): DDP, FSDP2, FSDP2 with a
 # LoRA adapter, DeepSpeed ZeRO-2 and ZeRO-3 (full fine-tuning), and the Unsloth backend (LoRA) under DDP;
 # multi-gpu:NAME,NAME runs those only (6 runs do not fit one 10-minute call: see docs/gpu-verification.md).
@@ -170,6 +174,8 @@ for stage in "$@"; do
         tail -25 "$OUT/$name-grid.md" 2>/dev/null
       done
       tar czf "$OUT/evidence-pair.tar.gz" -C /tmp/evidence-pair . ;;
+    study33-probe)
+      timeout 570 python scripts/gpu/study33_probe.py --out "$OUT" 2>&1 | tail -60 ;;
     demo-3seeds)
       timeout 570 python blackwell/test_adaptive_kl_grpo.py --seeds 3 --jobs 21 --output-dir "$OUT/demo-3seeds" 2>&1 | tee "$OUT/demo-3seeds.log" | tail -40 ;;
   esac
