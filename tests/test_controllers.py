@@ -266,3 +266,43 @@ def test_controller_mismatch_error_crosses_processes_intact():
 
     error = pickle.loads(pickle.dumps(ControllerMismatchError("fixed", "dynamic")))
     assert (error.saved, error.name) == ("fixed", "dynamic") and str(error) == str(ControllerMismatchError("fixed", "dynamic"))
+
+
+# -- every controller with a β floor (issue 38) --------------------------------------------------------------------
+def test_every_registered_controller_has_a_float64_reference():
+    import reference
+    from unsloth_adaptive_kl.controllers import CONTROLLER_CLASSES
+
+    assert set(reference.NEXT_BETA) == set(CONTROLLER_CLASSES)
+
+
+def _every_controller():
+    from unsloth_adaptive_kl.controllers import CONTROLLER_CLASSES
+
+    return sorted(CONTROLLER_CLASSES)
+
+
+@pytest.mark.parametrize("name", _every_controller())
+def test_every_controller_stops_at_beta_min_and_leaves_it_when_the_kl_says_so(name):
+    """β is floored at beta_min > 0 (never below it) and the floor is not absorbing: a KL far above target raises
+    ``target`` off it again. The observations drive every adapting controller below beta_min within a few steps."""
+    import reference
+    from unsloth_adaptive_kl.controllers import CONTROLLER_CLASSES
+
+    cfg = ControllerConfig(
+        beta=0.1, beta_min=0.06, dynamic_beta_decay=0.5, reward_threshold=0.0, reward_window=1, beta_schedule_steps=1000,
+        kl_target=0.1, kl_horizon=10.0,
+    )  # fmt: skip
+    c = make_controller(name, cfg)
+    kls = [0.0] * 5 + [1.0] * 2  # far below target (β falls by 16 % a step), then far above (β rises)
+    betas, beta = [], cfg.beta
+    for step, kl in enumerate(kls, start=1):
+        c.observe_reward(1.0)  # above reward_threshold: dynamic decays at every step
+        betas.append(c.update(global_step=step, kl=kl, num_completions=8))
+        beta = reference.NEXT_BETA[name](beta, cfg, kl, 1.0, 8)
+        assert betas[-1] == pytest.approx(beta, rel=1e-12), (step, betas)
+    assert min(betas) >= cfg.beta_min
+    if CONTROLLER_CLASSES[name].adapts_beta:
+        assert cfg.beta_min in betas  # the floor was reached, so it was tested
+    else:
+        assert betas == [cfg.beta] * len(kls)

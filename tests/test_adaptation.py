@@ -1,0 +1,69 @@
+"""``AdaptiveKL``: what its β controller is fed, across micro-batches and optimizer steps, against float64
+references (tests/reference.py) written from the controllers' definitions."""
+
+from types import SimpleNamespace
+
+import pytest
+import reference
+import torch
+
+from unsloth_adaptive_kl import FIELDS, AdaptiveKL
+from unsloth_adaptive_kl.controllers import CONTROLLER_CLASSES
+from unsloth_adaptive_kl.shaping import SHAPING, Method, format_method, shaping_names
+
+BETA, BETA_MIN, CLIP, KL_TARGET, HORIZON = 0.2, 0.01, 0.1, 0.25, 40.0
+#: Each optimizer step's micro-batches, (rows, tokens): shapes and valid-token counts change every step.
+STEPS = [[(3, 5), (2, 7)], [(4, 4)], [(2, 6), (3, 3), (1, 5)], [(3, 8)]]
+REWARDS = [1.0, -1.0, 1.0, 1.0]
+
+
+def _adaptive(method: str) -> AdaptiveKL:
+    fields = {f.name: f.default for f in FIELDS}
+    fields.update(
+        beta=BETA, beta_min=BETA_MIN, kl_adaptation_method=method, kl_estimator="k3", kl_clip_threshold=CLIP,
+        kl_target=KL_TARGET, kl_horizon=HORIZON, dynamic_beta_decay=0.5, reward_threshold=0.0, reward_window=2,
+        beta_schedule_steps=1000,
+    )  # fmt: skip
+    return AdaptiveKL(SimpleNamespace(**fields))
+
+
+def _micro_batch(rows, tokens, seed):
+    """Log-ratios in [-1.2, 1.2] (per-token k3 around KL_TARGET, often above CLIP), variable lengths, one empty row."""
+    g = torch.Generator().manual_seed(seed)
+    logp = -torch.rand(rows, tokens, generator=g) * 3 - 0.5
+    ref = logp + (torch.rand(rows, tokens, generator=g) * 2.4 - 1.2)
+    lengths = torch.randint(1, tokens + 1, (rows,), generator=g)
+    lengths[-1] = 0 if rows > 1 else lengths[-1]
+    mask = (torch.arange(tokens) < lengths[:, None]).long()
+    return logp, ref, mask
+
+
+@pytest.mark.parametrize("shaping", shaping_names())
+@pytest.mark.parametrize("controller", sorted(CONTROLLER_CLASSES))
+def test_every_controller_steers_on_the_raw_kl_of_the_whole_step_whatever_the_shaping(controller, shaping):
+    """The controller is fed the step's token-weighted mean of the *raw* KL over all its micro-batches (the docs:
+    "the controller steers on the raw KL"), not the shaped KL that β multiplies, whatever shaping is joined with it."""
+    state = _adaptive(format_method(Method(controller, (shaping,))))
+    betas, expected, from_adapted = [], [BETA], [BETA]
+    window, seed = [], 0
+    for micro_batches, reward in zip(STEPS, REWARDS):
+        raw_sum = adapted_sum = tokens = completions = 0.0
+        for rows, length in micro_batches:
+            seed += 1
+            logp, ref, mask = _micro_batch(rows, length, seed)
+            state.record(*state.per_token(logp, ref, mask), mask, training=True, beta=state.beta)
+            raw, shaped = reference.raw_and_shaped_kl(
+                state.method_text, logp, ref, logp, mask, estimator="k3", clip_threshold=CLIP, kl_target=KL_TARGET,
+                bias_correction=False,
+            )  # fmt: skip
+            raw_sum, adapted_sum = raw_sum + raw.sum().item(), adapted_sum + shaped.sum().item()
+            tokens, completions = tokens + mask.sum().item(), completions + rows
+        state.observe_reward(reward)
+        window = (window + [reward])[-2:]
+        betas.append(state.end_step(len(betas) + 1))
+        cfg = state.controller.config
+        expected.append(reference.NEXT_BETA[controller](expected[-1], cfg, raw_sum / tokens, sum(window) / len(window), completions))
+        from_adapted.append(reference.NEXT_BETA[controller](from_adapted[-1], cfg, adapted_sum / tokens, sum(window) / len(window), completions))
+    assert betas == pytest.approx(expected[1:], rel=1e-6)  # the KL itself is float32
+    if controller == "target" and SHAPING[shaping].per_token:  # here the shaped KL would steer elsewhere: the case tells
+        assert expected[1:] != pytest.approx(from_adapted[1:], rel=1e-3)
