@@ -268,3 +268,22 @@ def test_bottom_q_keeps_a_deferred_count_whose_copy_has_not_finished_and_warns_f
         estimators.bottom_q_threshold(distinct, mask, q=0.2)
     warnings = [r.getMessage() for r in caplog.records if "bottom_q selected" in r.getMessage()]
     assert len(warnings) == 1 and "bottom_q selected 32 of 32 valid tokens (tied" in warnings[0]
+
+
+# -- k3's log-ratio bound (issue 38: caught here, not only by the adversarial tests) -------------------------------
+@pytest.mark.parametrize("name", ["k3", "k3+"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_k3_beyond_its_log_ratio_bound_takes_the_bounds_value_finite_with_no_gradient(name, dtype):
+    """r = log pi_ref - log pi is clamped to [-20, 20]: beyond it k3 is exp(c) - c - 1 at c = ±20 (float64, from the
+    definition), finite where exp(r) overflows float32 (r > 88.7), and gives logp no gradient; within it nothing changes."""
+    bound = estimators.K3_LOG_RATIO_BOUND
+    r = torch.tensor([-300.0, -25.0, -20.5, -19.5, 0.3, 19.5, 20.5, 25.0, 100.0], dtype=torch.float64)
+    logp = torch.full_like(r, -40.0).to(dtype).requires_grad_(True)
+    out = estimate_kl(name, logp, (logp.detach().double() + r).to(dtype))
+    c = r.clamp(-bound, bound)
+    torch.testing.assert_close(out.detach().double(), torch.exp(c) - c - 1, rtol=1e-6, atol=1e-6)
+    assert torch.isfinite(out).all()
+    if name == "k3":  # k3+ takes k2's gradient by design
+        out.sum().backward()
+        beyond = r.abs() > bound
+        assert (logp.grad[beyond] == 0).all() and (logp.grad[~beyond] != 0).all()
