@@ -67,3 +67,41 @@ def test_every_controller_steers_on_the_raw_kl_of_the_whole_step_whatever_the_sh
     assert betas == pytest.approx(expected[1:], rel=1e-6)  # the KL itself is float32
     if controller == "target" and SHAPING[shaping].per_token:  # here the shaped KL would steer elsewhere: the case tells
         assert expected[1:] != pytest.approx(from_adapted[1:], rel=1e-3)
+
+
+# -- found by mutation testing (docs/reliability.md, "Mutation testing") ---------------------------------------------
+def test_a_restarted_controller_says_what_it_did_not_restore_and_applies_the_resumed_steps_schedule(caplog):
+    saved = _adaptive("target")
+    saved.controller.beta = 0.05
+    fresh = _adaptive("dynamic")
+    fresh.controller.config = type(fresh.controller.config)(**{**fresh.controller.config.__dict__, "beta_schedule_steps": 3})
+    with caplog.at_level("WARNING", logger="unsloth_adaptive_kl"):
+        fresh.load_state_dict(saved.state_dict(), restart=True, global_step=2)
+    assert fresh.beta == BETA  # step 2 is before beta_schedule_steps=3: the configured β
+    (message,) = [r.getMessage() for r in caplog.records]
+    assert message == (
+        "unsloth_adaptive_kl: restart_beta_controller=True: the dynamic controller starts fresh from beta=0.2; the "
+        "checkpoint's controller state (kl_adaptation_method='target', beta=0.05) is not restored"
+    )
+    fresh.load_state_dict(saved.state_dict(), restart=True, global_step=3)
+    assert fresh.beta == BETA_MIN  # from beta_schedule_steps on: the floor, at once
+
+
+def test_a_checkpoint_without_its_method_text_is_named_as_a_method_in_the_resume_error():
+    state = _adaptive("none").state_dict()
+    del state["kl_adaptation_method"]  # written before the method was saved
+    with pytest.raises(ValueError, match=r"trained with a method \(no β controller\) and this run has kl_adaptation_method='target'"):
+        _adaptive("target").load_state_dict(state)
+
+
+def test_the_step_size_check_and_the_batch_statistic_reach_the_controller_and_the_estimator():
+    state = _adaptive("target")
+    with pytest.raises(ValueError, match=r"kl_horizon=40\.0 is not valid for 400 completions"):
+        state.check_step_size(400)
+    state.check_step_size(199)
+    assert state.batch_statistic(-torch.rand(2, 3), torch.ones(2, 3)) is None  # k3 has none
+    bottom = _adaptive("none")
+    bottom.term = type(bottom.term)(bottom.term.method, "bottom_q", 0.5, bottom.term.shaping_parameters)
+    ref = torch.tensor([[-1.0, -4.0, -2.0], [-3.0, -9.0, -5.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 1]])
+    assert bottom.batch_statistic(ref, mask).item() == -4.0  # the 2nd lowest of the 5 valid (-9 is masked): floor(0.5 * 5) = 2
