@@ -10,7 +10,7 @@
 #          into TRL's and Unsloth's loss (mutmut does not mutate code inside strings) and the Liger module's KL lines,
 #          each against its backend's tests.
 # The work happens in a copy ($MUTATION_DIR, default /tmp/unsloth-adaptive-kl-mutation): the checkout is not touched.
-# Prints the score and every surviving mutant's diff; writes them to $MUTATION_DIR/survivors.txt.
+# Prints the score (scripts/mutation_summary.py) and writes every survivor's diff to $MUTATION_DIR/core/survivors.txt.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PY=${PYTHON:-$ROOT/.venv/bin/python}
@@ -23,7 +23,8 @@ MODULES=("$@")
 # The fast tests of the core: seconds each. mutmut records which of them execute each function and runs only those
 # against that function's mutants; its timeout per mutant is 15x their measured time (SIGXCPU, then SIGKILL).
 CORE_TESTS=(
-  tests/test_estimators.py tests/test_shaping.py tests/test_controllers.py tests/test_adaptation.py tests/test_config.py
+  tests/test_estimators.py tests/test_shaping.py tests/test_controllers.py tests/test_adaptation.py tests/test_metrics.py
+  tests/test_config.py
   tests/backends/test_unsloth.py::test_the_fused_losss_sums_hold_the_raw_and_the_adapted_kl_each_in_its_slot
 )
 
@@ -51,27 +52,7 @@ run_core() {
     echo "process_isolation = forkserver"
   } >"$WORK/core/setup.cfg"
   (cd "$WORK/core" && "$PY" -m mutmut run --max-children "$JOBS")
-  (cd "$WORK/core" && "$PY" -m mutmut results --all true >"$WORK/core/results.txt" || true)
-  (cd "$WORK/core" && "$PY" - <<'EOF'
-import collections, re, subprocess, sys
-lines = open("results.txt").read().splitlines()
-status = collections.Counter()
-survivors = []
-for line in lines:
-    m = re.match(r"\s*(\S+): (\S.*)$", line)
-    if m:
-        status[m.group(2)] += 1
-        if m.group(2) == "survived":
-            survivors.append(m.group(1))
-killed = status["killed"] + status["timeout"]
-tested = killed + status["survived"]
-print("core:", dict(status), f"score {killed}/{tested} = {100 * killed / max(tested, 1):.1f} %")
-with open("survivors.txt", "w") as f:
-    for name in survivors:
-        f.write(subprocess.run([sys.executable, "-m", "mutmut", "show", name], capture_output=True, text=True).stdout + "\n")
-print(f"{len(survivors)} survivors: {sys.argv[0] and 'survivors.txt'}")
-EOF
-  )
+  (cd "$WORK/core" && "$PY" "$ROOT/scripts/mutation_summary.py")
 }
 
 run_backends() {

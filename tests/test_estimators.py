@@ -290,11 +290,13 @@ def test_k3_beyond_its_log_ratio_bound_takes_the_bounds_value_finite_with_no_gra
 
 
 # -- found by mutation testing (docs/reliability.md, "Mutation testing") ---------------------------------------------
-@pytest.mark.parametrize("bad", ["my+kl", "+kl", ""])
-def test_an_estimator_name_with_an_inner_plus_or_empty_is_refused(bad):
+@pytest.mark.parametrize("bad", ["my+kl", "+kl", "my+X", ""])
+def test_an_estimator_name_with_an_inner_plus_or_empty_is_refused_a_trailing_plus_is_not(bad):
     with pytest.raises(ValueError, match="is not allowed: use a non-empty name without inner '\\+'"):
         register_estimator(bad)(lambda logp, ref_logp: logp - ref_logp)
     assert bad not in estimators.ESTIMATORS
+    register_estimator("test_k1+")(lambda logp, ref_logp: logp - ref_logp)  # a trailing '+', as k1+ and k3+
+    unregister_estimator("test_k1+")
 
 
 def test_a_user_estimator_with_a_batch_statistic_gets_it_computed_on_the_valid_tokens():
