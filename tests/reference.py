@@ -3,7 +3,7 @@ definitions (Schulman's estimators, the shaping formulas, TRL 1.15's per-loss-ty
 
 import torch
 
-from unsloth_adaptive_kl.shaping import SHAPING, shaping_names
+from unsloth_adaptive_kl.shaping import CONTROLLERS, SHAPING, method_names, shaping_names
 
 MAX_COMPLETION = 6
 
@@ -17,6 +17,10 @@ SHAPING64 = {
 BUILTIN_SHAPING = [name for name in shaping_names() if SHAPING[name].builtin]
 #: The methods the backend tests train with: every built-in alone, each controller, one composition.
 METHODS = ["none", *BUILTIN_SHAPING, "dynamic", "target", "dynamic+length_normalized"]
+#: Every name ``kl_adaptation_method`` takes alone, and each β controller joined with ``length_normalized``
+#: (the one term a backend adds itself, so the one whose gradient-accumulation divisor is the backend's to apply):
+#: the methods the gradient-accumulation tests run on every backend.
+ACCUMULATION_METHODS = [*method_names(), *(f"{controller}+length_normalized" for controller in CONTROLLERS)]
 
 
 def shaped64(kl, method, clip_threshold, kl_target):
@@ -125,3 +129,26 @@ def expected_betas(method, logs, *, beta=0.04, decay=0.9, kl_target=0.02, kl_hor
         else:
             betas.append(betas[-1])
     return betas
+
+
+#: β after one optimizer step, per controller, written from each controller's definition (``c``: the
+#: ControllerConfig's fields; ``kl``: the step's token-weighted mean *raw* KL, None when nothing was observed;
+#: ``reward``: the trailing mean reward, None without one; ``n``: completions in the step). Step-indexed schedules
+#: (``dynamic``'s ``beta_schedule_steps``) are left to the callers. ``test_controllers`` checks every registered
+#: controller has one.
+def _dynamic_step(beta, c, kl, reward, n):
+    return max(c.beta_min, beta * c.dynamic_beta_decay) if reward is not None and reward > c.reward_threshold else beta
+
+
+def _target_step(beta, c, kl, reward, n):
+    if kl is None:
+        return beta
+    error = min(max(kl / c.kl_target - 1.0, -0.2), 0.2)
+    return max(c.beta_min, beta * (1.0 + error * n / c.kl_horizon))
+
+
+NEXT_BETA = {
+    "fixed": lambda beta, c, kl, reward, n: beta,
+    "dynamic": _dynamic_step,
+    "target": _target_step,
+}

@@ -515,3 +515,23 @@ def test_beta_set_through_each_public_way_is_the_beta_the_loss_uses(tiny_checkpo
     assert trainer.beta == 0.05 and loss() - policy_only == pytest.approx(0.05 * unit_kl, rel=1e-6)
     with pytest.raises(ValueError, match="beta=-1.0 is not valid"):
         trainer.beta = -1.0
+
+
+# -- gradient accumulation (issue 38) ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("method", reference.ACCUMULATION_METHODS)
+def test_kl_part_of_the_loss_under_gradient_accumulation_matches_float64_reference(trainer, monkeypatch, loss_type, method):
+    """With 3 accumulation steps (and 3 steps per generation) the KL part is divided as TRL divides its loss, for
+    every method: length_normalized's term, added after TRL's aggregation, divided by the accumulation steps too."""
+    beta, clip_threshold, kl_target, accumulation = 0.3, 0.4, 0.2, 3
+    set_method(trainer, method, loss_type, kl_estimator="k3", beta=beta, kl_clip_threshold=clip_threshold, kl_target=kl_target, use_bias_correction_kl=BIAS_CORRECTION)
+    monkeypatch.setattr(trainer, "current_gradient_accumulation_steps", accumulation)
+    monkeypatch.setattr(trainer.args, "steps_per_generation", accumulation)
+    inputs = loss_inputs(trainer, seed=4)
+    inputs["num_items_in_batch"] = inputs["num_items_in_batch"] * accumulation  # the generation batch's tokens
+    got, seen = kl_part_of_the_loss(trainer, monkeypatch, inputs)
+    expected, _, _ = reference.kl_part(
+        method, seen["logp"], inputs, loss_type, beta=beta, estimator="k3", clip_threshold=clip_threshold, kl_target=kl_target,
+        bias_correction=BIAS_CORRECTION, ga=accumulation, spg=accumulation,
+    )
+    assert got == pytest.approx(expected.item(), rel=2e-4, abs=1e-7)

@@ -197,3 +197,58 @@ def test_a_micro_batch_with_no_valid_token_logs_stock_unsloths_kl_and_no_adaptiv
         assert logged["kl"] == [0.0] and run["loss"] == 0.0 and run["grads_finite"], (method, run)
         assert "adaptive_kl/raw_kl" not in logged and "adaptive_kl/adapted_kl" not in logged, (method, logged)
         assert logged["adaptive_kl/current_beta"] == [0.04], (method, logged)
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_kl_part_of_the_fused_loss_under_gradient_accumulation_matches_float64_for_every_method(loss_type, tmp_path_factory):
+    """3 accumulation steps: the fused loss divides every method's KL part as Unsloth divides its loss (issue 38);
+    length_normalized's term, added by this package in the fused loss, by the accumulation steps too."""
+    cases = [c for c in run_worker("unsloth-first", "kl_part", tmp_path_factory)["kl_part_accumulation"] if c["loss_type"] == loss_type]
+    assert [c["method"] for c in cases] == reference.ACCUMULATION_METHODS
+    for c in cases:
+        assert c["accumulation"] == 3, c  # the divisor reached the fused loss
+        assert c["got"] == pytest.approx(c["expected"], rel=2e-4, abs=1e-7), c
+
+
+# -- fast: the fused loss's statistics, without the generated trainer (issue 38) -----------------------------------------
+@pytest.mark.parametrize("rejection", [False, True])
+@pytest.mark.parametrize("method", reference.ACCUMULATION_METHODS)
+def test_the_fused_losss_sums_hold_the_raw_and_the_adapted_kl_each_in_its_slot(method, rejection):
+    """``FusedKLInputs.finish`` (the fused loss's last line): ``[unsloth_kl, raw sum, adapted sum, tokens, sum of
+    per-completion adapted means, completions]`` against float64, and length_normalized's term divided by the
+    accumulation steps. Rollout rejection (``rs_keep``) removes tokens from the adapted KL. Milliseconds: no worker."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from unsloth_adaptive_kl import FIELDS, AdaptiveKL, metrics
+    from unsloth_adaptive_kl.backends.unsloth import STATS_SIZE, FusedKLInputs
+    from unsloth_adaptive_kl.shaping import SHAPING
+
+    beta, clip_threshold, kl_target, accumulation = 0.3, 0.4, 0.2, 3
+    config = SimpleNamespace(**{f.name: f.default for f in FIELDS})
+    config.__dict__.update(beta=beta, kl_adaptation_method=method, kl_clip_threshold=clip_threshold, kl_target=kl_target)
+    term = AdaptiveKL(config).term
+    inputs = reference.loss_inputs(64, seed=5)
+    mask = inputs["completion_mask"]
+    logp = inputs["old_per_token_logps"] + 0.5 * torch.randn(mask.shape, generator=torch.Generator().manual_seed(6))
+    raw64, _ = reference.raw_and_shaped_kl("none", logp, inputs["ref_per_token_logps"], logp, mask, estimator="k3", clip_threshold=clip_threshold, kl_target=kl_target, bias_correction=False)
+    raw = raw64.float()
+    rs_keep = (torch.arange(mask.shape[1]) % 3 != 1).expand_as(mask) if rejection else None
+    fused = FusedKLInputs(term, torch.tensor(beta), torch.tensor(float(mask.shape[0])), None)
+    loss, stats = fused.finish(torch.tensor(0.0), torch.tensor(0.125), raw, term.shape(raw), mask, rs_keep, accumulation)
+
+    kept = mask.bool() if rs_keep is None else mask.bool() & rs_keep
+    adapted64 = torch.where(kept, reference.shaped64(raw.double(), method, clip_threshold, kl_target), 0.0)
+    sequence_means = adapted64.sum(-1) / mask.sum(-1).clamp(min=1)
+    assert stats.shape == (STATS_SIZE,) and stats[0].item() == 0.125  # Unsloth's own kl, passed through
+    sums = stats[1:]
+    assert sums[metrics.RAW_SUM].item() == pytest.approx(raw64.sum().item(), rel=1e-6)
+    assert sums[metrics.ADAPTED_SUM].item() == pytest.approx(adapted64.sum().item(), rel=1e-6)
+    assert sums[metrics.TOKENS].item() == mask.sum().item() and sums[metrics.COMPLETIONS].item() == mask.shape[0]
+    assert sums[metrics.ADAPTED_SEQ_MEAN_SUM].item() == pytest.approx(sequence_means.sum().item(), rel=1e-6)
+    expected_loss = beta * sequence_means.mean().item() / accumulation if "length_normalized" in method.split("+") else 0.0
+    assert loss.item() == pytest.approx(expected_loss, rel=1e-6)
+    shaped_per_token = any(SHAPING[part].per_token for part in method.split("+") if part in SHAPING)
+    if shaped_per_token or rejection:  # the case can tell the adapted KL from the raw one
+        assert abs(adapted64.sum().item() - raw64.sum().item()) > 1e-3

@@ -309,6 +309,37 @@ def scenario_kl_part():
                 )
             )
     results["kl_part"] = out
+    results["kl_part_accumulation"] = kl_part_under_accumulation(t, seen, beta, clip_threshold, kl_target)
+
+
+def kl_part_under_accumulation(t, seen, beta, clip_threshold, kl_target, accumulation=3):
+    """Every method's KL part with 3 gradient-accumulation steps (and 3 steps per generation), against float64
+    with the divisor the fused loss was given (the scenario's last use of the trainer)."""
+    t.current_gradient_accumulation_steps, t.args.steps_per_generation = accumulation, accumulation
+    out = []
+    for loss_type in LOSS_TYPES:
+        for method in reference.ACCUMULATION_METHODS:
+            set_method(t, method, loss_type, kl_estimator="k3", beta=beta, kl_clip_threshold=clip_threshold, kl_target=kl_target)
+            inputs = hand_made_inputs(t, seed=4)
+            inputs["num_items_in_batch"] = inputs["num_items_in_batch"] * accumulation  # the generation batch's tokens
+            with torch.no_grad():
+                with_kl = t.compute_loss(t.model, inputs).double().item()
+                t.beta = 0.0
+                without_kl = t.compute_loss(t.model, inputs).double().item()
+            seen_inputs = {
+                "ref_per_token_logps": seen["ref"], "old_per_token_logps": seen["old"], "completion_mask": seen["mask"],
+                "num_items_in_batch": seen["num_items_in_batch"],
+            }
+            expected, _, _ = reference.kl_part(
+                method, seen["new"], seen_inputs, loss_type, beta=beta, estimator="k3", clip_threshold=clip_threshold,
+                kl_target=kl_target, unsloth_clamps=True, max_completion=seen["max_completion_length"],
+                ga=seen["current_gradient_accumulation_steps"], spg=seen["steps_per_generation"] or 1, nproc=seen["num_processes"],
+            )
+            out.append(dict(
+                loss_type=loss_type, method=method, got=with_kl - without_kl, expected=expected.item(),
+                accumulation=seen["current_gradient_accumulation_steps"],
+            ))  # fmt: skip
+    return out
 
 
 METHODS = reference.METHODS
