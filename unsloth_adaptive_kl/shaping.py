@@ -105,9 +105,10 @@ def register_shaping(
     """Decorator: register the per-token shaping ``fn(kl, **parameters) -> shaped kl`` under ``name``.
 
     ``order``: where it applies among the methods joined with ``+`` (lower first; built-ins: clip 10,
-    soft_clip 20, sigmoid 30), a finite number; methods of equal ``order`` apply in the alphabetical order of
-    their names, so the order never depends on which process registered what first. ``parameters``: its :class:`Parameter` s (a parameter already
-    registered, e.g. ``kl_clip_threshold``, may be reused by naming it with the same declaration).
+    soft_clip 20, sigmoid 30), a finite number; methods of equal ``order`` apply in the alphabetical order
+    of their names, so the order never depends on which process registered what first. ``parameters``:
+    its :class:`Parameter` s (a parameter already registered, e.g. ``kl_clip_threshold``, may be reused
+    by naming it with the same declaration).
     ``summary``: one line for the method table (the docstring's first line when empty).
 
     ``fn`` is checked as user estimators are (:func:`check_user_step`): it must return a new tensor of its
