@@ -35,8 +35,9 @@ def test_metric_values_are_nan_without_tokens_and_means_otherwise():
     adapted = raw.clamp(max=1.0)
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
     sums = metrics.local_kl_sums(raw, adapted, mask)
-    assert sums.tolist() == [4.0, 2.5, 3.0, (0.5 + 1.0) / 2 + 1.0, 2.0]
-    assert metrics.metric_values(sums, length_normalized=False) == {metrics.RAW_KL: 4.0 / 3, metrics.ADAPTED_KL: 2.5 / 3}
-    assert metrics.metric_values(sums, length_normalized=True) == {metrics.RAW_KL: 4.0 / 3, metrics.ADAPTED_KL: 1.75 / 2}
+    assert sums.tolist() == [4.0, 2.5, 3.0, (0.5 + 1.0) / 2 + 1.0, 2.0, 0.0]  # last: valid tokens a user function made non-finite
+    finite = {metrics.NONFINITE_KL_BATCHES: 0.0}
+    assert metrics.metric_values(sums, length_normalized=False) == {metrics.RAW_KL: 4.0 / 3, metrics.ADAPTED_KL: 2.5 / 3, **finite}
+    assert metrics.metric_values(sums, length_normalized=True) == {metrics.RAW_KL: 4.0 / 3, metrics.ADAPTED_KL: 1.75 / 2, **finite}
     empty = metrics.local_kl_sums(raw, adapted, torch.zeros_like(mask))
     assert all(math.isnan(v) for v in metrics.metric_values(empty, length_normalized=True).values())

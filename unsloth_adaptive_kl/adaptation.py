@@ -34,9 +34,11 @@ class AdaptiveKL:
 
     def __init__(self, config, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None):
         self.term = KLTerm.from_config(config)
+        self.term.check_user_functions()
         self.controller: BetaController = make_controller(self.term.method.controller, ControllerConfig.from_config(config))
         self.reduce = reduce or _no_reduce
         self._step_sums: torch.Tensor | None = None
+        self._warned_nonfinite = False
 
     # -- the per-token math: the term's ---------------------------------------------------------
     @property
@@ -82,15 +84,42 @@ class AdaptiveKL:
         With ``raw is None`` (β is 0, no KL computed) only ``current_beta`` is reported and the
         KL metrics are NaN, which the trainer's logger shows as missing.
         """
-        sums = None if raw is None else metrics.local_kl_sums(raw, adapted, mask)
+        sums = None if raw is None else metrics.local_kl_sums(raw, adapted, mask, count_shaping_faults=bool(self.term.user_shaping_steps))
         return self.record_sums(sums, training=training, beta=beta)
 
     def record_sums(self, local_sums: torch.Tensor | None, *, training: bool, beta: float) -> dict[str, float]:
-        """As :meth:`record`, from :func:`metrics.local_kl_sums` computed elsewhere (e.g. in a fused loss)."""
+        """As :meth:`record`, from :func:`metrics.local_kl_sums` computed elsewhere (e.g. in a fused loss).
+
+        The totals are read to the host once (the one host sync of the metrics, per micro-batch); the check of
+        the user shaping steps reads the same copy. A user step that made a finite KL NaN or inf is refused here,
+        on every process alike (the totals are global), before the step's optimizer update."""
         totals = None if local_sums is None else self.reduce(local_sums)
+        read = None if totals is None else totals.tolist()
+        if read is not None and read[metrics.SHAPING_FAULTS] > 0:
+            raise self._shaping_fault(int(read[metrics.SHAPING_FAULTS]))
         if training and totals is not None:
             self._step_sums = totals if self._step_sums is None else self._step_sums + totals
-        return {metrics.CURRENT_BETA: float(beta), **metrics.metric_values(totals, length_normalized=self.length_normalized)}
+        values = metrics.metric_values(read, length_normalized=self.length_normalized)
+        if values.get(metrics.NONFINITE_KL_BATCHES) and not self._warned_nonfinite:
+            self._warned_nonfinite = True
+            logger.warning(
+                "unsloth_adaptive_kl: a micro-batch's KL was NaN or inf on a valid token (raw_kl=%s, adapted_kl=%s; e.g. a NaN "
+                "or inf log-prob from the model): it is left out of adaptive_kl/raw_kl and adaptive_kl/adapted_kl, and each "
+                "logging window counts such micro-batches in %s (this warning is shown once)",
+                values[metrics.RAW_KL], values[metrics.ADAPTED_KL], metrics.NONFINITE_KL_BATCHES,
+            )
+        return {metrics.CURRENT_BETA: float(beta), **values}
+
+    def _shaping_fault(self, tokens: int) -> ValueError:
+        names = self.term.user_shaping_steps
+        who = f"shaping method {names[0]!r}" if len(names) == 1 else (
+            f"one of the shaping methods {', '.join(map(repr, names))} (applied in this order)"
+        )
+        return ValueError(
+            f"{who} returned NaN or inf on valid tokens whose KL was finite ({tokens} of them) in "
+            f"kl_adaptation_method={self.method_text!r}: the bug is in that function; allowed: a finite value for every "
+            "finite KL"
+        )
 
     def observe_reward(self, reward: float) -> None:
         self.controller.observe_reward(reward)

@@ -17,8 +17,8 @@ from typing import Callable
 import torch
 
 from .config import shaping_values, validate
-from .estimators import estimate_kl, get_estimator
-from .shaping import Method, length_normalized_term, shape_per_token
+from .estimators import check_user_estimator, estimate_kl, get_estimator
+from .shaping import Method, check_user_steps, length_normalized_term, shape_per_token, user_steps
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,19 @@ class KLTerm:
             bottom_q=float(config.kl_bottom_q),
             shaping_parameters=tuple(shaping_values(config, method).items()),
         )
+
+    def check_user_functions(self) -> None:
+        """Run the registered (user) estimator and shaping steps of this term once, eagerly, on a small batch, and
+        refuse by name one that breaks a rule (:func:`~unsloth_adaptive_kl.estimators.check_user_estimator`,
+        :func:`~unsloth_adaptive_kl.shaping.check_user_steps`). Built-ins are not run."""
+        check_user_estimator(self.estimator, self.bottom_q)
+        check_user_steps(self.method, dict(self.shaping_parameters))
+
+    @property
+    def user_shaping_steps(self) -> tuple[str, ...]:
+        """The registered (user) per-token shaping steps, in applied order: the metric sums count the tokens they
+        made non-finite (:func:`~unsloth_adaptive_kl.metrics.local_kl_sums`)."""
+        return user_steps(self.method)
 
     @property
     def length_normalized(self) -> bool:

@@ -252,3 +252,33 @@ def test_the_fused_losss_sums_hold_the_raw_and_the_adapted_kl_each_in_its_slot(m
     shaped_per_token = any(SHAPING[part].per_token for part in method.split("+") if part in SHAPING)
     if shaped_per_token or rejection:  # the case can tell the adapted KL from the raw one
         assert abs(adapted64.sum().item() - raw64.sum().item()) > 1e-3
+
+
+# -- issue 39: user code on the fused loss (tests/test_user_code.py has the core, test_user_code_in_trainers.py TRL's)
+def test_user_shaping_methods_are_refused_by_name_on_the_fused_loss(tmp_path_factory):
+    """The probe's methods, registered as a user would: refused when the trainer is created (the fused loss is
+    compiled, so the term is checked once eagerly then); the faults only real batches show are refused during
+    training, before their optimizer step, with the weights still finite."""
+    r = run_worker("unsloth-first", "user_code", tmp_path_factory)["user_code"]
+    assert "shaping method 'cap_in_place' changed its input in place" in r["created_cap_in_place"]
+    assert "shaping method 'detached' returned a tensor with no gradient" in r["created_detached"]
+    assert "shaping method 'float64' returned dtype torch.float64" in r["created_float64"]
+    assert "shaping method 'nan' returned NaN or inf for a finite KL" in r["created_nan"]
+    in_place = r["trained_cap_in_place_on_real_batches"]
+    assert "shaping method 'cap_in_place_on_real_batches' changed its input in place" in in_place["error"], in_place
+    assert in_place["global_step"] == 0 and in_place["weights_finite"]
+    power = r["trained_power"]
+    assert "shaping method 'power' returned NaN or inf on valid tokens whose KL was finite" in power["error"], power
+    assert power["global_step"] < 4 and power["weights_finite"]
+
+
+@pytest.mark.parametrize("method", ["sigmoid", "halve"])
+def test_a_nan_reference_on_the_fused_loss_is_counted_not_blamed_and_both_kl_means_leave_it_out(method, tmp_path_factory):
+    """Two micro-batches of one logging window, the first with a NaN reference log-prob (the model's, not the
+    user method's): not refused; counted in nonfinite_kl_batches; raw_kl and adapted_kl both hold only the second."""
+    run = run_worker("unsloth-first", "user_code", tmp_path_factory)["user_code"][f"nan_reference_{method}"]
+    logged = run["logged"]
+    assert run["errors"] == [None, None], run
+    assert logged["adaptive_kl/nonfinite_kl_batches"] == [1.0], logged
+    assert len(logged["adaptive_kl/raw_kl"]) == len(logged["adaptive_kl/adapted_kl"]) == 1, logged
+    assert 0 < logged["adaptive_kl/adapted_kl"][0] < logged["adaptive_kl/raw_kl"][0], logged

@@ -499,6 +499,52 @@ def scenario_compiled_loop():
     results["compiled_loop"] = runs
 
 
+def scenario_user_code():
+    """Issue 39's probes on Unsloth's fused loss: shaping methods registered here as a user would (the in-place
+    cap, a detached, a float64 and a NaN result, a NaN only on real KLs) and a NaN reference log-prob (the model's)."""
+
+    def error_of(build):
+        try:
+            build()
+        except Exception as e:  # noqa: BLE001 (the message is the measurement)
+            return f"{type(e).__name__}: {e}"
+        return None
+
+    out = {}
+    user = {
+        "cap_in_place": lambda kl: kl.clamp_(max=1e-3),
+        "detached": lambda kl: kl.detach(),
+        "float64": lambda kl: kl.double(),
+        "nan": lambda kl: kl * torch.nan,
+        "cap_in_place_on_real_batches": lambda kl: kl.clamp_(max=1e-3) if kl.shape[0] != 2 else kl.clamp(max=1e-3),
+        "power": lambda kl: kl**1.5,
+        "halve": lambda kl: kl * 0.5,
+    }
+    for name, fn in user.items():
+        unsloth_adaptive_kl.register_shaping(name)(fn)
+    for name in ("cap_in_place", "detached", "float64", "nan"):
+        out[f"created_{name}"] = error_of(lambda: trainer(kl_adaptation_method=f"target+{name}", kl_target=0.02, kl_horizon=40.0))
+    # Faults the check at creation cannot see, refused during training: before their optimizer step.
+    for name, estimator in (("cap_in_place_on_real_batches", "k3"), ("power", "k1")):
+        t = trainer(kl_adaptation_method=name, kl_estimator=estimator, max_steps=4)
+        out[f"trained_{name}"] = {
+            "error": error_of(t.train), "global_step": t.state.global_step,
+            "weights_finite": all(bool(p.isfinite().all()) for p in t.model.parameters()),
+        }  # fmt: skip
+    # A NaN reference log-prob on one completion of the first of two micro-batches of one logging window.
+    t = trainer()
+    t.model.train()
+    for method in ("sigmoid", "halve"):
+        set_method(t, method, "dapo", kl_estimator="k3", kl_target=0.02)
+        t._metrics["train"].clear()
+        nan_inputs = hand_made_inputs(t, seed=4)
+        nan_inputs["ref_per_token_logps"][0] = float("nan")
+        with torch.no_grad():
+            errors = [error_of(lambda: t.compute_loss(t.model, nan_inputs)), error_of(lambda: t.compute_loss(t.model, hand_made_inputs(t, seed=5)))]
+        out[f"nan_reference_{method}"] = {"errors": errors, "logged": {k: list(v) for k, v in t._metrics["train"].items()}}
+    results["user_code"] = out
+
+
 def scenario_unpatch():
     """Configs built by stock Unsloth, then after each of import, unpatch(), patch(), unpatch()."""
     results["never_patched"] = never_patched
@@ -508,6 +554,6 @@ def scenario_unpatch():
         results["sequence"][step] = probe_config()
 
 
-{"early_config": scenario_early_config, "config": scenario_config, "unpatch": scenario_unpatch, "identity": scenario_identity, "all_masked": scenario_all_masked, "resume": scenario_resume, "kl_part": scenario_kl_part, "train": scenario_train, "compiled": scenario_compiled, "compiled_loop": scenario_compiled_loop}[SCENARIO]()
+{"early_config": scenario_early_config, "config": scenario_config, "unpatch": scenario_unpatch, "identity": scenario_identity, "all_masked": scenario_all_masked, "resume": scenario_resume, "kl_part": scenario_kl_part, "train": scenario_train, "compiled": scenario_compiled, "compiled_loop": scenario_compiled_loop, "user_code": scenario_user_code}[SCENARIO]()
 with open(OUT, "w") as f:
     json.dump(results, f, default=lambda o: None if isinstance(o, float) and math.isnan(o) else str(o))

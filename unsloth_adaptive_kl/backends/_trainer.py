@@ -79,16 +79,20 @@ class TrainerAdaptiveKL(AdaptiveKL):
         """Hand the adaptive_kl/* values to the trainer's metrics, which its ``log()`` averages over the
         logging window: the KL values are appended (one per micro-batch); ``current_beta`` and
         ``skipped_updates`` keep only their latest value, so the log shows the β of the window's last
-        step and the running count, never an average of them. A KL value that was not observed (NaN:
-        β is 0, or no valid token) is not appended: TRL's ``log()`` would turn a window of only NaN into
-        ``None``, which TensorBoard and other loggers refuse with a warning at every logged step."""
+        step and the running count, never an average of them; ``nonfinite_kl_batches`` is summed over the
+        window. A KL value that was not observed (NaN: β is 0, or no valid token) is not appended: TRL's
+        ``log()`` would turn a window of only NaN into ``None``, which TensorBoard and other loggers refuse
+        with a warning at every logged step. A micro-batch whose raw or adapted KL is NaN or inf appends
+        neither (both means stay over the same micro-batches) and is counted in ``nonfinite_kl_batches``."""
+        window = self.trainer._metrics[mode]
+        left_out = values.get(metrics.NONFINITE_KL_BATCHES, 0.0) > 0
         for name, value in values.items():
-            if name not in metrics.LATEST_VALUE_METRICS and value != value:
-                continue
             if name in metrics.LATEST_VALUE_METRICS:
-                self.trainer._metrics[mode][name][:] = [value]
-            else:
-                self.trainer._metrics[mode][name].append(value)
+                window[name][:] = [value]
+            elif name in metrics.WINDOW_SUM_METRICS:
+                window[name][:] = [sum(window[name]) + value]
+            elif not (value != value or left_out):
+                window[name].append(value)
         return values
 
 

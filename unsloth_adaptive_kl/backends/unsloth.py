@@ -42,7 +42,6 @@ import torch
 from .. import metrics
 from .._source_patch import AnchorSet, PatchError, Plan, Rewrite, check_version, set_attribute, split_target, version_of
 from ..config import FIELD_NAMES
-from ..estimators import estimate_kl, get_estimator
 from ..kl_term import KLTerm
 from ..versions import SUPPORTED
 from . import _trainer
@@ -205,7 +204,7 @@ class FusedKLInputs(NamedTuple):
                 loss = loss + self.term.length_normalized_loss(
                     adapted, mask, beta=self.beta, num_completions=self.num_completions, accumulation=accumulation
                 )
-            sums = metrics.local_kl_sums(raw, adapted, mask)
+            sums = metrics.local_kl_sums(raw, adapted, mask, count_shaping_faults=bool(self.term.user_shaping_steps))
         return loss, torch.cat([unsloth_mean_kl.reshape(1).to(torch.float64), sums])
 
 
@@ -213,16 +212,6 @@ class UnslothAdaptiveKL(_trainer.TrainerAdaptiveKL):
     """The trainer-side state for Unsloth's generated trainer."""
 
     stock_when_unattached = False  # its loss is rewritten in place: method none is stock Unsloth
-
-    def __init__(self, trainer):
-        super().__init__(trainer)
-        if not get_estimator(self.estimator).builtin:
-            self._check_user_estimator_once()
-
-    def _check_user_estimator_once(self) -> None:
-        # Inside the compiled loss the checks cannot run (they synchronise), so probe once here.
-        logp = (-torch.rand(2, 5) * 3).requires_grad_(True)
-        estimate_kl(self.estimator, logp, logp.detach() + torch.randn(2, 5), mask=torch.ones(2, 5, dtype=torch.bool))
 
     def describe(self) -> str:
         cls = type(self.trainer)
