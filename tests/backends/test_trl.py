@@ -309,24 +309,6 @@ def test_untested_trl_version_is_refused_unless_overridden(monkeypatch):
         unsloth_adaptive_kl.patch()
 
 
-def test_a_subclass_overriding_the_loss_is_refused_when_an_adaptation_is_on(tiny_checkpoint, tmp_path, caplog):
-    class OwnLoss(GRPOTrainer):
-        def _compute_loss(self, model, inputs):  # a user's own loss: ours would never run
-            return super()._compute_loss(model, inputs)
-
-    def build(method):
-        return OwnLoss(
-            model=tiny_checkpoint, reward_funcs=[toy.format_reward], args=grpo_config(tmp_path, kl_adaptation_method=method),
-            train_dataset=toy.prompt_dataset(8),
-        )
-
-    with pytest.raises(unsloth_adaptive_kl.PatchError, match="OwnLoss overrides _compute_loss.*'clip' cannot be applied"):
-        build("clip")
-    with caplog.at_level("WARNING", logger="unsloth_adaptive_kl"):
-        assert build("none")._adaptive_kl.method.is_none  # nothing to apply: a warning, not an error
-    assert "OwnLoss overrides _compute_loss" in caplog.text
-
-
 # -- reliability, second round (issue 15) -------------------------------------------------------------
 def _betas(trainer):
     return [h["adaptive_kl/current_beta"] for h in trainer.state.log_history if "adaptive_kl/current_beta" in h]

@@ -197,3 +197,16 @@ def test_a_micro_batch_with_no_valid_token_logs_stock_unsloths_kl_and_no_adaptiv
         assert logged["kl"] == [0.0] and run["loss"] == 0.0 and run["grads_finite"], (method, run)
         assert "adaptive_kl/raw_kl" not in logged and "adaptive_kl/adapted_kl" not in logged, (method, logged)
         assert logged["adaptive_kl/current_beta"] == [0.04], (method, logged)
+
+
+def test_a_subclass_overriding_compute_loss_trains_with_the_adaptation_when_it_calls_super_and_is_refused_when_not(tmp_path_factory):
+    # issue 39, item 4. Before the fix both were refused when the trainer was created ("would not reach its loss").
+    r = run_worker("unsloth-first", "subclass", tmp_path_factory)["subclass"]
+    plain, inherited, own = r["plain"], r["super"], r["own"]
+    assert plain["error"] is None and inherited["error"] is None
+    assert inherited["logs"] == plain["logs"] and len(plain["logs"]) == 3  # the same losses, β and KL metrics
+    assert len({h["adaptive_kl/current_beta"] for h in plain["logs"]}) == 3  # target moved β
+    assert inherited["calls"] == 3
+    assert "OwnLoss overrides compute_loss of UnslothGRPOTrainer" in own["error"], own["error"]
+    assert "did not go through UnslothGRPOTrainer.compute_loss" in own["error"] and "super().compute_loss(model, inputs" in own["error"]
+    assert own["global_step"] == 0 and own["weights_unchanged"]

@@ -339,6 +339,45 @@ def scenario_train():
     results["train"] = runs
 
 
+def scenario_subclass():
+    """Subclasses of the generated trainer that override compute_loss (issue 39, item 4): one that calls
+    super().compute_loss, against the plain trainer; one that returns its own loss, which must be refused
+    before any optimizer step."""
+    import torch
+
+    class SuperLoss(trl.GRPOTrainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            self.calls = getattr(self, "calls", 0) + 1
+            return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+
+    class OwnLoss(trl.GRPOTrainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            return model(input_ids=inputs["completion_ids"]).logits.float().pow(2).mean()
+
+    fields = dict(kl_adaptation_method="target+clip", kl_clip_threshold=0.05, kl_target=0.02, kl_horizon=40.0)
+    logged = ("loss", "kl", "adaptive_kl/raw_kl", "adaptive_kl/adapted_kl", "adaptive_kl/current_beta")
+
+    def run(cls):
+        t = cls(
+            model=model(), reward_funcs=[toy.format_reward, toy.correctness_reward], args=config(**fields),
+            train_dataset=toy.prompt_dataset(64), processing_class=TOKENIZER,
+        )  # fmt: skip
+        before = [p.detach().clone() for p in t.model.parameters()]
+        error = None
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):
+                t.train()
+        except unsloth_adaptive_kl.PatchError as e:
+            error = str(e)
+        return {
+            "logs": [{k: h[k] for k in logged if k in h} for h in t.state.log_history if "loss" in h],
+            "error": error, "global_step": t.state.global_step, "calls": getattr(t, "calls", None),
+            "weights_unchanged": all(torch.equal(a, b) for a, b in zip(before, t.model.parameters())),
+        }  # fmt: skip
+
+    results["subclass"] = {"plain": run(trl.GRPOTrainer), "super": run(SuperLoss), "own": run(OwnLoss)}
+
+
 def scenario_early_config():
     """The trainer created from a config made before Unsloth generated its trainer (ORDER config-before-unsloth)."""
     import logging
@@ -477,6 +516,6 @@ def scenario_unpatch():
         results["sequence"][step] = probe_config()
 
 
-{"early_config": scenario_early_config, "config": scenario_config, "unpatch": scenario_unpatch, "identity": scenario_identity, "all_masked": scenario_all_masked, "resume": scenario_resume, "kl_part": scenario_kl_part, "train": scenario_train, "compiled": scenario_compiled, "compiled_loop": scenario_compiled_loop}[SCENARIO]()
+{"early_config": scenario_early_config, "config": scenario_config, "unpatch": scenario_unpatch, "identity": scenario_identity, "all_masked": scenario_all_masked, "resume": scenario_resume, "kl_part": scenario_kl_part, "train": scenario_train, "subclass": scenario_subclass, "compiled": scenario_compiled, "compiled_loop": scenario_compiled_loop}[SCENARIO]()
 with open(OUT, "w") as f:
     json.dump(results, f, default=lambda o: None if isinstance(o, float) and math.isnan(o) else str(o))
