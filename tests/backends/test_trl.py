@@ -421,6 +421,17 @@ def test_a_loss_type_not_offered_with_the_installed_trl_is_refused_when_the_trai
         make_trainer(tiny_checkpoint, tmp_path, loss_type=loss_type, **overrides)
 
 
+def test_a_misspelt_loss_type_set_after_the_config_was_checked_is_refused_as_a_typo_not_as_a_trl_version(tiny_checkpoint, tmp_path):
+    # issue 39, item 5: before, "loss_type='dapoo' is not offered with the installed trl ... (a newer TRL has it)".
+    args = grpo_config(tmp_path)
+    args.loss_type = "dapoo"
+    with pytest.raises(ValueError) as info:
+        GRPOTrainer(model=tiny_checkpoint, reward_funcs=[toy.format_reward], args=args, train_dataset=toy.prompt_dataset(8))
+    message = str(info.value)
+    assert "loss_type='dapoo' is not valid: no TRL release has this loss type (did you mean 'dapo'?)" in message
+    assert "newer TRL" not in message and "allowed with the installed trl" in message
+
+
 @pytest.mark.parametrize("method", ["clip", "none"])
 def test_unpatch_with_a_live_trainer_raises_or_warns_before_training(tiny_checkpoint, tmp_path, caplog, method):
     trainer = make_trainer(tiny_checkpoint, tmp_path, kl_adaptation_method=method, max_steps=1)

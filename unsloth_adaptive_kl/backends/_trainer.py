@@ -11,6 +11,7 @@ goes through the ledger of :mod:`unsloth_adaptive_kl._source_patch`.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import inspect
 import logging
@@ -20,6 +21,7 @@ from .. import metrics
 from .._source_patch import PatchError, set_attribute, version_of
 from ..adaptation import AdaptiveKL
 from ..config import FIELDS, validate
+from ..versions import ALL_LOSS_TYPES, offered_loss_types
 from . import _callback
 from ._resume import observe_generated_reward, resume_generation_schedule
 
@@ -129,6 +131,8 @@ def patch_config_class(config_cls, after_post_init=None) -> None:
     def __post_init__(self):
         original_post_init(self)
         validate(self)
+        if hasattr(self, "loss_type"):
+            check_loss_type(self.loss_type)
         if after_post_init is not None:
             after_post_init()
 
@@ -136,6 +140,26 @@ def patch_config_class(config_cls, after_post_init=None) -> None:
     set_attribute(config_cls, "__dataclass_fields__", extended.__dataclass_fields__)
     set_attribute(config_cls, "__annotations__", annotations)
     set_attribute(config_cls, "__post_init__", __post_init__)
+
+
+def check_loss_type(value) -> None:
+    """Refuse a ``loss_type`` that no TRL release has (a typo: ``'dapoo'``, ``'DAPO'``, ``'grpo '``; TRL itself
+    checks it only at the first loss), naming the field, the value, the values the installed TRL offers and
+    the closest one. One that some TRL has but the installed one lacks is the backend's to refuse, saying so."""
+    if isinstance(value, str) and value in ALL_LOSS_TYPES:
+        return
+    version = version_of("trl")
+    offered = ALL_LOSS_TYPES if version == "not installed" else [name for name, why in offered_loss_types(version).items() if why is None]
+    hint = ""
+    if isinstance(value, str):
+        close = difflib.get_close_matches(value.strip().lower(), ALL_LOSS_TYPES, n=1, cutoff=0.75)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+    others = [name for name in ALL_LOSS_TYPES if name not in offered]
+    elsewhere = f"; other TRL releases also have {', '.join(others)}" if others else ""
+    raise ValueError(
+        f"loss_type={value!r} is not valid: no TRL release has this loss type{hint}; allowed with the installed trl "
+        f"{version}: {', '.join(offered)}{elsewhere}"
+    )
 
 
 # Every wrapper keeps the original's signature and source (functools.wraps sets __wrapped__):
@@ -348,6 +372,7 @@ def attach(trainer, runtime_cls, loss_class=None) -> TrainerAdaptiveKL:
     existing = getattr(trainer, "_adaptive_kl", None)
     if existing is not None:
         return existing
+    check_loss_type(getattr(trainer, "loss_type", trainer.args.loss_type))  # the config's may have changed since it was checked
     runtime = runtime_cls(trainer)
     args = trainer.args
     runtime.check_step_size(args.per_device_train_batch_size * args.gradient_accumulation_steps * trainer.accelerator.num_processes)
