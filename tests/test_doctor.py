@@ -246,3 +246,18 @@ def test_trl_fails_without_a_triton_driver_or_the_interpreter_and_names_the_fix(
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     status, text = report("trl")
     assert status == 0 and "[  ok] trl Triton kernel on this machine: TRITON_INTERPRET=1" in text, text
+
+
+@pytest.mark.skipif(importlib.util.find_spec("unsloth") is None, reason="unsloth is not installed")
+def test_plain_doctor_imports_unsloth_before_trl_so_unsloth_does_not_warn_about_import_order(tmp_path):
+    # issue 39, item 8: before, the package's own patch imported trl and transformers, then the doctor imported
+    # unsloth, which warned "Unsloth should be imported before [trl, transformers, peft]".
+    env = {**os.environ, "TRITON_INTERPRET": "1", "UNSLOTH_COMPILE_DISABLE": "1", "UNSLOTH_COMPILE_LOCATION": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, "-m", "unsloth_adaptive_kl", "doctor"], capture_output=True, text=True, timeout=300, env=env)
+    assert "Backend unsloth" in proc.stdout and "unsloth_zoo grpo_compute_loss" in proc.stdout, proc.stdout[-3000:]
+    assert "should be imported before" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
+    only_trl = subprocess.run(
+        [sys.executable, "-m", "unsloth_adaptive_kl", "doctor", "--backend", "trl"], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert only_trl.returncode == 0 and "Unsloth Zoo will now patch" not in only_trl.stdout  # not asked for: not imported
+    assert "Unsloth Zoo will now patch" in proc.stdout  # (the banner `import unsloth` prints)
