@@ -378,6 +378,46 @@ def scenario_subclass():
     results["subclass"] = {"plain": run(trl.GRPOTrainer), "super": run(SuperLoss), "own": run(OwnLoss)}
 
 
+def scenario_renamed():
+    """Mutated copies of the generated module, each with one variable of one patched function renamed (what an
+    Unsloth release that renames it would ship; every anchor still matches): building the plan on each copy
+    (issue 39, item 10). Returns {"function:name": the PatchError's message, or None if it built}."""
+    import ast
+    import importlib.util
+    import re
+
+    from unsloth_adaptive_kl._source_patch import PatchError
+    from unsloth_adaptive_kl.backends import unsloth as backend
+
+    with open(generated.__file__) as f:
+        text = f.read()
+    functions = {n.name: n for n in ast.parse(text).body if isinstance(n, ast.FunctionDef)}
+    renames = [("grpo_compute_loss", name) for name in ("new", "ref", "mask", "rs_keep", "current_gradient_accumulation_steps")]
+    renames += [("grpo_accumulated_loss", name) for name in ("ref_logps", "completion_mask")]
+    folder = tempfile.mkdtemp(prefix="renamed-")
+    out = {}
+    for i, (function, name) in enumerate(renames):
+        node = functions[function]
+        lines = text.splitlines(keepends=True)
+        body = "".join(lines[node.lineno - 1 : node.end_lineno])
+        lines[node.lineno - 1 : node.end_lineno] = [re.sub(rf"\b{name}\b", f"{name}_renamed", body)]
+        module_name = f"UnslothGRPOTrainer_renamed_{i}"
+        path = os.path.join(folder, module_name + ".py")
+        with open(path, "w") as f:
+            f.write("".join(lines))
+        spec = importlib.util.spec_from_file_location(module_name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module
+        spec.loader.exec_module(module)
+        try:
+            backend.PLAN.build(backend.owners(module), namespace=dict(module.__dict__))
+            out[f"{function}:{name}"] = None
+        except PatchError as error:
+            out[f"{function}:{name}"] = str(error)
+    unchanged = backend.PLAN.build(backend.owners(generated), namespace=dict(generated.__dict__))  # the real module builds
+    results["renamed"] = {"errors": out, "unchanged_targets": sorted(unchanged)}
+
+
 def scenario_early_config():
     """The trainer created from a config made before Unsloth generated its trainer (ORDER config-before-unsloth)."""
     import logging
@@ -516,6 +556,6 @@ def scenario_unpatch():
         results["sequence"][step] = probe_config()
 
 
-{"early_config": scenario_early_config, "config": scenario_config, "unpatch": scenario_unpatch, "identity": scenario_identity, "all_masked": scenario_all_masked, "resume": scenario_resume, "kl_part": scenario_kl_part, "train": scenario_train, "subclass": scenario_subclass, "compiled": scenario_compiled, "compiled_loop": scenario_compiled_loop}[SCENARIO]()
+{"early_config": scenario_early_config, "config": scenario_config, "unpatch": scenario_unpatch, "identity": scenario_identity, "all_masked": scenario_all_masked, "resume": scenario_resume, "kl_part": scenario_kl_part, "train": scenario_train, "subclass": scenario_subclass, "renamed": scenario_renamed, "compiled": scenario_compiled, "compiled_loop": scenario_compiled_loop}[SCENARIO]()
 with open(OUT, "w") as f:
     json.dump(results, f, default=lambda o: None if isinstance(o, float) and math.isnan(o) else str(o))
