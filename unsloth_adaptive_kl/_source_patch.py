@@ -77,9 +77,8 @@ def rewrite_function(
     for anchor, replacement in replacements:
         count = source.count(anchor)
         if count != 1:
-            shown = " / ".join(line.strip() for line in anchor.strip().splitlines()[:2])
             raise PatchError(
-                f"{installed}: expected the anchor {shown!r} exactly once in "
+                f"{installed}: expected the anchor {anchor_text(anchor)!r} exactly once in "
                 f"{func.__qualname__}, found it {count} times. This version of {' and '.join(libraries)} is not "
                 "supported by unsloth_adaptive_kl; the adaptive KL cannot be applied."
             )
@@ -103,6 +102,11 @@ def rewrite_function(
     target.__wrapped_original__ = func
     target.__wrapped__ = func  # inspect.getsource/signature see the installed original (Unsloth reads them)
     return new
+
+
+def anchor_text(anchor: str) -> str:
+    """An anchor as errors and doctor show it: its first two lines, stripped."""
+    return " / ".join(line.strip() for line in anchor.strip().splitlines()[:2])
 
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
