@@ -208,3 +208,12 @@ def test_grpo_help_names_this_command():
     proc = subprocess.run([sys.executable, "-m", "unsloth_adaptive_kl", "grpo", "--help"], capture_output=True, text=True, env=_env(), timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.startswith("usage: unsloth-adaptive-kl grpo ") and "--kl_adaptation_method" in proc.stdout
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_help_prints_the_commands_to_stdout_and_exits_zero(flag):
+    # issue 39, item 8: before, `unsloth-adaptive-kl --help` wrote the usage to stderr and exited 2.
+    proc = subprocess.run([sys.executable, "-m", "unsloth_adaptive_kl", flag], capture_output=True, text=True, env=_env(), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith("usage: unsloth-adaptive-kl {doctor,grpo}") and "doctor" in proc.stdout and "grpo" in proc.stdout
+    assert "usage" not in proc.stderr

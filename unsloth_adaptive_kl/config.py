@@ -126,18 +126,23 @@ MIN_BOTTOM_Q = 0.01
 
 
 def _yaml_hint(value) -> str:
-    """PyYAML (YAML 1.1) reads ``1e-3`` -- no dot -- as a string: say how to write it as a float."""
+    """The hint for a number that YAML left a string. PyYAML (YAML 1.1) reads exponent form as a float only
+    with a dot in the mantissa and a sign in the exponent (``1.0e-3``, ``1.0e+3``): ``1e-3`` and ``1.0e3``
+    stay strings. Only such a string gets the hint, with the spelling YAML reads as the same number."""
     if not isinstance(value, str):
         return ""
+    mantissa, exponent_mark, exponent = value.strip().lower().partition("e")
     try:
         number = float(value)
     except ValueError:
         return ""
-    mantissa, _, exponent = value.lower().partition("e")
-    written = f"{mantissa}.0e{exponent}" if exponent and "." not in mantissa else repr(number)
+    signed = exponent[:1] in ("+", "-")
+    if not exponent_mark or not math.isfinite(number) or ("." in mantissa and signed):
+        return ""  # not exponent form, or a spelling YAML reads as a float: this string did not come from YAML
+    written = f"{mantissa if '.' in mantissa else mantissa + '.0'}e{exponent if signed else '+' + exponent}"
     return (
-        f" (it is the string {value!r}: YAML reads a number in exponent form without a dot, such as 1e-3, as a "
-        f"string; write it with a dot, e.g. {written})"
+        f" (it is the string {value!r}: YAML reads a number in exponent form as a string unless its mantissa has a "
+        f"dot and its exponent a sign; write it as {written})"
     )
 
 

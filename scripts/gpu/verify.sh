@@ -34,7 +34,8 @@
 # multi-gpu:NAME,NAME runs those only (6 runs do not fit one 10-minute call: see docs/gpu-verification.md).
 # Writes multi-gpu-NAME.log and multi-gpu-NAME/report.md.
 # DeepSpeed: deepspeed importable from PYTHONPATH, or .gpu-site-ds.tgz (scripts/gpu/build-deepspeed-site.sh)
-# carried and unpacked here to /tmp/ds-site for the DeepSpeed runs.
+# carried and unpacked here to /tmp/ds-site for the DeepSpeed runs. The whole stage at one commit: two calls
+# (docs/gpu-verification.md, "The whole 2-GPU stage at one commit").
 EVIDENCE_TIMEOUT=${EVIDENCE_TIMEOUT:-550}
 MULTI_GPU_RUNS="ddp:ddp fsdp2:fsdp2 fsdp2-lora:fsdp2:--lora deepspeed_zero2:deepspeed_zero2 deepspeed_zero3:deepspeed_zero3 unsloth-ddp:ddp:--backend=unsloth"
 MULTI_GPU_TIMEOUT=${MULTI_GPU_TIMEOUT:-280}
@@ -78,6 +79,9 @@ evidence() {  # $1: NAME; the stream goes to $EVIDENCE_STREAM_DIR (default $OUT)
 set -uo pipefail
 OUT=$1; shift
 mkdir -p "$OUT"
+# .gpu-site carried packed (.gpu-site.tgz, ~20 MB for its ~54 MB): with the tree and .gpu-site-ds.tgz it keeps well
+# inside the 64 MiB a call carries. Unpacked here, where PYTHONPATH=$PWD/.gpu-site expects it.
+if [ ! -d .gpu-site ] && [ -f .gpu-site.tgz ]; then tar xzf .gpu-site.tgz; fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false UNSLOTH_COMPILE_LOCATION=/tmp/unsloth_cache
 for stage in "$@"; do
   echo "== $stage"

@@ -282,3 +282,34 @@ def test_a_nan_reference_on_the_fused_loss_is_counted_not_blamed_and_both_kl_mea
     assert logged["adaptive_kl/nonfinite_kl_batches"] == [1.0], logged
     assert len(logged["adaptive_kl/raw_kl"]) == len(logged["adaptive_kl/adapted_kl"]) == 1, logged
     assert 0 < logged["adaptive_kl/adapted_kl"][0] < logged["adaptive_kl/raw_kl"][0], logged
+
+def test_a_subclass_overriding_compute_loss_trains_with_the_adaptation_when_it_calls_super_and_is_refused_when_not(tmp_path_factory):
+    # issue 39, item 4. Before the fix both were refused when the trainer was created ("would not reach its loss").
+    r = run_worker("unsloth-first", "subclass", tmp_path_factory)["subclass"]
+    plain, inherited, own = r["plain"], r["super"], r["own"]
+    assert plain["error"] is None and inherited["error"] is None
+    assert inherited["logs"] == plain["logs"] and len(plain["logs"]) == 3  # the same losses, β and KL metrics
+    assert len({h["adaptive_kl/current_beta"] for h in plain["logs"]}) == 3  # target moved β
+    assert inherited["calls"] == 3
+    assert "OwnLoss overrides compute_loss of UnslothGRPOTrainer" in own["error"], own["error"]
+    assert "did not go through UnslothGRPOTrainer.compute_loss" in own["error"] and "super().compute_loss(model, inputs" in own["error"]
+    assert own["global_step"] == 0 and own["weights_unchanged"]
+
+
+RENAMED = ["grpo_compute_loss:" + n for n in ("new", "ref", "mask", "rs_keep", "current_gradient_accumulation_steps")]
+RENAMED += ["grpo_accumulated_loss:" + n for n in ("ref_logps", "completion_mask")]
+
+
+@pytest.mark.parametrize("case", RENAMED)
+def test_an_unsloth_release_that_renames_a_variable_a_replacement_reads_is_refused_at_patch_time_naming_it(case, tmp_path_factory):
+    # issue 39, item 10: every anchor still matches such a release; before the check the plan built, and the
+    # rewritten loss would have failed with a NameError inside torch.compile(fullgraph=True) at the first step.
+    from unsloth_adaptive_kl._source_patch import version_of
+
+    r = run_worker("unsloth-first", "renamed", tmp_path_factory)["renamed"]
+    assert r["unchanged_targets"] == ["UnslothEfficientGRPO.forward", "UnslothGRPOTrainer.compute_loss", "grpo_accumulated_loss", "grpo_compute_loss"]
+    function, name = case.split(":")
+    error = r["errors"][case]
+    assert error is not None, f"the plan built on a copy where {function} renamed {name!r}"
+    assert error.startswith(f"unsloth_zoo {version_of('unsloth_zoo')}: the rewrite of {function} reads {name!r}"), error
+    assert f"{function} does not define" in error

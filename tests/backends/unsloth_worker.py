@@ -370,6 +370,85 @@ def scenario_train():
     results["train"] = runs
 
 
+def scenario_subclass():
+    """Subclasses of the generated trainer that override compute_loss (issue 39, item 4): one that calls
+    super().compute_loss, against the plain trainer; one that returns its own loss, which must be refused
+    before any optimizer step."""
+    import torch
+
+    class SuperLoss(trl.GRPOTrainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            self.calls = getattr(self, "calls", 0) + 1
+            return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+
+    class OwnLoss(trl.GRPOTrainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            return model(input_ids=inputs["completion_ids"]).logits.float().pow(2).mean()
+
+    fields = dict(kl_adaptation_method="target+clip", kl_clip_threshold=0.05, kl_target=0.02, kl_horizon=40.0)
+    logged = ("loss", "kl", "adaptive_kl/raw_kl", "adaptive_kl/adapted_kl", "adaptive_kl/current_beta")
+
+    def run(cls):
+        t = cls(
+            model=model(), reward_funcs=[toy.format_reward, toy.correctness_reward], args=config(**fields),
+            train_dataset=toy.prompt_dataset(64), processing_class=TOKENIZER,
+        )  # fmt: skip
+        before = [p.detach().clone() for p in t.model.parameters()]
+        error = None
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):
+                t.train()
+        except unsloth_adaptive_kl.PatchError as e:
+            error = str(e)
+        return {
+            "logs": [{k: h[k] for k in logged if k in h} for h in t.state.log_history if "loss" in h],
+            "error": error, "global_step": t.state.global_step, "calls": getattr(t, "calls", None),
+            "weights_unchanged": all(torch.equal(a, b) for a, b in zip(before, t.model.parameters())),
+        }  # fmt: skip
+
+    results["subclass"] = {"plain": run(trl.GRPOTrainer), "super": run(SuperLoss), "own": run(OwnLoss)}
+
+
+def scenario_renamed():
+    """Mutated copies of the generated module, each with one variable of one patched function renamed (what an
+    Unsloth release that renames it would ship; every anchor still matches): building the plan on each copy
+    (issue 39, item 10). Returns {"function:name": the PatchError's message, or None if it built}."""
+    import ast
+    import importlib.util
+    import re
+
+    from unsloth_adaptive_kl._source_patch import PatchError
+    from unsloth_adaptive_kl.backends import unsloth as backend
+
+    with open(generated.__file__) as f:
+        text = f.read()
+    functions = {n.name: n for n in ast.parse(text).body if isinstance(n, ast.FunctionDef)}
+    renames = [("grpo_compute_loss", name) for name in ("new", "ref", "mask", "rs_keep", "current_gradient_accumulation_steps")]
+    renames += [("grpo_accumulated_loss", name) for name in ("ref_logps", "completion_mask")]
+    folder = tempfile.mkdtemp(prefix="renamed-")
+    out = {}
+    for i, (function, name) in enumerate(renames):
+        node = functions[function]
+        lines = text.splitlines(keepends=True)
+        body = "".join(lines[node.lineno - 1 : node.end_lineno])
+        lines[node.lineno - 1 : node.end_lineno] = [re.sub(rf"\b{name}\b", f"{name}_renamed", body)]
+        module_name = f"UnslothGRPOTrainer_renamed_{i}"
+        path = os.path.join(folder, module_name + ".py")
+        with open(path, "w") as f:
+            f.write("".join(lines))
+        spec = importlib.util.spec_from_file_location(module_name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module
+        spec.loader.exec_module(module)
+        try:
+            backend.PLAN.build(backend.owners(module), namespace=dict(module.__dict__))
+            out[f"{function}:{name}"] = None
+        except PatchError as error:
+            out[f"{function}:{name}"] = str(error)
+    unchanged = backend.PLAN.build(backend.owners(generated), namespace=dict(generated.__dict__))  # the real module builds
+    results["renamed"] = {"errors": out, "unchanged_targets": sorted(unchanged)}
+
+
 def scenario_early_config():
     """The trainer created from a config made before Unsloth generated its trainer (ORDER config-before-unsloth)."""
     import logging
@@ -554,6 +633,6 @@ def scenario_unpatch():
         results["sequence"][step] = probe_config()
 
 
-{"early_config": scenario_early_config, "config": scenario_config, "unpatch": scenario_unpatch, "identity": scenario_identity, "all_masked": scenario_all_masked, "resume": scenario_resume, "kl_part": scenario_kl_part, "train": scenario_train, "compiled": scenario_compiled, "compiled_loop": scenario_compiled_loop, "user_code": scenario_user_code}[SCENARIO]()
+{"early_config": scenario_early_config, "config": scenario_config, "unpatch": scenario_unpatch, "identity": scenario_identity, "all_masked": scenario_all_masked, "resume": scenario_resume, "kl_part": scenario_kl_part, "train": scenario_train, "subclass": scenario_subclass, "renamed": scenario_renamed, "compiled": scenario_compiled, "compiled_loop": scenario_compiled_loop, "user_code": scenario_user_code}[SCENARIO]()
 with open(OUT, "w") as f:
     json.dump(results, f, default=lambda o: None if isinstance(o, float) and math.isnan(o) else str(o))
