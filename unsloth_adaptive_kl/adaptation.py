@@ -37,6 +37,8 @@ class AdaptiveKL:
         self.controller: BetaController = make_controller(self.term.method.controller, ControllerConfig.from_config(config))
         self.reduce = reduce or _no_reduce
         self._step_sums: torch.Tensor | None = None
+        #: ``kl_placement``: "loss" (β·KL in the loss) or "reward" (β·KL subtracted from each reward at scoring time).
+        self.kl_placement: str = config.kl_placement
 
     # -- the per-token math: the term's ---------------------------------------------------------
     @property
@@ -67,6 +69,11 @@ class AdaptiveKL:
     def is_stock(self) -> bool:
         return self.term.is_stock
 
+    @property
+    def kl_in_loss(self) -> bool:
+        """Whether the loss carries β·KL (``kl_placement="loss"``); under "reward" the KL acts at scoring time only."""
+        return self.kl_placement == "loss"
+
     def batch_statistic(self, ref_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
         return self.term.batch_statistic(ref_logp, mask)
 
@@ -88,9 +95,17 @@ class AdaptiveKL:
     def record_sums(self, local_sums: torch.Tensor | None, *, training: bool, beta: float) -> dict[str, float]:
         """As :meth:`record`, from :func:`metrics.local_kl_sums` computed elsewhere (e.g. in a fused loss)."""
         totals = None if local_sums is None else self.reduce(local_sums)
-        if training and totals is not None:
+        if training and totals is not None and self.kl_in_loss:  # under "reward" the controller sees the scoring-time KL
             self._step_sums = totals if self._step_sums is None else self._step_sums + totals
         return {metrics.CURRENT_BETA: float(beta), **metrics.metric_values(totals, length_normalized=self.length_normalized)}
+
+    def observe_scoring_sums(self, local_sums: torch.Tensor) -> torch.Tensor:
+        """Under ``kl_placement="reward"``: a generation batch's KL sums (:func:`metrics.local_kl_sums` at
+        scoring time), reduced across processes and kept for this optimizer step's controller update.
+        Returns the totals."""
+        totals = self.reduce(local_sums)
+        self._step_sums = totals if self._step_sums is None else self._step_sums + totals
+        return totals
 
     def observe_reward(self, reward: float) -> None:
         self.controller.observe_reward(reward)

@@ -18,7 +18,7 @@ import torch
 
 from .config import shaping_values, validate
 from .estimators import estimate_kl, get_estimator
-from .shaping import Method, length_normalized_term, shape_per_token
+from .shaping import Method, length_normalized_term, sequence_mean, shape_per_token
 
 
 @dataclass(frozen=True)
@@ -97,3 +97,12 @@ class KLTerm:
         ``accumulation`` is the gradient-accumulation divisor the backend applies to its own loss
         (1 where the backend divides the whole loss afterwards)."""
         return beta * length_normalized_term(adapted, mask, num_completions) / accumulation
+
+    def reward_penalty(self, adapted: torch.Tensor, mask: torch.Tensor, *, beta: float) -> torch.Tensor:
+        """The amount ``kl_placement="reward"`` subtracts from each completion's reward, ``(B,)`` float64,
+        detached: ``beta * sum_t adapted_t`` over its valid tokens, or under ``length_normalized``
+        ``beta * mean_t adapted_t`` (0 for a completion with no valid token)."""
+        with torch.no_grad():
+            adapted = torch.where(mask.bool(), adapted.double(), 0.0)
+            per_completion = sequence_mean(adapted, mask) if self.length_normalized else adapted.sum(-1)
+            return beta * per_completion

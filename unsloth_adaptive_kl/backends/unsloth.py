@@ -46,6 +46,7 @@ from ..estimators import estimate_kl, get_estimator
 from ..kl_term import KLTerm
 from ..versions import SUPPORTED
 from . import _trainer
+from . import reward_placement
 from .unsloth_hooks import forget_accepted_config_arguments
 
 GENERATED_MODULE = "UnslothGRPOTrainer"
@@ -243,7 +244,8 @@ class UnslothAdaptiveKL(_trainer.TrainerAdaptiveKL):
         device = completion_mask.device
         kwargs["adaptive_kl"] = FusedKLInputs(
             term=self.term,
-            beta=torch.tensor(beta, dtype=torch.float32, device=device),
+            # kl_placement='reward': the KL is still computed (for the metrics) but weighs 0 in the loss
+            beta=torch.tensor(beta if self.kl_in_loss else 0.0, dtype=torch.float32, device=device),
             num_completions=torch.tensor(float(completion_mask.shape[0]), dtype=torch.float32, device=device),
             statistic=None if ref_logps is None else self.batch_statistic(ref_logps, completion_mask),
         )
@@ -329,5 +331,6 @@ def patch_generated_module(module) -> None:
     for target, function in built.items():
         owner, name = split_target(target)
         set_attribute(targets[owner], name, function)
+    reward_placement.install(trainer_cls, reward_placement.UNSLOTH_PLAN, targets)  # before the wrappers below wrap it
     _trainer.patch_trainer_class(trainer_cls, UnslothAdaptiveKL, loss_path=("compute_loss",))
     _patched_module = module
