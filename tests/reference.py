@@ -125,3 +125,21 @@ def expected_betas(method, logs, *, beta=0.04, decay=0.9, kl_target=0.02, kl_hor
         else:
             betas.append(betas[-1])
     return betas
+
+
+def reward_penalty64(method, logp, ref, mask, *, estimator, beta, clip_threshold, kl_target):
+    """Float64 kl_placement='reward' penalty per completion: ``beta * sum_t shaped`` (``mean_t`` under
+    length_normalized) of the estimator on the sampled tokens, no importance ratio; and the raw per-token KL."""
+    raw, shaped = raw_and_shaped_kl(
+        method, logp, ref, logp, mask, estimator=estimator, clip_threshold=clip_threshold, kl_target=kl_target, bias_correction=False
+    )
+    per_completion = shaped.sum(-1)
+    if "length_normalized" in method.split("+"):
+        per_completion = per_completion / mask.sum(-1).clamp(min=1)
+    return beta * per_completion, raw
+
+
+def group_advantages64(rewards, num_generations):
+    """TRL's advantages under scale_rewards='group': (r - group mean) / (group std (Bessel) + 1e-4), float64."""
+    grouped = rewards.double().view(-1, num_generations)
+    return ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-4)).view(-1)

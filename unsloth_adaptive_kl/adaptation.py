@@ -37,8 +37,6 @@ class AdaptiveKL:
         self.controller: BetaController = make_controller(self.term.method.controller, ControllerConfig.from_config(config))
         self.reduce = reduce or _no_reduce
         self._step_sums: torch.Tensor | None = None
-        #: ``kl_placement``: "loss" (β·KL in the loss) or "reward" (β·KL subtracted from each reward at scoring time).
-        self.kl_placement: str = config.kl_placement
 
     # -- the per-token math: the term's ---------------------------------------------------------
     @property
@@ -72,7 +70,7 @@ class AdaptiveKL:
     @property
     def kl_in_loss(self) -> bool:
         """Whether the loss carries β·KL (``kl_placement="loss"``); under "reward" the KL acts at scoring time only."""
-        return self.kl_placement == "loss"
+        return self.term.placement == "loss"
 
     def batch_statistic(self, ref_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
         return self.term.batch_statistic(ref_logp, mask)

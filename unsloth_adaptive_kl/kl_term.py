@@ -28,6 +28,8 @@ class KLTerm:
     bottom_q: float
     #: The method's shaping parameters, ``((name, value), ...)``: hashable, a constant for compilation.
     shaping_parameters: tuple[tuple[str, object], ...] = ()
+    #: ``kl_placement``: "loss" (β·KL in the loss) or "reward" (β·KL subtracted from each reward at scoring time).
+    placement: str = "loss"
 
     @classmethod
     def from_config(cls, config) -> "KLTerm":
@@ -38,6 +40,7 @@ class KLTerm:
             estimator=get_estimator(config.kl_estimator).name,
             bottom_q=float(config.kl_bottom_q),
             shaping_parameters=tuple(shaping_values(config, method).items()),
+            placement=config.kl_placement,
         )
 
     @property

@@ -3,6 +3,7 @@ its summed (shaped) KL before the group normalisation, against a float64 referen
 definitions, and the loss then carries no KL term. Also: the controllers act on the scoring-time KL,
 the metric, the refusals, resume, and GRPOTrainer(loss_class=...)."""
 
+import dataclasses
 import json
 import math
 
@@ -87,25 +88,15 @@ def user_kl64(logp, ref):
 
 def penalty64(method, estimator, logp, ref, mask, *, beta, clip_threshold, kl_target):
     """Float64 β · Σ_t shaped KL (or β · mean_t under length_normalized), written from the definitions."""
-    if estimator == "my_kl":
-        raw = torch.where(mask.bool(), user_kl64(logp.double(), ref.double()), 0.0)
-        shaped = torch.where(mask.bool(), reference.shaped64(raw, method, clip_threshold, kl_target), 0.0)
-    else:
+    if estimator != "my_kl":
         base = {"k1+": "k1", "k3+": "k3"}.get(estimator, estimator)  # straight-through: the value is k1's / k3's
-        raw, shaped = reference.raw_and_shaped_kl(
-            method, logp, ref, logp, mask, estimator=base, clip_threshold=clip_threshold, kl_target=kl_target, bias_correction=False
-        )
+        return reference.reward_penalty64(method, logp, ref, mask, estimator=base, beta=beta, clip_threshold=clip_threshold, kl_target=kl_target)
+    raw = torch.where(mask.bool(), user_kl64(logp.double(), ref.double()), 0.0)
+    shaped = torch.where(mask.bool(), reference.shaped64(raw, method, clip_threshold, kl_target), 0.0)
     per_completion = shaped.sum(-1)
     if "length_normalized" in method.split("+"):
         per_completion = per_completion / mask.sum(-1).clamp(min=1)
     return beta * per_completion, raw
-
-
-def advantages64(rewards, num_generations):
-    grouped = rewards.view(-1, num_generations)
-    mean = grouped.mean(1, keepdim=True)
-    std = grouped.std(1, keepdim=True)  # TRL's nanstd: Bessel-corrected
-    return ((grouped - mean) / (std + 1e-4)).view(-1)
 
 
 @pytest.fixture(scope="module")
@@ -157,8 +148,8 @@ def test_reward_placement_lowers_each_reward_by_beta_times_its_summed_kl_before_
 
     penalty, raw = penalty64(method, estimator, logp, ref, mask, beta=BETA, clip_threshold=0.05, kl_target=0.02)
     rewards = rewards_per_func.double().sum(1)  # reward weights 1
-    expected = advantages64(rewards - penalty, trainer.num_generations)
-    unpenalised = advantages64(rewards, trainer.num_generations)
+    expected = reference.group_advantages64(rewards - penalty, trainer.num_generations)
+    unpenalised = reference.group_advantages64(rewards, trainer.num_generations)
     assert torch.allclose(out["advantages"].double(), expected, rtol=1e-4, atol=1e-4)
     assert (out["advantages"].double() - unpenalised).abs().max() > 1e-2  # the penalty moved the advantages
     logged = trainer._metrics["train"][metrics.KL_PENALTY]
@@ -218,7 +209,7 @@ def test_under_reward_placement_the_loss_is_stock_trls_beta_zero_loss_bit_for_bi
     assert torch.equal(loss, stock_loss)
     assert len(grads) == len(stock_grads) > 0 and all(torch.equal(a, b) for a, b in zip(grads, stock_grads))
     trainer.beta = BETA
-    trainer._adaptive_kl.kl_placement = "loss"  # the same inputs with the KL in the loss: a different loss
+    trainer._adaptive_kl.term = dataclasses.replace(trainer._adaptive_kl.term, placement="loss")  # the KL in the loss: another loss
     assert not torch.equal(loss_and_grads(GRPOTrainer._compute_loss)[0], loss)
 
 
@@ -373,7 +364,7 @@ def test_loss_class_under_reward_placement_has_no_kl_term_and_liger_own_class_is
     with torch.no_grad():
         loss = loss_class_path.compute_loss(trainer, trainer.model, inputs)
         assert trainer._metrics["train"][metrics.RAW_KL]  # measured, as today
-        trainer._adaptive_kl.kl_placement = "loss"
+        trainer._adaptive_kl.term = dataclasses.replace(trainer._adaptive_kl.term, placement="loss")
         with_kl = loss_class_path.compute_loss(trainer, trainer.model, inputs)
         trainer.beta = 0.0
         beta_zero = loss_class_path.compute_loss(trainer, trainer.model, inputs)

@@ -197,3 +197,39 @@ def test_a_micro_batch_with_no_valid_token_logs_stock_unsloths_kl_and_no_adaptiv
         assert logged["kl"] == [0.0] and run["loss"] == 0.0 and run["grads_finite"], (method, run)
         assert "adaptive_kl/raw_kl" not in logged and "adaptive_kl/adapted_kl" not in logged, (method, logged)
         assert logged["adaptive_kl/current_beta"] == [0.04], (method, logged)
+
+
+def _reward_placement(tmp_path_factory):
+    return run_worker("unsloth-first", "reward_placement", tmp_path_factory)["reward_placement"]
+
+
+def test_reward_placement_lowers_each_reward_by_beta_times_its_summed_kl_on_the_generated_trainer(tmp_path_factory):
+    import torch
+
+    scored = _reward_placement(tmp_path_factory)["scored"]
+    logp, ref, mask = (torch.tensor(scored[k], dtype=torch.float64) for k in ("logp", "ref", "mask"))
+    valid = mask.bool()
+    assert scored["coef_is_none"] and scored["ref_is_trls"]  # Unsloth's reference log-probs, at scoring time
+    assert torch.allclose(logp[valid], torch.tensor(scored["plain_logp"], dtype=torch.float64)[valid], atol=1e-4)  # the policy's
+    penalty, _ = reference.reward_penalty64("clip", logp, ref, mask, estimator="k1", beta=0.5, clip_threshold=0.05, kl_target=0.02)
+    rewards = torch.tensor(scored["rewards_per_func"], dtype=torch.float64).sum(1)
+    advantages = torch.tensor(scored["advantages"], dtype=torch.float64)
+    assert torch.allclose(advantages, reference.group_advantages64(rewards - penalty, scored["num_generations"]), rtol=1e-4, atol=1e-4)
+    assert (advantages - reference.group_advantages64(rewards, scored["num_generations"])).abs().max() > 1e-2
+    assert scored["kl_penalty"] == [pytest.approx(penalty.mean().item(), rel=1e-6)]
+
+
+def test_under_reward_placement_the_fused_loss_carries_no_kl_term(tmp_path_factory):
+    loss = _reward_placement(tmp_path_factory)["loss"]
+    assert loss["equal"] and loss["grads_equal"], loss  # the same trainer's loss and gradients at beta 0
+    assert loss["with_kl_in_loss"] != loss["loss"]  # and the KL in the loss would have changed it
+    assert len(loss["logged_raw"]) == 1 and loss["logged_raw"][0] > 0  # the KL is still measured (raw_kl as today)
+
+
+def test_the_generated_trainer_trains_with_reward_placement_and_the_target_controller(tmp_path_factory):
+    r = _reward_placement(tmp_path_factory)
+    assert r["runtime"] == "UnslothAdaptiveKL"
+    logs = r["logs"]
+    assert len(logs) == 3 and all("adaptive_kl/kl_penalty" in h for h in logs)
+    betas = [h["adaptive_kl/current_beta"] for h in logs]
+    assert betas[0] == 0.04 and len(set(betas)) == 3  # the controller acted on the scoring-time KL after each step

@@ -80,12 +80,14 @@ TRL_PLAN = Plan(
     backend="trl (kl_placement='reward')",
     anchor_sets=(AnchorSet("trl 1.9", {"trl": ">=1.9,<1.17"}, _rewrites(f"GRPOTrainer.{TARGET_NAME}", "trl")),),
 )
-#: Unsloth 2026.10 generates its trainer from TRL 1.15's source; the 2026.8/2026.9 lines (TRL 0.24's
-#: source) have no ``unscorable_mask`` and are not covered: a trainer asking for "reward" is refused there.
+#: Unsloth 2026.10 generates its trainer from TRL 1.15's source: the generated function is
+#: ``_UnslothGRPOTrainer``'s (``UnslothGRPOTrainer``'s own is Unsloth's rollout wrapper around it). The
+#: 2026.8/2026.9 lines (TRL 0.24's source) have no ``unscorable_mask`` and are not covered: a trainer
+#: asking for "reward" is refused there.
 UNSLOTH_PLAN = Plan(
     backend="unsloth (kl_placement='reward')",
     anchor_sets=(
-        AnchorSet("unsloth 2026.10", {"unsloth_zoo": ">=2026.10,<2026.11"}, _rewrites(f"UnslothGRPOTrainer.{TARGET_NAME}", "unsloth")),
+        AnchorSet("unsloth 2026.10", {"unsloth_zoo": ">=2026.10,<2026.11"}, _rewrites(f"_UnslothGRPOTrainer.{TARGET_NAME}", "unsloth")),
     ),
 )
 
@@ -104,11 +106,12 @@ def _check_free_names(function, library: str) -> None:
         )
 
 
-def install(trainer_cls, plan: Plan, owners) -> None:
+def install(trainer_cls, plan: Plan, owners, wrap=None) -> None:
     """Give ``trainer_cls`` the reward placement: its ``_generate_and_score_completions`` dispatches to the
     rewritten one for a trainer with ``kl_placement="reward"``. Where ``plan`` cannot be built for the
     installed version, nothing is set and the reason is kept for :meth:`RewardPlacement.check_placement`.
-    Call it before the trainer wrappers of ``_trainer.patch_trainer_class`` wrap the method."""
+    ``wrap`` (optional) wraps the rewritten function as the library wraps its own (Unsloth's rollout
+    wrapper). Call it before the trainer wrappers of ``_trainer.patch_trainer_class`` wrap the method."""
     library_own = getattr(trainer_cls, TARGET_NAME)
     try:
         anchor_set = plan.select(owners)
@@ -119,7 +122,7 @@ def install(trainer_cls, plan: Plan, owners) -> None:
         _UNAVAILABLE[trainer_cls] = str(error)
         return
     _UNAVAILABLE.pop(trainer_cls, None)
-    set_attribute(trainer_cls, TARGET_NAME, _dispatch(rewritten, library_own))
+    set_attribute(trainer_cls, TARGET_NAME, _dispatch(rewritten if wrap is None else wrap(rewritten), library_own))
 
 
 def unavailable_reason(trainer_cls) -> str | None:
