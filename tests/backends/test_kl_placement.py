@@ -361,14 +361,21 @@ def test_loss_class_under_reward_placement_has_no_kl_term_and_liger_own_class_is
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1
     inputs = reference.loss_inputs(trainer.model.config.vocab_size, pad_token_id=trainer.processing_class.pad_token_id)
-    with torch.no_grad():
+
+    def loss_and_grads():
+        trainer.model.zero_grad(set_to_none=True)
         loss = loss_class_path.compute_loss(trainer, trainer.model, inputs)
-        assert trainer._metrics["train"][metrics.RAW_KL]  # measured, as today
-        trainer._adaptive_kl.term = dataclasses.replace(trainer._adaptive_kl.term, placement="loss")
-        with_kl = loss_class_path.compute_loss(trainer, trainer.model, inputs)
-        trainer.beta = 0.0
-        beta_zero = loss_class_path.compute_loss(trainer, trainer.model, inputs)
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in trainer.model.parameters() if p.grad is not None]
+
+    loss, grads = loss_and_grads()
+    assert trainer._metrics["train"][metrics.RAW_KL]  # measured, as today
+    trainer._adaptive_kl.term = dataclasses.replace(trainer._adaptive_kl.term, placement="loss")
+    with_kl, _ = loss_and_grads()
+    trainer.beta = 0.0
+    beta_zero, zero_grads = loss_and_grads()
     assert torch.equal(loss, beta_zero) and not torch.equal(loss, with_kl)
+    assert len(grads) == len(zero_grads) > 0 and all(torch.equal(a, b) for a, b in zip(grads, zero_grads))
 
 
 def test_loss_class_trains_with_reward_placement(tiny_checkpoint, tmp_path):

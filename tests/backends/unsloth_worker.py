@@ -506,12 +506,16 @@ def scenario_reward_placement():
     ((logp, ref, mask, coef),) = seen["scored"]
     ids = torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1)
     attention = torch.cat([out["prompt_mask"], out["completion_mask"]], dim=1)
-    with torch.no_grad():  # the policy's log-probs from a plain forward, not Unsloth's
-        logits = t.model(input_ids=ids, attention_mask=attention).logits[:, -out["completion_ids"].shape[1] - 1 : -1].double()
+    length = out["completion_ids"].shape[1]
+    with torch.no_grad():  # the policy's log-probs by Unsloth's own function (its old/ref log-probs), and by a plain forward
+        own = t._get_per_token_logps_and_entropies(t.model, ids, attention, length, batch_size=8)[0]
+        logits = t.model(input_ids=ids, attention_mask=attention).logits[:, -length - 1 : -1].double()
     plain = torch.log_softmax(logits, -1).gather(-1, out["completion_ids"].unsqueeze(-1)).squeeze(-1)
     scored = {
         "logp": logp.tolist(), "ref": ref.tolist(), "mask": mask.tolist(), "coef_is_none": coef is None,
         "ref_is_trls": bool(torch.equal(ref, out["ref_per_token_logps"])), "plain_logp": plain.tolist(),
+        "logp_is_unsloths_own": bool(torch.equal(logp, own)), "completion_ids": out["completion_ids"].tolist(),
+        "pad_token_id": TOKENIZER.pad_token_id,
         "rewards_per_func": seen["rewards_per_func"].tolist(), "advantages": out["advantages"].tolist(),
         "kl_penalty": list(t._metrics["train"]["adaptive_kl/kl_penalty"]), "num_generations": t.num_generations,
     }  # fmt: skip
