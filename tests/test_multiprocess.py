@@ -81,8 +81,9 @@ def test_reward_placement_penalties_are_gathered_in_process_order_and_the_metric
     zero, one = ranks[0]["target-reward"], ranks[1]["target-reward"]
     assert zero["betas"] == one["betas"] and len(set(zero["betas"])) > 1  # the same β on both ranks, and it moved
     assert len(zero["penalties"]) == len(one["penalties"]) == 3  # one generation batch per step
+    # each rank scored its own completions (the first batch is scored before any step: policy = reference, KL 0)
+    assert all(a["local"] != b["local"] for a, b in zip(zero["penalties"][1:], one["penalties"][1:]))
     for a, b in zip(zero["penalties"], one["penalties"]):
-        assert a["local"] != b["local"]  # each rank scored its own completions
         every = a["local"] + b["local"]  # rank 0's completions first, as TRL gathers the rewards
         for row in (a, b):
             assert row["rewards"] == a["rewards"]  # TRL's rewards are already global
