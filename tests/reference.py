@@ -152,3 +152,21 @@ NEXT_BETA = {
     "dynamic": _dynamic_step,
     "target": _target_step,
 }
+
+
+def reward_penalty64(method, logp, ref, mask, *, estimator, beta, clip_threshold, kl_target):
+    """Float64 kl_placement='reward' penalty per completion: ``beta * sum_t shaped`` (``mean_t`` under
+    length_normalized) of the estimator on the sampled tokens, no importance ratio; and the raw per-token KL."""
+    raw, shaped = raw_and_shaped_kl(
+        method, logp, ref, logp, mask, estimator=estimator, clip_threshold=clip_threshold, kl_target=kl_target, bias_correction=False
+    )
+    per_completion = shaped.sum(-1)
+    if "length_normalized" in method.split("+"):
+        per_completion = per_completion / mask.sum(-1).clamp(min=1)
+    return beta * per_completion, raw
+
+
+def group_advantages64(rewards, num_generations):
+    """TRL's advantages under scale_rewards='group': (r - group mean) / (group std (Bessel) + 1e-4), float64."""
+    grouped = rewards.double().view(-1, num_generations)
+    return ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-4)).view(-1)

@@ -69,6 +69,11 @@ class AdaptiveKL:
     def is_stock(self) -> bool:
         return self.term.is_stock
 
+    @property
+    def kl_in_loss(self) -> bool:
+        """Whether the loss carries β·KL (``kl_placement="loss"``); under "reward" the KL acts at scoring time only."""
+        return self.term.placement == "loss"
+
     def batch_statistic(self, ref_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
         return self.term.batch_statistic(ref_logp, mask)
 
@@ -97,7 +102,7 @@ class AdaptiveKL:
         read = None if totals is None else totals.tolist()
         if read is not None and read[metrics.SHAPING_FAULTS] > 0:
             raise self._shaping_fault(int(read[metrics.SHAPING_FAULTS]))
-        if training and totals is not None:
+        if training and totals is not None and self.kl_in_loss:  # under "reward" the controller sees the scoring-time KL
             self._step_sums = totals if self._step_sums is None else self._step_sums + totals
         values = metrics.metric_values(read, length_normalized=self.length_normalized)
         if values.get(metrics.NONFINITE_KL_BATCHES) and not self._warned_nonfinite:
@@ -120,6 +125,16 @@ class AdaptiveKL:
             f"kl_adaptation_method={self.method_text!r}: the bug is in that function; allowed: a finite value for every "
             "finite KL"
         )
+
+    def observe_scoring_sums(self, local_sums: torch.Tensor) -> torch.Tensor:
+        """Under ``kl_placement="reward"``: a generation batch's KL sums (:func:`metrics.local_kl_sums` at
+        scoring time), reduced across processes and kept for this optimizer step's controller update.
+        Returns the totals."""
+        totals = self.reduce(local_sums)
+        if self.term.user_shaping_steps and totals[metrics.SHAPING_FAULTS].item() > 0:
+            raise self._shaping_fault(int(totals[metrics.SHAPING_FAULTS].item()))
+        self._step_sums = totals if self._step_sums is None else self._step_sums + totals
+        return totals
 
     def observe_reward(self, reward: float) -> None:
         self.controller.observe_reward(reward)

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 
 from .estimators import get_estimator
-from .shaping import CONTROLLERS, Method, Parameter, parse_method, shaping_names, shaping_parameters
+from .shaping import CONTROLLERS, SHAPING, Method, Parameter, parse_method, shaping_names, shaping_parameters
 
 
 @dataclass(frozen=True)
@@ -109,6 +109,15 @@ FIELDS: tuple[FieldSpec, ...] = (
         "GRPOTrainer(loss_class=AdaptiveFusedLinearGRPOLoss) only: the fused LM head (gradient in the forward, 3 GEMMs "
         "instead of 4). 'auto': wherever it is exact (else TRL's log-prob kernel); true: required (a call where it is "
         "not exact warns with the reason); false: never.",
+    ),
+    FieldSpec(
+        "kl_placement",
+        str,
+        "loss",
+        "Where β·KL acts: 'loss' (TRL's place: β times the per-token KL is added to the loss) or 'reward' (each "
+        "completion's reward is lowered by β times the sum over its tokens of the per-token KL, measured when the "
+        "completions are scored, before the group normalisation of the advantages; the loss then has no KL term). "
+        "See docs/kl-placement.md.",
     ),
 )
 
@@ -273,4 +282,32 @@ def validate(config) -> Method:
             f"beta=0.0 is not valid with kl_adaptation_method={config.kl_adaptation_method!r}: that method acts on "
             "the KL term, which beta=0 removes; allowed: beta > 0, or kl_adaptation_method='none'"
         )
+    check_placement(config.kl_placement, method, beta)
     return method
+
+
+#: ``kl_placement``'s values: where β·KL acts (docs/kl-placement.md).
+PLACEMENTS = ("loss", "reward")
+
+
+def check_placement(placement, method: Method, beta) -> str:
+    """``placement`` if it is a valid ``kl_placement`` for ``method`` and ``beta``; ValueError otherwise.
+
+    In the reward every per-token shaping step applies (it shapes the KL summed into the penalty), and
+    ``length_normalized`` makes the penalty a per-completion mean instead of a sum; a shaping step that
+    acts on the loss's aggregation in another way has no meaning there and is refused by name."""
+    _require(placement in PLACEMENTS, "kl_placement", placement, f"one of {list(PLACEMENTS)}")
+    if placement == "reward":
+        if beta == 0:
+            raise ValueError(
+                "kl_placement='reward' is not valid with beta=0.0: the reward is lowered by beta times the KL, which "
+                "beta=0 removes (and TRL then computes no reference log-probs); allowed: beta > 0, or kl_placement='loss'"
+            )
+        for name in method.shaping:
+            if not SHAPING[name].per_token and name != "length_normalized":
+                raise ValueError(
+                    f"kl_placement='reward' is not valid with the shaping method {name!r}: it acts on the loss's "
+                    "aggregation of the KL, which the reward placement does not have (the penalty is a sum over each "
+                    "completion's tokens); allowed: per-token shaping methods and length_normalized, or kl_placement='loss'"
+                )
+    return placement

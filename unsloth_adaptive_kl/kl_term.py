@@ -18,7 +18,7 @@ import torch
 
 from .config import shaping_values, validate
 from .estimators import check_user_estimator, estimate_kl, get_estimator
-from .shaping import Method, check_user_steps, length_normalized_term, shape_per_token, user_steps
+from .shaping import Method, check_user_steps, length_normalized_term, sequence_mean, shape_per_token, user_steps
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,8 @@ class KLTerm:
     bottom_q: float
     #: The method's shaping parameters, ``((name, value), ...)``: hashable, a constant for compilation.
     shaping_parameters: tuple[tuple[str, object], ...] = ()
+    #: ``kl_placement``: "loss" (β·KL in the loss) or "reward" (β·KL subtracted from each reward at scoring time).
+    placement: str = "loss"
 
     @classmethod
     def from_config(cls, config) -> "KLTerm":
@@ -38,6 +40,7 @@ class KLTerm:
             estimator=get_estimator(config.kl_estimator).name,
             bottom_q=float(config.kl_bottom_q),
             shaping_parameters=tuple(shaping_values(config, method).items()),
+            placement=config.kl_placement,
         )
 
     def check_user_functions(self) -> None:
@@ -110,3 +113,12 @@ class KLTerm:
         ``accumulation`` is the gradient-accumulation divisor the backend applies to its own loss
         (1 where the backend divides the whole loss afterwards)."""
         return beta * length_normalized_term(adapted, mask, num_completions) / accumulation
+
+    def reward_penalty(self, adapted: torch.Tensor, mask: torch.Tensor, *, beta: float) -> torch.Tensor:
+        """The amount ``kl_placement="reward"`` subtracts from each completion's reward, ``(B,)`` float64,
+        detached: ``beta * sum_t adapted_t`` over its valid tokens, or under ``length_normalized``
+        ``beta * mean_t adapted_t`` (0 for a completion with no valid token)."""
+        with torch.no_grad():
+            adapted = torch.where(mask.bool(), adapted.double(), 0.0)
+            per_completion = sequence_mean(adapted, mask) if self.length_normalized else adapted.sum(-1)
+            return beta * per_completion

@@ -22,6 +22,9 @@ SKIPPED_UPDATES = "adaptive_kl/skipped_updates"
 #: the window says how many, and the first one is warned about.
 NONFINITE_KL_BATCHES = "adaptive_kl/nonfinite_kl_batches"
 METRIC_NAMES = (RAW_KL, ADAPTED_KL, CURRENT_BETA, SKIPPED_UPDATES, NONFINITE_KL_BATCHES)
+#: Under ``kl_placement="reward"``: the mean over the generation batch's completions (all processes) of
+#: β · (each completion's KL) subtracted from its reward; logged once per generation batch.
+KL_PENALTY = "adaptive_kl/kl_penalty"
 #: Logged as their latest value in the logging window, not averaged over it: the β of the window's
 #: last step (an average of several steps' β is a β no step used) and a running count.
 LATEST_VALUE_METRICS = (CURRENT_BETA, SKIPPED_UPDATES)

@@ -313,3 +313,43 @@ def test_an_unsloth_release_that_renames_a_variable_a_replacement_reads_is_refus
     assert error is not None, f"the plan built on a copy where {function} renamed {name!r}"
     assert error.startswith(f"unsloth_zoo {version_of('unsloth_zoo')}: the rewrite of {function} reads {name!r}"), error
     assert f"{function} does not define" in error
+
+
+def _reward_placement(tmp_path_factory):
+    return run_worker("unsloth-first", "reward_placement", tmp_path_factory)["reward_placement"]
+
+
+def test_reward_placement_lowers_each_reward_by_beta_times_its_summed_kl_on_the_generated_trainer(tmp_path_factory):
+    import torch
+
+    scored = _reward_placement(tmp_path_factory)["scored"]
+    logp, ref, mask = (torch.tensor(scored[k], dtype=torch.float64) for k in ("logp", "ref", "mask"))
+    valid = mask.bool()
+    assert scored["coef_is_none"] and scored["ref_is_trls"]  # Unsloth's reference log-probs, at scoring time
+    # The policy's log-probs by the function Unsloth computes its old and reference log-probs with, so the KL is
+    # taken between two log-probs of the same computation. (They are not a plain float32 forward's: measured here,
+    # Unsloth's differ from one, and treat a sampled pad token as padding; docs/kl-placement.md.)
+    assert scored["logp_is_unsloths_own"]
+    assert (logp[valid] != 0).sum() > 10  # a real batch of log-probs
+    penalty, _ = reference.reward_penalty64("clip", logp, ref, mask, estimator="k1", beta=0.5, clip_threshold=0.05, kl_target=0.02)
+    rewards = torch.tensor(scored["rewards_per_func"], dtype=torch.float64).sum(1)
+    advantages = torch.tensor(scored["advantages"], dtype=torch.float64)
+    assert torch.allclose(advantages, reference.group_advantages64(rewards - penalty, scored["num_generations"]), rtol=1e-4, atol=1e-4)
+    assert (advantages - reference.group_advantages64(rewards, scored["num_generations"])).abs().max() > 1e-2
+    assert scored["kl_penalty"] == [pytest.approx(penalty.mean().item(), rel=1e-6)]
+
+
+def test_under_reward_placement_the_fused_loss_carries_no_kl_term(tmp_path_factory):
+    loss = _reward_placement(tmp_path_factory)["loss"]
+    assert loss["equal"] and loss["grads_equal"], loss  # the same trainer's loss and gradients at beta 0
+    assert loss["with_kl_in_loss"] != loss["loss"]  # and the KL in the loss would have changed it
+    assert len(loss["logged_raw"]) == 1 and loss["logged_raw"][0] > 0  # the KL is still measured (raw_kl as today)
+
+
+def test_the_generated_trainer_trains_with_reward_placement_and_the_target_controller(tmp_path_factory):
+    r = _reward_placement(tmp_path_factory)
+    assert r["runtime"] == "UnslothAdaptiveKL"
+    logs = r["logs"]
+    assert len(logs) == 3 and all("adaptive_kl/kl_penalty" in h for h in logs)
+    betas = [h["adaptive_kl/current_beta"] for h in logs]
+    assert betas[0] == 0.04 and len(set(betas)) == 3  # the controller acted on the scoring-time KL after each step

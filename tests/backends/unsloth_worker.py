@@ -624,6 +624,84 @@ def scenario_user_code():
     results["user_code"] = out
 
 
+def scenario_reward_placement():
+    """kl_placement='reward' on the generated trainer: one scored generation batch (what the penalty saw, the
+    rewards, the advantages, the metric), the loss against the same trainer's at beta 0, and a short run."""
+    from unsloth_adaptive_kl.kl_term import KLTerm
+
+    def length_reward(completions, **kwargs):
+        return [len(c) / 10.0 for c in completions]
+
+    t = trl.GRPOTrainer(
+        model=model(), reward_funcs=[toy.format_reward, length_reward], train_dataset=toy.prompt_dataset(64), processing_class=TOKENIZER,
+        args=config(per_device_train_batch_size=8, kl_placement="reward", beta=0.5, kl_adaptation_method="clip", kl_estimator="k1",
+                    kl_clip_threshold=0.05),
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # the policy starts as the reference (KL 0): move it away
+        for p in t.model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    t.model.train()
+    seen = {}
+    calculate, per_token = t._calculate_rewards, KLTerm.per_token
+
+    def rewards_spy(*args, **kwargs):
+        seen["rewards_per_func"] = calculate(*args, **kwargs)
+        return seen["rewards_per_func"]
+
+    def per_token_spy(term, logp, ref, mask, coef=None, statistic=None, estimator=None):
+        seen.setdefault("scored", []).append((logp.clone(), ref.clone(), mask.clone(), coef))
+        return per_token(term, logp, ref, mask, coef, statistic, estimator)
+
+    t._calculate_rewards = rewards_spy
+    KLTerm.per_token = per_token_spy
+    rows = [toy.prompt_dataset(64)[i] for i in (0, 1)]
+    torch.manual_seed(0)
+    out = t._generate_and_score_completions([row for row in rows for _ in range(4)])
+    KLTerm.per_token = per_token
+    ((logp, ref, mask, coef),) = seen["scored"]
+    ids = torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1)
+    attention = torch.cat([out["prompt_mask"], out["completion_mask"]], dim=1)
+    length = out["completion_ids"].shape[1]
+    with torch.no_grad():  # the policy's log-probs by Unsloth's own function (its old/ref log-probs), and by a plain forward
+        own = t._get_per_token_logps_and_entropies(t.model, ids, attention, length, batch_size=8)[0]
+        logits = t.model(input_ids=ids, attention_mask=attention).logits[:, -length - 1 : -1].double()
+    plain = torch.log_softmax(logits, -1).gather(-1, out["completion_ids"].unsqueeze(-1)).squeeze(-1)
+    scored = {
+        "logp": logp.tolist(), "ref": ref.tolist(), "mask": mask.tolist(), "coef_is_none": coef is None,
+        "ref_is_trls": bool(torch.equal(ref, out["ref_per_token_logps"])), "plain_logp": plain.tolist(),
+        "logp_is_unsloths_own": bool(torch.equal(logp, own)), "completion_ids": out["completion_ids"].tolist(),
+        "pad_token_id": TOKENIZER.pad_token_id,
+        "rewards_per_func": seen["rewards_per_func"].tolist(), "advantages": out["advantages"].tolist(),
+        "kl_penalty": list(t._metrics["train"]["adaptive_kl/kl_penalty"]), "num_generations": t.num_generations,
+    }  # fmt: skip
+
+    # The loss: with the KL in the reward, the same as this trainer's at beta 0 (no KL term at all).
+    set_method(t, "clip", "dapo", kl_estimator="k1", kl_clip_threshold=0.05, kl_placement="reward")
+    inputs = hand_made_inputs(t, seed=1)
+    torch.manual_seed(0)
+    reward_loss, reward_grads = loss_and_grads(t, inputs)
+    logged_raw = list(t._metrics["train"]["adaptive_kl/raw_kl"])
+    t.beta = 0.0
+    torch.manual_seed(0)
+    zero_loss, zero_grads = loss_and_grads(t, inputs)
+    set_method(t, "clip", "dapo", kl_estimator="k1", kl_clip_threshold=0.05, kl_placement="loss")
+    torch.manual_seed(0)
+    loss_loss, _ = loss_and_grads(t, inputs)
+    loss = {
+        "equal": bool(torch.equal(reward_loss, zero_loss)), "loss": reward_loss.item(), "zero": zero_loss.item(),
+        "with_kl_in_loss": loss_loss.item(), "logged_raw": logged_raw,
+        "grads_equal": len(reward_grads) == len(zero_grads) > 0 and all(torch.equal(a, b) for a, b in zip(reward_grads, zero_grads)),
+        "grads_max_diff": max(float((a - b).abs().max()) for a, b in zip(reward_grads, zero_grads)),
+    }  # fmt: skip
+
+    # A short run with the target controller.
+    run = trainer(kl_placement="reward", kl_adaptation_method="target", kl_target=1e-4, kl_horizon=40.0)
+    run.train()
+    logs = [{k: v for k, v in h.items() if k.startswith("adaptive_kl/")} for h in run.state.log_history if "adaptive_kl/current_beta" in h]
+    results["reward_placement"] = {"scored": scored, "loss": loss, "logs": logs, "runtime": type(run._adaptive_kl).__name__}
+
+
 def scenario_unpatch():
     """Configs built by stock Unsloth, then after each of import, unpatch(), patch(), unpatch()."""
     results["never_patched"] = never_patched
@@ -633,6 +711,6 @@ def scenario_unpatch():
         results["sequence"][step] = probe_config()
 
 
-{"early_config": scenario_early_config, "config": scenario_config, "unpatch": scenario_unpatch, "identity": scenario_identity, "all_masked": scenario_all_masked, "resume": scenario_resume, "kl_part": scenario_kl_part, "train": scenario_train, "subclass": scenario_subclass, "renamed": scenario_renamed, "compiled": scenario_compiled, "compiled_loop": scenario_compiled_loop, "user_code": scenario_user_code}[SCENARIO]()
+{"early_config": scenario_early_config, "config": scenario_config, "unpatch": scenario_unpatch, "identity": scenario_identity, "all_masked": scenario_all_masked, "resume": scenario_resume, "kl_part": scenario_kl_part, "train": scenario_train, "compiled": scenario_compiled, "compiled_loop": scenario_compiled_loop, "reward_placement": scenario_reward_placement, "user_code": scenario_user_code}[SCENARIO]()
 with open(OUT, "w") as f:
     json.dump(results, f, default=lambda o: None if isinstance(o, float) and math.isnan(o) else str(o))

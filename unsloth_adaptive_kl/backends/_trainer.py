@@ -24,6 +24,7 @@ from ..config import FIELDS, validate
 from ..versions import ALL_LOSS_TYPES, offered_loss_types
 from . import _callback
 from ._resume import observe_generated_reward, resume_generation_schedule
+from .reward_placement import RewardPlacement
 
 logger = logging.getLogger("unsloth_adaptive_kl")
 
@@ -53,7 +54,7 @@ def _default_handler() -> None:
 _default_handler()
 
 
-class TrainerAdaptiveKL(AdaptiveKL):
+class TrainerAdaptiveKL(RewardPlacement, AdaptiveKL):
     """The :class:`AdaptiveKL` of one GRPO trainer: its KL term and β controller, reduced across the
     trainer's processes, with the trainer's metrics as the sink. A backend subclasses it."""
 
@@ -396,6 +397,7 @@ def attach(trainer, runtime_cls, loss_class=None) -> TrainerAdaptiveKL:
         runtime.beta,
         ", ".join(metrics.METRIC_NAMES),
     )
+    runtime.check_placement()  # kl_placement='reward': refused here where this trainer cannot apply it
     runtime.after_attach(loss_class)
     return runtime
 

@@ -226,7 +226,9 @@ class AdaptiveFusedLinearGRPOLoss(nn.Module):
         if self.loss_type != "luspo":
             ref, old = neutral_padding(mask, ref, old)
         statistic = self.adaptive_kl.batch_statistic(ref, mask) if with_kl else None
-        beta = torch.as_tensor(self.beta, dtype=torch.float32, device=mask.device)
+        # kl_placement='reward' (GRPOTrainer(loss_class=...)): the KL is computed for the metrics but weighs 0 in the loss
+        loss_beta = self.beta if self.adaptive_kl.kl_in_loss else 0.0
+        beta = torch.as_tensor(loss_beta, dtype=torch.float32, device=mask.device)
         return mask, advantages, ref, old, vllm_is_ratio, beta, statistic, normaliser_tensor(num_items_in_batch, mask.device)
 
     def _evaluate(self, logps, inputs) -> LossTerms:

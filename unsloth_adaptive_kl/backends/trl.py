@@ -24,6 +24,7 @@ from .._source_patch import AnchorSet, Plan, Rewrite, check_version, is_patched,
 from ..versions import SUPPORTED, offered_loss_types
 from . import _trainer
 from . import loss_class as loss_class_path
+from . import reward_placement
 
 SUPPORTED_TRL = SUPPORTED["trl"].label  # the range lives in versions.py
 
@@ -70,10 +71,11 @@ _ADD = Rewrite(
     anchor="""        if self.beta != 0.0:
             per_token_loss = per_token_loss + self.beta * per_token_kl
 """,
-    replacement="""        if self.beta != 0.0 and not self._adaptive_kl.length_normalized:
+    replacement="""        if self.beta != 0.0 and self._adaptive_kl.kl_in_loss and not self._adaptive_kl.length_normalized:
             per_token_loss = per_token_loss + self.beta * adaptive_kl_adapted
 """,
-    why="β times the adapted KL enters the per-token loss (length_normalized adds it after aggregation)",
+    why="β times the adapted KL enters the per-token loss (length_normalized adds it after aggregation; "
+    "kl_placement='reward' subtracted it from the reward instead)",
 )
 
 
@@ -142,7 +144,7 @@ class TRLAdaptiveKL(_trainer.TrainerAdaptiveKL):
         """Add the length-normalised KL term (if any) and log this micro-batch's metrics."""
         trainer = self.trainer
         beta = trainer.beta
-        if raw is not None and self.length_normalized:
+        if raw is not None and self.length_normalized and self.kl_in_loss:
             accumulation = trainer.current_gradient_accumulation_steps if mode == "train" else 1.0
             loss = loss + self.term.length_normalized_loss(adapted, mask, beta=beta, num_completions=mask.shape[0], accumulation=accumulation)
         self.log_metrics(self.record(raw, adapted, mask, training=mode == "train", beta=beta), mode)
@@ -214,6 +216,7 @@ def patch(after_config_created=None) -> None:
     if eager_trl:
         trainer_cls = classes["GRPOTrainer"]
         set_attribute(trainer_cls, "_compute_loss", _dispatch_compute_loss(built[_COMPUTE_LOSS], trainer_cls._compute_loss))
+        reward_placement.install(trainer_cls, reward_placement.TRL_PLAN, classes)  # before the wrappers below wrap it
         _trainer.patch_trainer_class(trainer_cls, TRLAdaptiveKL, loss_path=("compute_loss", "_compute_loss"))
 
 

@@ -45,6 +45,7 @@ from ..config import FIELD_NAMES
 from ..kl_term import KLTerm
 from ..versions import SUPPORTED
 from . import _trainer
+from . import reward_placement
 from .unsloth_hooks import forget_accepted_config_arguments
 
 GENERATED_MODULE = "UnslothGRPOTrainer"
@@ -232,7 +233,8 @@ class UnslothAdaptiveKL(_trainer.TrainerAdaptiveKL):
         device = completion_mask.device
         kwargs["adaptive_kl"] = FusedKLInputs(
             term=self.term,
-            beta=torch.tensor(beta, dtype=torch.float32, device=device),
+            # kl_placement='reward': the KL is still computed (for the metrics) but weighs 0 in the loss
+            beta=torch.tensor(beta if self.kl_in_loss else 0.0, dtype=torch.float32, device=device),
             num_completions=torch.tensor(float(completion_mask.shape[0]), dtype=torch.float32, device=device),
             statistic=None if ref_logps is None else self.batch_statistic(ref_logps, completion_mask),
         )
@@ -304,6 +306,23 @@ def check_versions() -> None:
         check_version(distribution, supported.contains, supported.label)
 
 
+def _rollout_wrapper(trainer_cls):
+    """Unsloth wraps the generated ``_generate_and_score_completions`` (optimizer parking during rollouts, the
+    inference-mode restore): the function that wraps the reward placement's rewritten one the same way,
+    with Unsloth's own wrapper (None where Unsloth did not wrap it)."""
+    own = trainer_cls.__dict__.get(reward_placement.TARGET_NAME)
+    if not getattr(own, "_unsloth_restore_training_wrapped", False):
+        return None
+    from unsloth.models import rl
+
+    def wrap(function):
+        holder = type("RolloutHolder", (), {reward_placement.TARGET_NAME: function})
+        rl._wrap_grpo_generate_and_score(holder)
+        return holder.__dict__[reward_placement.TARGET_NAME]
+
+    return wrap
+
+
 def patch_generated_module(module) -> None:
     global _patched_module
     check_versions()
@@ -318,5 +337,8 @@ def patch_generated_module(module) -> None:
     for target, function in built.items():
         owner, name = split_target(target)
         set_attribute(targets[owner], name, function)
+    reward_placement.install(  # before the wrappers below wrap it
+        trainer_cls, reward_placement.UNSLOTH_PLAN, {"_UnslothGRPOTrainer": trainer_cls.__mro__[1]}, wrap=_rollout_wrapper(trainer_cls)
+    )
     _trainer.patch_trainer_class(trainer_cls, UnslothAdaptiveKL, loss_path=("compute_loss",))
     _patched_module = module
