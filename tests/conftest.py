@@ -52,3 +52,21 @@ def half_kl():
 
     yield "half_kl"
     unsloth_adaptive_kl.unregister_shaping("half_kl")
+
+
+@pytest.fixture
+def user_shaping():
+    """``user_shaping(name, fn, **register_kwargs)`` registers ``fn`` as a user would (returns ``name``); all are
+    removed after the test."""
+    import unsloth_adaptive_kl
+
+    names = []
+
+    def register(name, fn, **kwargs):
+        unsloth_adaptive_kl.register_shaping(name, **kwargs)(fn)
+        names.append(name)
+        return name
+
+    yield register
+    for name in names:
+        unsloth_adaptive_kl.unregister_shaping(name)

@@ -23,21 +23,6 @@ def adaptive(method, estimator="k3", **fields):
     return AdaptiveKL(config)
 
 
-@pytest.fixture
-def user_shaping():
-    """``user_shaping(name, fn, **register_kwargs)`` registers ``fn`` as a user would; all are removed after."""
-    names = []
-
-    def register(name, fn, **kwargs):
-        unsloth_adaptive_kl.register_shaping(name, **kwargs)(fn)
-        names.append(name)
-        return name
-
-    yield register
-    for name in names:
-        unsloth_adaptive_kl.unregister_shaping(name)
-
-
 def batch(seed=0):
     g = torch.Generator().manual_seed(seed)
     logp = (-torch.rand(3, 4, generator=g) * 3).requires_grad_(True)
@@ -63,7 +48,6 @@ def test_a_method_that_changes_its_input_in_place_at_run_time_is_refused_and_the
     with pytest.raises(ValueError, match="shaping method 'cap_three_rows' changed its input in place"):
         state.per_token(logp, ref, mask)
     kl = torch.rand(3, 4) + 1.0
-    before = kl.clone()
     with pytest.raises(ValueError, match="'cap_three_rows' changed its input in place"):
         shape_per_token(kl, parse_method("cap_three_rows"), {})
 

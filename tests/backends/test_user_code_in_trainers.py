@@ -29,19 +29,6 @@ def make_trainer(checkpoint, tmp_path, backend, trainer_cls=GRPOTrainer, **overr
     )  # fmt: skip
 
 
-@pytest.fixture
-def user_shaping():
-    names = []
-
-    def register(name, fn, **kwargs):
-        unsloth_adaptive_kl.register_shaping(name, **kwargs)(fn)
-        names.append(name)
-
-    yield register
-    for name in names:
-        unsloth_adaptive_kl.unregister_shaping(name)
-
-
 def logs_of(trainer):
     return [h for h in trainer.state.log_history if metrics.CURRENT_BETA in h]
 
