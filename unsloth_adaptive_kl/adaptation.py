@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from . import metrics
+from . import metrics, tail
 from .config import checked_beta
 from .controllers import BetaController, ControllerConfig, ControllerMismatchError, make_controller
 from .kl_term import KLTerm
@@ -30,13 +30,17 @@ class AdaptiveKL:
 
     ``config`` is any object with the adaptive-KL fields and ``beta`` (a ``GRPOConfig``).
     ``reduce`` sums a tensor across processes (``accelerator.reduce(t, "sum")``); identity by default.
+    ``process_index`` / ``num_processes``: this process's rank and the world size (the tail metrics'
+    max and min travel in one slot per process).
     """
 
-    def __init__(self, config, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None):
+    def __init__(self, config, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, *, process_index: int = 0, num_processes: int = 1):
         self.term = KLTerm.from_config(config)
         self.controller: BetaController = make_controller(self.term.method.controller, ControllerConfig.from_config(config))
         self.reduce = reduce or _no_reduce
+        self.process_index, self.num_processes = process_index, num_processes
         self._step_sums: torch.Tensor | None = None
+        self._tail_window: dict[bool, tail.TailTotals | None] = {True: None, False: None}  # by training
 
     # -- the per-token math: the term's ---------------------------------------------------------
     @property
@@ -82,15 +86,34 @@ class AdaptiveKL:
         With ``raw is None`` (β is 0, no KL computed) only ``current_beta`` is reported and the
         KL metrics are NaN, which the trainer's logger shows as missing.
         """
-        sums = None if raw is None else metrics.local_kl_sums(raw, adapted, mask)
+        sums = None if raw is None else metrics.local_metric_sums(raw, adapted, mask)
         return self.record_sums(sums, training=training, beta=beta)
 
     def record_sums(self, local_sums: torch.Tensor | None, *, training: bool, beta: float) -> dict[str, float]:
-        """As :meth:`record`, from :func:`metrics.local_kl_sums` computed elsewhere (e.g. in a fused loss)."""
-        totals = None if local_sums is None else self.reduce(local_sums)
-        if training and totals is not None:
-            self._step_sums = totals if self._step_sums is None else self._step_sums + totals
-        return {metrics.CURRENT_BETA: float(beta), **metrics.metric_values(totals, length_normalized=self.length_normalized)}
+        """As :meth:`record`, from :func:`metrics.local_metric_sums` computed elsewhere (e.g. in a fused loss).
+
+        One reduce and one copy to the host per call: the tail histogram rides in the same tensor."""
+        if local_sums is None:
+            return {metrics.CURRENT_BETA: float(beta), **metrics.metric_values(None, length_normalized=self.length_normalized)}
+        spread_tail = tail.spread(local_sums[metrics.NUM_SUMS :], self.process_index, self.num_processes)
+        totals = self.reduce(torch.cat([local_sums[: metrics.NUM_SUMS], spread_tail]))
+        if training:
+            sums = totals[: metrics.NUM_SUMS]
+            self._step_sums = sums if self._step_sums is None else self._step_sums + sums
+        host = totals.cpu()  # the one host sync
+        values = metrics.metric_values(host[: metrics.NUM_SUMS], length_normalized=self.length_normalized)
+        return {metrics.CURRENT_BETA: float(beta), **values, **self._tail_values(host[metrics.NUM_SUMS :], training)}
+
+    def _tail_values(self, reduced_tail: torch.Tensor, training: bool) -> dict[str, float]:
+        """Add this micro-batch's histogram to the logging window's; the window's tail statistics (NaN: no token)."""
+        totals = tail.TailTotals.from_reduced(reduced_tail)
+        window = self._tail_window[training]
+        window = self._tail_window[training] = totals if window is None else window + totals
+        return metrics.tail_values(tail.statistics(window))
+
+    def restart_tail_window(self, training: bool) -> None:
+        """Start a new logging window for the tail metrics (the trainer's log flushed the last one)."""
+        self._tail_window[training] = None
 
     def observe_reward(self, reward: float) -> None:
         self.controller.observe_reward(reward)

@@ -2,7 +2,8 @@
 
 A backend computes :func:`local_kl_sums` on its shard of the batch, sums them across processes
 (one ``reduce`` of one small tensor), and turns the totals into metric values with
-:func:`metric_values`. Token-weighted means over all processes, like TRL's own ``kl``.
+:func:`metric_values`. Token-weighted means over all processes, like TRL's own ``kl``; the tail of
+the raw KL (max, p99, top-1 % share) rides in the same tensor as a histogram (:mod:`.tail`).
 """
 
 from __future__ import annotations
@@ -11,13 +12,20 @@ import math
 
 import torch
 
+from . import tail
 from .shaping import sequence_mean
 
 RAW_KL = "adaptive_kl/raw_kl"
 ADAPTED_KL = "adaptive_kl/adapted_kl"
 CURRENT_BETA = "adaptive_kl/current_beta"
 SKIPPED_UPDATES = "adaptive_kl/skipped_updates"
-METRIC_NAMES = (RAW_KL, ADAPTED_KL, CURRENT_BETA, SKIPPED_UPDATES)
+TOKEN_KL_MAX = "adaptive_kl/token_kl_max"
+TOKEN_KL_P99 = "adaptive_kl/token_kl_p99"
+TOKEN_KL_TOP1PCT_SHARE = "adaptive_kl/token_kl_top1pct_share"
+METRIC_NAMES = (RAW_KL, ADAPTED_KL, CURRENT_BETA, SKIPPED_UPDATES, TOKEN_KL_MAX, TOKEN_KL_P99, TOKEN_KL_TOP1PCT_SHARE)
+#: Statistics of every token of the logging window pooled (over its micro-batches, steps and processes),
+#: logged as their latest value: the max over the window, the p99 and top-1 % share of the window's tokens.
+WINDOW_TAIL_METRICS = (TOKEN_KL_MAX, TOKEN_KL_P99, TOKEN_KL_TOP1PCT_SHARE)
 #: Logged as their latest value in the logging window, not averaged over it: the β of the window's
 #: last step (an average of several steps' β is a β no step used) and a running count.
 LATEST_VALUE_METRICS = (CURRENT_BETA, SKIPPED_UPDATES)
@@ -25,6 +33,14 @@ LATEST_VALUE_METRICS = (CURRENT_BETA, SKIPPED_UPDATES)
 # Layout of the sums tensor.
 RAW_SUM, ADAPTED_SUM, TOKENS, ADAPTED_SEQ_MEAN_SUM, COMPLETIONS = range(5)
 NUM_SUMS = 5
+#: Length of :func:`local_metric_sums`: the sums, then this shard's :func:`tail.local_tail`.
+SUMS_SIZE = NUM_SUMS + tail.LOCAL_SIZE
+
+
+def local_metric_sums(raw: torch.Tensor, adapted: torch.Tensor, mask: torch.Tensor, tail_edges: torch.Tensor | None = None) -> torch.Tensor:
+    """What a backend reduces once per micro-batch: :func:`local_kl_sums`, then the histogram of the raw
+    KL for the tail metrics (:func:`tail.local_tail`; ``tail_edges``: its edges on the device)."""
+    return torch.cat([local_kl_sums(raw, adapted, mask), tail.local_tail(raw, mask, tail_edges)])
 
 
 def local_kl_sums(raw: torch.Tensor, adapted: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -90,3 +106,10 @@ def metric_values(totals: torch.Tensor | None, *, length_normalized: bool) -> di
     else:
         adapted = token_mean(t[ADAPTED_SUM], tokens)
     return {RAW_KL: token_mean(t[RAW_SUM], tokens), ADAPTED_KL: adapted}
+
+
+def tail_values(statistics: "tail.TailStatistics | None") -> dict[str, float]:
+    """The three tail metrics from :func:`tail.statistics` (NaN each when no token was observed)."""
+    if statistics is None:
+        return {name: math.nan for name in WINDOW_TAIL_METRICS}
+    return {TOKEN_KL_MAX: statistics.maximum, TOKEN_KL_P99: statistics.p99, TOKEN_KL_TOP1PCT_SHARE: statistics.top_share}

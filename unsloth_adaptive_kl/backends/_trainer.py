@@ -61,8 +61,18 @@ class TrainerAdaptiveKL(AdaptiveKL):
 
     def __init__(self, trainer):
         accelerator = trainer.accelerator
-        super().__init__(trainer.args, reduce=lambda t: accelerator.reduce(t, reduction="sum"))
+        super().__init__(
+            trainer.args, reduce=lambda t: accelerator.reduce(t, reduction="sum"),
+            process_index=accelerator.process_index, num_processes=accelerator.num_processes,
+        )  # fmt: skip
         self.trainer = trainer
+
+    def record_sums(self, local_sums, *, training: bool, beta: float) -> dict[str, float]:
+        # The trainer's log() empties its metrics: no tail metric there means the last window was logged
+        # (Unsloth pools its rollout metrics over the window the same way).
+        if metrics.TOKEN_KL_MAX not in self.trainer._metrics["train" if training else "eval"]:
+            self.restart_tail_window(training)
+        return super().record_sums(local_sums, training=training, beta=beta)
 
     def describe(self) -> str:
         """Which loss computes this trainer's KL, in words (logged once when the trainer is created)."""
@@ -81,11 +91,13 @@ class TrainerAdaptiveKL(AdaptiveKL):
         ``skipped_updates`` keep only their latest value, so the log shows the β of the window's last
         step and the running count, never an average of them. A KL value that was not observed (NaN:
         β is 0, or no valid token) is not appended: TRL's ``log()`` would turn a window of only NaN into
-        ``None``, which TensorBoard and other loggers refuse with a warning at every logged step."""
+        ``None``, which TensorBoard and other loggers refuse with a warning at every logged step.
+        The tail metrics (``metrics.WINDOW_TAIL_METRICS``) are statistics of the window's tokens pooled so
+        far: each keeps its latest value, so the log shows the whole window's."""
         for name, value in values.items():
             if name not in metrics.LATEST_VALUE_METRICS and value != value:
                 continue
-            if name in metrics.LATEST_VALUE_METRICS:
+            if name in metrics.LATEST_VALUE_METRICS or name in metrics.WINDOW_TAIL_METRICS:
                 self.trainer._metrics[mode][name][:] = [value]
             else:
                 self.trainer._metrics[mode][name].append(value)

@@ -39,7 +39,7 @@ from typing import NamedTuple
 
 import torch
 
-from .. import metrics
+from .. import metrics, tail
 from .._source_patch import AnchorSet, PatchError, Plan, Rewrite, check_version, set_attribute, split_target, version_of
 from ..config import FIELD_NAMES
 from ..estimators import estimate_kl, get_estimator
@@ -49,7 +49,7 @@ from . import _trainer
 from .unsloth_hooks import forget_accepted_config_arguments
 
 GENERATED_MODULE = "UnslothGRPOTrainer"
-STATS_SIZE = 1 + metrics.NUM_SUMS  # Unsloth's mean_kl, then metrics.local_kl_sums
+STATS_SIZE = 1 + metrics.SUMS_SIZE  # Unsloth's mean_kl, then metrics.local_metric_sums (the KL sums, the tail histogram)
 
 # -- the plan --------------------------------------------------------------------------------------------
 def _gate(indent: str) -> Rewrite:
@@ -184,6 +184,7 @@ class FusedKLInputs(NamedTuple):
     beta: torch.Tensor | None  # 0-dim; None while β is 0
     num_completions: torch.Tensor | None  # 0-dim; completions in the whole batch (chunks see a slice)
     statistic: torch.Tensor | None  # the estimator's batch statistic (bottom_q's threshold)
+    tail_edges: torch.Tensor | None = None  # tail.edges_on(device): the tail histogram's edges, an input of the graph
 
     def estimate(self, unsloth_k3, new, ref, clamped_log_ratio, mask):
         """Unsloth's own (clamped) k3, or the configured estimator on the same clamped log-ratio."""
@@ -205,7 +206,8 @@ class FusedKLInputs(NamedTuple):
                 loss = loss + self.term.length_normalized_loss(
                     adapted, mask, beta=self.beta, num_completions=self.num_completions, accumulation=accumulation
                 )
-            sums = metrics.local_kl_sums(raw, adapted, mask)
+            # One chunk (the rewritten call passes n_chunks=1): the chunk's max and min are the micro-batch's.
+            sums = metrics.local_metric_sums(raw, adapted, mask, self.tail_edges)
         return loss, torch.cat([unsloth_mean_kl.reshape(1).to(torch.float64), sums])
 
 
@@ -241,16 +243,19 @@ class UnslothAdaptiveKL(_trainer.TrainerAdaptiveKL):
                 "sample weights (sample_weight): both replace the loss normaliser"
             )
         device = completion_mask.device
+        tail_edges = tail.edges_on(device)
+        torch._dynamo.mark_static(tail_edges)  # under dynamic=True its length could share a sequence length's symbol
         kwargs["adaptive_kl"] = FusedKLInputs(
             term=self.term,
             beta=torch.tensor(beta, dtype=torch.float32, device=device),
             num_completions=torch.tensor(float(completion_mask.shape[0]), dtype=torch.float32, device=device),
             statistic=None if ref_logps is None else self.batch_statistic(ref_logps, completion_mask),
+            tail_edges=tail_edges,
         )
         return 1.0
 
     def record_fused(self, stats, mode: str) -> float:
-        """Log the adaptive_kl metrics from the fused loss's 6-vector; return Unsloth's own kl."""
+        """Log the adaptive_kl metrics from the fused loss's statistics (``STATS_SIZE``); return Unsloth's own kl."""
         if not torch.is_tensor(stats) or stats.shape != (STATS_SIZE,):
             raise PatchError(
                 f"unsloth {version_of('unsloth')} / unsloth_zoo {version_of('unsloth_zoo')}: the GRPO loss returned "
