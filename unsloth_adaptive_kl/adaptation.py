@@ -39,6 +39,7 @@ class AdaptiveKL:
         self.controller: BetaController = make_controller(self.term.method.controller, ControllerConfig.from_config(config))
         self.reduce = reduce or _no_reduce
         self.process_index, self.num_processes = process_index, num_processes
+        self.monitor = bool(getattr(config, "kl_monitor", False))  # kl_monitor: the KL is computed and logged at β = 0 too
         self._step_sums: torch.Tensor | None = None
         self._tail_window: dict[bool, tail.TailTotals | None] = {True: None, False: None}  # by training
 
@@ -74,8 +75,17 @@ class AdaptiveKL:
     def batch_statistic(self, ref_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
         return self.term.batch_statistic(ref_logp, mask)
 
+    @property
+    def computes_kl(self) -> bool:
+        """Whether this step computes the KL: while β != 0, and with ``kl_monitor`` also at β = 0 (only logged then)."""
+        return self.beta != 0.0 or self.monitor
+
     def per_token(self, logp, ref_logp, mask, coef=None, statistic=None, estimator=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(raw, adapted)`` per-token KL: :meth:`KLTerm.per_token`."""
+        """``(raw, adapted)`` per-token KL: :meth:`KLTerm.per_token`; at β = 0 (``kl_monitor``) without a graph,
+        as the KL only reaches the metrics then."""
+        if self.beta == 0.0:
+            with torch.no_grad():
+                return self.term.per_token(logp, ref_logp, mask, coef, statistic, estimator)
         return self.term.per_token(logp, ref_logp, mask, coef, statistic, estimator)
 
     # -- statistics, metrics and β -------------------------------------------------------------

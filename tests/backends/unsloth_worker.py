@@ -77,7 +77,7 @@ import trl  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 import reference  # noqa: E402
-from unsloth_adaptive_kl import toy, versions  # noqa: E402
+from unsloth_adaptive_kl import metrics, toy, versions  # noqa: E402
 
 generated = sys.modules["UnslothGRPOTrainer"]
 CHECKPOINT = toy.build_checkpoint(tempfile.mkdtemp(prefix="tiny-"), hidden_size=32)
@@ -301,11 +301,13 @@ def scenario_kl_part():
                 kl_target=kl_target, **normaliser,
             )
             raw_mean, adapted_mean = reference.metric_reference(method, raw, shaped, seen["mask"])
+            valid_raw = raw.double()[seen["mask"].bool()]
             out.append(
                 dict(
                     loss_type=loss_type, method=method, estimator=estimator, got=with_kl - without_kl, expected=expected.item(),
                     unshaped=unshaped.item(), logged_raw=logged["adaptive_kl/raw_kl"], logged_adapted=logged["adaptive_kl/adapted_kl"],
                     logged_beta=logged["adaptive_kl/current_beta"], raw_ref=raw_mean, adapted_ref=adapted_mean,
+                    logged_tail=[logged.get(name) for name in metrics.WINDOW_TAIL_METRICS], valid_raw=valid_raw.tolist(),
                 )
             )
     results["kl_part"] = out

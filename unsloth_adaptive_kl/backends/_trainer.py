@@ -10,6 +10,7 @@ goes through the ledger of :mod:`unsloth_adaptive_kl._source_patch`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -77,6 +78,20 @@ class TrainerAdaptiveKL(AdaptiveKL):
     def describe(self) -> str:
         """Which loss computes this trainer's KL, in words (logged once when the trainer is created)."""
         raise NotImplementedError
+
+    @classmethod
+    def building(cls, config):
+        """A context the library's ``__init__`` runs in (``config``: its args); a backend may need one (kl_monitor)."""
+        return contextlib.nullcontext()
+
+    def log_library_kl(self, values: dict[str, float], raw, mask, mode: str) -> None:
+        """Log the library's own ``kl`` where it does not (β = 0 under kl_monitor): its global masked mean of the
+        raw KL over ``mask``, which is ``values``' raw_kl unless that is NaN (TRL logs 0 for no token) or tokens
+        are excluded (TRL's mean counts them, at 0)."""
+        kl = values[metrics.RAW_KL]
+        if kl != kl or self.term.exclude_token_ids:
+            kl = metrics.global_masked_mean(raw, mask, self.reduce)
+        self.trainer._metrics[mode]["kl"].append(kl)
 
     def still_patched(self) -> bool:
         """Whether the trainer's class is still patched (false after ``unpatch()``)."""
@@ -199,7 +214,8 @@ def _wrap_init(original, runtime_cls):
         config = _config_argument(args, kwargs)
         if config is not None:
             fill_missing_fields(config)
-        original(self, *args, **kwargs)
+        with runtime_cls.building(config):
+            original(self, *args, **kwargs)
         attach(self, loss_class=None if loss_class is OWN_LOSS else loss_class, runtime_cls=runtime_cls)
 
     __init__.__signature__ = _signature_with_loss_class(original)  # shown by help() and inspect.signature

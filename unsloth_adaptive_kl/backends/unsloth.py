@@ -52,6 +52,10 @@ GENERATED_MODULE = "UnslothGRPOTrainer"
 STATS_SIZE = 1 + metrics.SUMS_SIZE  # Unsloth's mean_kl, then metrics.local_metric_sums (the KL sums, the tail histogram)
 
 # -- the plan --------------------------------------------------------------------------------------------
+# After the shaping, in every line: the excluded tokens' positions lose their KL (kl_i: Unsloth's kl and our raw).
+_EXCLUDE = '        kl_i, adaptive_kl_i = kwargs["adaptive_kl"].exclude(kl_i, adaptive_kl_i, input_ids)\n'
+
+
 def _gate(indent: str) -> Rewrite:
     """``trainer.beta`` in the call of ``UnslothEfficientGRPO.apply`` (indented ``indent``, which
     differs between unsloth_zoo lines) becomes the constant gate, with β put in the kwargs."""
@@ -82,8 +86,8 @@ UNSLOTH_2026_10 = AnchorSet(
             "unsloth_zoo",
             "        kl_i = torch.clamp(kl_i, min = -10.0, max = 10.0)\n",
             "        kl_i = torch.clamp(kl_i, min = -10.0, max = 10.0)\n"
-            '        adaptive_kl_i = kwargs["adaptive_kl"].term.shape(kl_i)\n',
-            "the shaping, after Unsloth's bias correction and clamp",
+            '        adaptive_kl_i = kwargs["adaptive_kl"].term.shape(kl_i)\n' + _EXCLUDE,
+            "the shaping, after Unsloth's bias correction and clamp; no KL at kl_exclude_token_ids",
         ),
         Rewrite(
             "grpo_compute_loss",
@@ -99,7 +103,8 @@ UNSLOTH_2026_10 = AnchorSet(
             "    completion_length, mean_kl = masked_batch_mean(kl_metric)\n",
             "    completion_length, mean_kl = masked_batch_mean(kl_metric)\n"
             '    loss, mean_kl = kwargs["adaptive_kl"].finish(\n'
-            "        loss, mean_kl, kl_metric, adaptive_kl_i if beta != 0.0 else None, mask, rs_keep, current_gradient_accumulation_steps\n"
+            "        loss, mean_kl, kl_metric, adaptive_kl_i if beta != 0.0 else None, mask, rs_keep, current_gradient_accumulation_steps,\n"
+            "        input_ids,\n"
             "    )\n",
             "the length-normalised term, and the local metric sums in the mean_kl slot",
         ),
@@ -131,7 +136,7 @@ _FINISH_BEFORE_2026_10 = Rewrite(
     "    completion_length, mean_kl = masked_batch_mean(kl_i)\n",
     "    completion_length, mean_kl = masked_batch_mean(kl_i)\n"
     '    loss, mean_kl = kwargs["adaptive_kl"].finish(\n'
-    "        loss, mean_kl, kl_i, adaptive_kl_i if beta != 0.0 else None, mask, None, current_gradient_accumulation_steps\n"
+    "        loss, mean_kl, kl_i, adaptive_kl_i if beta != 0.0 else None, mask, None, current_gradient_accumulation_steps, input_ids\n"
     "    )\n",
     _FINISH.why,
 )
@@ -152,8 +157,8 @@ UNSLOTH_2026_9 = AnchorSet(
             "unsloth_zoo",
             "        if use_bias_correction_kl:\n            kl_i = kl_i * coef_1\n",
             "        if use_bias_correction_kl:\n            kl_i = kl_i * coef_1\n"
-            '        adaptive_kl_i = kwargs["adaptive_kl"].term.shape(kl_i)\n',
-            "the shaping, after Unsloth's bias correction",
+            '        adaptive_kl_i = kwargs["adaptive_kl"].term.shape(kl_i)\n' + _EXCLUDE,
+            "the shaping, after Unsloth's bias correction; no KL at kl_exclude_token_ids",
         ),
         _ADD, _FINISH_BEFORE_2026_10, _FORWARD, _GATE, _TRAINER_KL,
     ),
@@ -168,8 +173,8 @@ UNSLOTH_2026_8 = AnchorSet(
             "        kl_i = torch.exp(ref - new) - (ref - new) - 1.0\n",
             "        kl_i = torch.exp(ref - new) - (ref - new) - 1.0\n"
             '        kl_i = kwargs["adaptive_kl"].estimate(kl_i, new, ref, ref - new, mask)\n'
-            '        adaptive_kl_i = kwargs["adaptive_kl"].term.shape(kl_i)\n',
-            "the configured estimator (this Unsloth's k3 is unclamped, with no bias correction) and the shaping",
+            '        adaptive_kl_i = kwargs["adaptive_kl"].term.shape(kl_i)\n' + _EXCLUDE,
+            "the configured estimator (this Unsloth's k3 is unclamped, with no bias correction), the shaping, the exclusions",
         ),
         _ADD, _FINISH_BEFORE_2026_10, _FORWARD, _gate(" " * 12), _TRAINER_KL,
     ),
@@ -195,19 +200,25 @@ class FusedKLInputs(NamedTuple):
         clamped_ref = torch.where(clamped_log_ratio == ref - new, ref, new + clamped_log_ratio)
         return self.term.estimate(new, clamped_ref, mask, self.statistic, check=False)
 
-    def finish(self, loss, unsloth_mean_kl, raw, adapted, mask, rs_keep, accumulation):
-        """Add the length-normalised term; return the loss and ``[unsloth_kl, local sums...]``."""
+    def exclude(self, raw, adapted, token_ids):
+        """``raw`` and ``adapted`` with no KL at the ``kl_exclude_token_ids`` positions (unchanged when none)."""
+        return self.term.without_excluded(raw, token_ids), self.term.without_excluded(adapted, token_ids)
+
+    def finish(self, loss, unsloth_mean_kl, raw, adapted, mask, rs_keep, accumulation, token_ids):
+        """Add the length-normalised term; return the loss and ``[unsloth_kl, local sums...]`` (the metric
+        sums over the valid tokens that are not excluded)."""
         if adapted is None:  # β is 0: no KL was computed
             sums = torch.zeros(STATS_SIZE - 1, dtype=torch.float64, device=mask.device)
         else:
             if rs_keep is not None:  # tokens Unsloth's rollout rejection drops leave the KL too
                 adapted = torch.where(rs_keep, adapted, 0.0)
+            kl_mask = self.term.kl_mask(mask, token_ids)  # the valid tokens that are not excluded
             if self.term.length_normalized:
                 loss = loss + self.term.length_normalized_loss(
-                    adapted, mask, beta=self.beta, num_completions=self.num_completions, accumulation=accumulation
+                    adapted, kl_mask, beta=self.beta, num_completions=self.num_completions, accumulation=accumulation
                 )
             # One chunk (the rewritten call passes n_chunks=1): the chunk's max and min are the micro-batch's.
-            sums = metrics.local_metric_sums(raw, adapted, mask, self.tail_edges)
+            sums = metrics.local_metric_sums(raw, adapted, kl_mask, self.tail_edges)
         return loss, torch.cat([unsloth_mean_kl.reshape(1).to(torch.float64), sums])
 
 
@@ -218,6 +229,14 @@ class UnslothAdaptiveKL(_trainer.TrainerAdaptiveKL):
 
     def __init__(self, trainer):
         super().__init__(trainer)
+        if self.monitor:
+            raise ValueError(
+                f"kl_monitor=True is not valid with Unsloth's generated trainer (unsloth {version_of('unsloth')}, unsloth_zoo "
+                f"{version_of('unsloth_zoo')}): it makes and scores its reference model only while beta != 0 in its own "
+                "generated __init__ and generation, its kept-set scoring check and the precision latch of its unscored "
+                "forwards, and its fused loss computes the KL only behind the same gate, none of which this package "
+                "rewrites; allowed: kl_monitor=False, or the TRL backend (TRL's GRPOTrainer, without import unsloth)"
+            )
         if not get_estimator(self.estimator).builtin:
             self._check_user_estimator_once()
 
