@@ -216,3 +216,26 @@ def test_a_micro_batch_with_no_valid_token_logs_stock_unsloths_kl_and_no_adaptiv
         assert logged["kl"] == [0.0] and run["loss"] == 0.0 and run["grads_finite"], (method, run)
         assert "adaptive_kl/raw_kl" not in logged and "adaptive_kl/adapted_kl" not in logged, (method, logged)
         assert logged["adaptive_kl/current_beta"] == [0.04], (method, logged)
+
+
+def test_excluded_tokens_leave_the_fused_kl_term_and_metrics_and_not_the_policy_term(tmp_path_factory):
+    import torch
+    from test_tail import exact_tail
+
+    cases = run_worker("unsloth-first", "diagnostics", tmp_path_factory)["diagnostics"]
+    assert len(cases) == 6
+    for c in cases:
+        excluded, every = c["excluded"], c["all"]
+        assert c["excluded_count"] > 0 and excluded["policy"] == every["policy"], c  # the policy term is untouched
+        assert excluded["kl_part"] == pytest.approx(c["expected"], rel=2e-4, abs=1e-7), c
+        assert abs(excluded["kl_part"] - every["kl_part"]) > 1e-6, c
+        logged = excluded["logged"]
+        assert logged["adaptive_kl/raw_kl"] == [pytest.approx(c["raw_ref"], rel=1e-5)], c
+        maximum, _, _ = exact_tail(torch.tensor(c["valid_raw"], dtype=torch.float64))
+        assert logged["adaptive_kl/token_kl_max"] == [pytest.approx(maximum, rel=1e-6)], c
+
+
+def test_kl_monitor_is_refused_naming_unsloth_and_why(tmp_path_factory):
+    error = run_worker("unsloth-first", "diagnostics", tmp_path_factory)["monitor_error"]
+    assert error is not None and error.startswith("kl_monitor=True is not valid with Unsloth's generated trainer (unsloth 20"), error
+    assert "only while beta != 0" in error and "allowed: kl_monitor=False" in error

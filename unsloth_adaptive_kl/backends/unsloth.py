@@ -201,7 +201,9 @@ class FusedKLInputs(NamedTuple):
         return self.term.estimate(new, clamped_ref, mask, self.statistic, check=False)
 
     def exclude(self, raw, adapted, token_ids):
-        """``raw`` and ``adapted`` with no KL at the ``kl_exclude_token_ids`` positions (unchanged when none)."""
+        """``raw`` and ``adapted`` with no KL at the ``kl_exclude_token_ids`` positions (unchanged when none).
+        ``token_ids``: the loss's ``input_ids``, the completion tokens aligned with its mask (``(B, T, 1)`` there)."""
+        token_ids = token_ids.reshape(raw.shape)
         return self.term.without_excluded(raw, token_ids), self.term.without_excluded(adapted, token_ids)
 
     def finish(self, loss, unsloth_mean_kl, raw, adapted, mask, rs_keep, accumulation, token_ids):
@@ -212,7 +214,7 @@ class FusedKLInputs(NamedTuple):
         else:
             if rs_keep is not None:  # tokens Unsloth's rollout rejection drops leave the KL too
                 adapted = torch.where(rs_keep, adapted, 0.0)
-            kl_mask = self.term.kl_mask(mask, token_ids)  # the valid tokens that are not excluded
+            kl_mask = self.term.kl_mask(mask, token_ids.reshape(mask.shape))  # the valid tokens that are not excluded
             if self.term.length_normalized:
                 loss = loss + self.term.length_normalized_loss(
                     adapted, kl_mask, beta=self.beta, num_completions=self.num_completions, accumulation=accumulation
