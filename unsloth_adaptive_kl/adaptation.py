@@ -81,11 +81,8 @@ class AdaptiveKL:
         return self.beta != 0.0 or self.monitor
 
     def per_token(self, logp, ref_logp, mask, coef=None, statistic=None, estimator=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(raw, adapted)`` per-token KL: :meth:`KLTerm.per_token`; at β = 0 (``kl_monitor``) without a graph,
-        as the KL only reaches the metrics then."""
-        if self.beta == 0.0:
-            with torch.no_grad():
-                return self.term.per_token(logp, ref_logp, mask, coef, statistic, estimator)
+        """``(raw, adapted)`` per-token KL: :meth:`KLTerm.per_token`. No branch on β here: compiled callers
+        (the Liger module) would guard on its value and recompile at every new β."""
         return self.term.per_token(logp, ref_logp, mask, coef, statistic, estimator)
 
     # -- statistics, metrics and β -------------------------------------------------------------

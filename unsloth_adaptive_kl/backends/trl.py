@@ -192,6 +192,14 @@ class TRLAdaptiveKL(_trainer.TrainerAdaptiveKL):
             )
         return inputs["ref_per_token_logps"]
 
+    def per_token(self, logp, ref_logp, mask, coef=None, statistic=None, estimator=None):
+        """As :meth:`AdaptiveKL.per_token`; at β = 0 (``kl_monitor``) without an autograd graph: the KL only
+        reaches the metrics then (TRL's loss is eager, so this branch costs no recompilation)."""
+        if self.beta == 0.0:
+            with torch.no_grad():
+                return super().per_token(logp, ref_logp, mask, coef, statistic, estimator)
+        return super().per_token(logp, ref_logp, mask, coef, statistic, estimator)
+
     def after_aggregation(self, loss, raw, adapted, mask, mode, kl_mask=None):
         """Add the length-normalised KL term (if any) and log this micro-batch's metrics (over ``kl_mask``:
         the valid tokens that are not excluded). At β = 0 (``kl_monitor``) the loss is left as it is."""

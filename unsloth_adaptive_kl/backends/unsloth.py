@@ -206,7 +206,7 @@ class FusedKLInputs(NamedTuple):
         token_ids = token_ids.reshape(raw.shape)
         return self.term.without_excluded(raw, token_ids), self.term.without_excluded(adapted, token_ids)
 
-    def finish(self, loss, unsloth_mean_kl, raw, adapted, mask, rs_keep, accumulation, token_ids):
+    def finish(self, loss, unsloth_mean_kl, raw, adapted, mask, rs_keep, accumulation, token_ids=None):
         """Add the length-normalised term; return the loss and ``[unsloth_kl, local sums...]`` (the metric
         sums over the valid tokens that are not excluded)."""
         if adapted is None:  # β is 0: no KL was computed
@@ -214,7 +214,8 @@ class FusedKLInputs(NamedTuple):
         else:
             if rs_keep is not None:  # tokens Unsloth's rollout rejection drops leave the KL too
                 adapted = torch.where(rs_keep, adapted, 0.0)
-            kl_mask = self.term.kl_mask(mask, token_ids.reshape(mask.shape))  # the valid tokens that are not excluded
+            # the valid tokens that are not excluded (token_ids: the loss's input_ids, None from a direct caller)
+            kl_mask = mask if token_ids is None else self.term.kl_mask(mask, token_ids.reshape(mask.shape))
             if self.term.length_normalized:
                 loss = loss + self.term.length_normalized_loss(
                     adapted, kl_mask, beta=self.beta, num_completions=self.num_completions, accumulation=accumulation
