@@ -52,7 +52,7 @@ package_files = {f for f in files_under(PACKAGE) if f.endswith(".py")}
 with tarfile.open(sdist) as tar:
     names = [m.name.split("/", 1)[1] for m in tar.getmembers() if m.isfile()]
 metadata = {n for n in names if n in ("PKG-INFO", "setup.cfg") or n.startswith(f"{PACKAGE}.egg-info/")}
-expected = package_files | {"README.md", "pyproject.toml", "MANIFEST.in", ".ci/run"}
+expected = package_files | {"README.md", "pyproject.toml", "MANIFEST.in", "mkdocs.yml", ".ci/run"}
 expected |= {f for top in SOURCE_DIRS for f in files_under(top)}
 shipped = set(names) - metadata
 problems += [f"sdist lacks {f}" for f in sorted(expected - shipped)]

@@ -28,6 +28,7 @@ METHODS = {
     "none": dict(kl_adaptation_method="none"),
     "dynamic": dict(kl_adaptation_method="dynamic", reward_threshold=-1.0),  # decays every step
     "target": dict(kl_adaptation_method="target", kl_target=0.01, kl_horizon=20.0),
+    "target-reward": dict(kl_adaptation_method="target", kl_target=0.01, kl_horizon=20.0, kl_placement="reward"),
 }
 
 
@@ -76,6 +77,27 @@ def record_sums(runtime, rows):
     runtime.record, runtime.record_sums = record, record_sums
 
 
+def record_penalties(runtime, penalties):
+    """kl_placement='reward': each generation batch's local penalties (before the gather), the rewards before and
+    after, the logged kl_penalty, and the scoring-time KL sums (local, and reduced) the controller got."""
+    penalized_rewards, observe = runtime.penalized_rewards, runtime.observe_scoring_sums
+
+    def observe_scoring_sums(local_sums):
+        totals = observe(local_sums)
+        penalties.append({"local_sums": local_sums.tolist(), "total_sums": totals.tolist()})
+        return totals
+
+    def penalized(rewards, local_penalty, mode):
+        out = penalized_rewards(rewards, local_penalty, mode)
+        penalties[-1].update(
+            local=local_penalty.tolist(), rewards=rewards.tolist(), penalized=out.tolist(),
+            logged=runtime.trainer._metrics[mode][metrics.KL_PENALTY][-1],
+        )  # fmt: skip
+        return out
+
+    runtime.observe_scoring_sums, runtime.penalized_rewards = observe_scoring_sums, penalized
+
+
 def main():
     rank = int(os.environ.get("RANK", "0"))
     results = {"world_size": int(os.environ.get("WORLD_SIZE", "1"))}
@@ -88,14 +110,15 @@ def main():
         trainer = GRPOTrainer(
             model=CHECKPOINT, reward_funcs=[toy.format_reward, toy.correctness_reward], args=args, train_dataset=toy.prompt_dataset(32)
         )
-        betas, rows = [trainer.beta], []
+        betas, rows, penalties = [trainer.beta], [], []
         trainer.add_callback(RecordBeta(trainer, betas))
         uneven_batches(trainer, rank)
         record_sums(trainer._adaptive_kl, rows)
+        record_penalties(trainer._adaptive_kl, penalties)
         trainer.train()
         logged = [h for h in trainer.state.log_history if metrics.CURRENT_BETA in h]
         results[name] = {
-            "betas": betas, "rows": rows, "logged_betas": [h[metrics.CURRENT_BETA] for h in logged],
+            "betas": betas, "rows": rows, "logged_betas": [h[metrics.CURRENT_BETA] for h in logged], "penalties": penalties,
             "logged_tail": [[h.get(name) for name in metrics.WINDOW_TAIL_METRICS] for h in logged],
         }  # fmt: skip
         torch.distributed.barrier()

@@ -3,7 +3,7 @@ definitions (Schulman's estimators, the shaping formulas, TRL 1.15's per-loss-ty
 
 import torch
 
-from unsloth_adaptive_kl.shaping import SHAPING, shaping_names
+from unsloth_adaptive_kl.shaping import CONTROLLERS, SHAPING, method_names, shaping_names
 
 MAX_COMPLETION = 6
 
@@ -17,6 +17,10 @@ SHAPING64 = {
 BUILTIN_SHAPING = [name for name in shaping_names() if SHAPING[name].builtin]
 #: The methods the backend tests train with: every built-in alone, each controller, one composition.
 METHODS = ["none", *BUILTIN_SHAPING, "dynamic", "target", "dynamic+length_normalized"]
+#: Every name ``kl_adaptation_method`` takes alone, and each β controller joined with ``length_normalized``
+#: (the one term a backend adds itself, so the one whose gradient-accumulation divisor is the backend's to apply):
+#: the methods the gradient-accumulation tests run on every backend.
+ACCUMULATION_METHODS = [*method_names(), *(f"{controller}+length_normalized" for controller in CONTROLLERS)]
 
 
 def shaped64(kl, method, clip_threshold, kl_target):
@@ -129,3 +133,44 @@ def expected_betas(method, logs, *, beta=0.04, decay=0.9, kl_target=0.02, kl_hor
         else:
             betas.append(betas[-1])
     return betas
+
+
+#: β after one optimizer step, per controller, written from each controller's definition (``c``: the
+#: ControllerConfig's fields; ``kl``: the step's token-weighted mean *raw* KL, None when nothing was observed;
+#: ``reward``: the trailing mean reward, None without one; ``n``: completions in the step). Step-indexed schedules
+#: (``dynamic``'s ``beta_schedule_steps``) are left to the callers. ``test_controllers`` checks every registered
+#: controller has one.
+def _dynamic_step(beta, c, kl, reward, n):
+    return max(c.beta_min, beta * c.dynamic_beta_decay) if reward is not None and reward > c.reward_threshold else beta
+
+
+def _target_step(beta, c, kl, reward, n):
+    if kl is None:
+        return beta
+    error = min(max(kl / c.kl_target - 1.0, -0.2), 0.2)
+    return max(c.beta_min, beta * (1.0 + error * n / c.kl_horizon))
+
+
+NEXT_BETA = {
+    "fixed": lambda beta, c, kl, reward, n: beta,
+    "dynamic": _dynamic_step,
+    "target": _target_step,
+}
+
+
+def reward_penalty64(method, logp, ref, mask, *, estimator, beta, clip_threshold, kl_target):
+    """Float64 kl_placement='reward' penalty per completion: ``beta * sum_t shaped`` (``mean_t`` under
+    length_normalized) of the estimator on the sampled tokens, no importance ratio; and the raw per-token KL."""
+    raw, shaped = raw_and_shaped_kl(
+        method, logp, ref, logp, mask, estimator=estimator, clip_threshold=clip_threshold, kl_target=kl_target, bias_correction=False
+    )
+    per_completion = shaped.sum(-1)
+    if "length_normalized" in method.split("+"):
+        per_completion = per_completion / mask.sum(-1).clamp(min=1)
+    return beta * per_completion, raw
+
+
+def group_advantages64(rewards, num_generations):
+    """TRL's advantages under scale_rewards='group': (r - group mean) / (group std (Bessel) + 1e-4), float64."""
+    grouped = rewards.double().view(-1, num_generations)
+    return ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-4)).view(-1)

@@ -137,7 +137,7 @@ def test_local_sums_of_an_empty_batch_are_zero_and_its_metrics_are_missing_not_z
         mask = ragged_mask(lengths, width)
         garbage = torch.full(mask.shape, NAN)
         sums = metrics.local_kl_sums(garbage, garbage, mask)
-        assert sums.tolist() == [0.0, 0.0, 0.0, 0.0, float(len(lengths))]  # the masked NaN does not leak
+        assert sums.tolist() == [0.0, 0.0, 0.0, 0.0, float(len(lengths)), 0.0]  # the masked NaN does not leak
         for length_normalized in (True, False):
             values = metrics.metric_values(sums, length_normalized=length_normalized)
             # no valid token: no KL was observed; NaN is what the trainer's log() shows as missing (a 0 would
@@ -152,7 +152,7 @@ def test_local_sums_match_float64_over_valid_tokens_only():
     dirty_raw, dirty_adapted = raw.masked_fill(mask == 0, float("inf")), adapted.masked_fill(mask == 0, NAN)
     sums = metrics.local_kl_sums(dirty_raw, dirty_adapted, mask)
     m = mask.double()
-    expected = [(raw.double() * m).sum(), (adapted.double() * m).sum(), m.sum(), ((adapted.double() * m).sum(-1) / m.sum(-1).clamp(min=1)).sum(), 3.0]
+    expected = [(raw.double() * m).sum(), (adapted.double() * m).sum(), m.sum(), ((adapted.double() * m).sum(-1) / m.sum(-1).clamp(min=1)).sum(), 3.0, 0.0]
     torch.testing.assert_close(sums, torch.tensor([float(e) for e in expected], dtype=torch.float64))
 
 
@@ -414,9 +414,9 @@ def test_a_faulty_user_estimator_is_named_through_the_backend_entry_point(bad, m
 
     register_estimator("adversarial_user_kl")(bad)
     try:
-        state = adaptive("clip", "adversarial_user_kl")
         logp = torch.tensor([[-2.0, -0.5, -3.0]], requires_grad=True)
         with pytest.raises((ValueError, TypeError), match=rf"'adversarial_user_kl'.*{message}"):
+            state = adaptive("clip", "adversarial_user_kl")  # refused here already: the term checks it once when built
             state.per_token(logp, logp.detach() - 0.3, torch.ones(1, 3, dtype=torch.long))
     finally:
         unregister_estimator("adversarial_user_kl")

@@ -183,6 +183,20 @@ def test_smoke_writes_every_step_of_every_method(smoke):
             assert r["adaptive_kl/current_beta"] > 0 and r["adaptive_kl/raw_kl"] >= 0
     betas = {r["method"]: r["adaptive_kl/current_beta"] for r in rows if r["step"] == steps}
     assert betas["none"] == 0.1 and betas["target"] != 0.1  # the target controller moved β
+    # every row records what its trainer trained: 2 prompts x 4 completions, one micro-batch, kl_horizon 10 steps
+    assert {(r["completions_per_step"], r["gradient_accumulation_steps"], r["kl_horizon"]) for r in rows} == {(8, 1, 80.0)}
+
+
+def test_smoke_prints_the_batch_each_run_trained(smoke):
+    out, stdout = smoke
+    assert "per optimizer step: 2 prompts x 4 = 8 completions in 1 micro-batch(es) of 8" in stdout
+    assert "Trained (read from each run's trainer): 8 completions per optimizer step" in stdout
+    assert "DIFFERENCE" not in stdout
+    log = (out / "runs" / "target-seed0" / "log.txt").read_text()
+    assert "trained: 8 completions per optimizer step (2 prompts x 4)" in log and "kl_horizon 80" in log
+    trained = json.loads((out / "runs" / "target-seed0" / "trained.json").read_text())
+    assert trained["completions_per_step"] == 8 and trained["kl_horizon"] == 80.0
+    assert trained["args"]["optim"] == "adamw_torch" and trained["args"]["mask_truncated_completions"] is False
 
 
 def test_smoke_writes_the_table_with_every_method(smoke):
@@ -320,7 +334,7 @@ def test_betas_replace_beta_and_must_be_positive():
 
     args = demo.parse_args(["--betas", "0.01,1", "--kl-target", "0.2", "--tag", "mine"])
     settings = demo_settings.settings_from(args)
-    assert settings.kl_target == 0.2 and demo_settings.method_fields(settings)["kl_target"] == 0.2
+    assert settings.kl_target == 0.2 and demo_settings.method_fields(settings, completions_per_step=64)["kl_target"] == 0.2
     assert [(s.beta, tag) for s, tag in demo_settings.beta_settings(args, settings)] == [(0.01, "mine-b0.01"), (1.0, "mine-b1")]
     plain = demo.parse_args(["--beta", "0.3"])
     (one, tag), = demo_settings.beta_settings(plain, demo_settings.settings_from(plain))

@@ -92,7 +92,11 @@ def test_recipe_runs_under_accelerate_launch_with_the_training_module(toy_dir, t
 
 @pytest.mark.parametrize(
     "where, field, value, allowed",
-    [("yaml", "dynamic_beta_decay", "1.5", "(0, 1]"), ("flag", "kl_adaptation_method", "dynamc", "dynamic")],
+    [
+        ("yaml", "dynamic_beta_decay", "1.5", "(0, 1]"),
+        ("flag", "kl_adaptation_method", "dynamc", "dynamic"),
+        ("yaml", "kl_placement", "rewards", "['loss', 'reward']"),
+    ],
 )
 def test_a_bad_field_value_stops_the_cli_with_an_error_naming_it(toy_dir, tmp_path, where, field, value, allowed):
     out = tmp_path / "out"
@@ -208,3 +212,32 @@ def test_grpo_help_names_this_command():
     proc = subprocess.run([sys.executable, "-m", "unsloth_adaptive_kl", "grpo", "--help"], capture_output=True, text=True, env=_env(), timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.startswith("usage: unsloth-adaptive-kl grpo ") and "--kl_adaptation_method" in proc.stdout
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_help_prints_the_commands_to_stdout_and_exits_zero(flag):
+    # issue 39, item 8: before, `unsloth-adaptive-kl --help` wrote the usage to stderr and exited 2.
+    proc = subprocess.run([sys.executable, "-m", "unsloth_adaptive_kl", flag], capture_output=True, text=True, env=_env(), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith("usage: unsloth-adaptive-kl {doctor,grpo}") and "doctor" in proc.stdout and "grpo" in proc.stdout
+    assert "usage" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_the_recipe_trains_with_the_kl_in_the_reward_set_in_its_yaml(toy_dir, tmp_path):
+    with open(RECIPE) as f:
+        recipe = f.read()
+    assert "\nkl_placement: loss " in recipe
+    config = tmp_path / "reward.yaml"
+    config.write_text(recipe.replace("\nkl_placement: loss ", "\nkl_placement: reward "))
+    out = tmp_path / "out"
+    flags = ["--max_steps", "2", "--dynamic_beta_decay", "0.5", "--reward_threshold", "-1", "--save_strategy", "steps", "--save_steps", "2"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "unsloth_adaptive_kl", "grpo", "--config", str(config), *_paths(toy_dir, out), *flags],
+        capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    history = _log_history(out, 2)
+    _assert_dynamic_beta_halves(history, 2)  # the dynamic controller acts as with the KL in the loss
+    penalties = [h["adaptive_kl/kl_penalty"] for h in history if "adaptive_kl/kl_penalty" in h]
+    assert len(penalties) == 2 and all(p is not None for p in penalties)

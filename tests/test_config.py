@@ -211,3 +211,43 @@ def test_a_kl_estimator_with_trls_default_beta_zero_is_refused(estimator):
 def test_none_joined_with_another_method_is_refused_clearly():
     with pytest.raises(ValueError, match=r"kl_adaptation_method='none\+clip' joins 'none' \(no adaptation\) with other parts; allowed: 'none' alone"):
         parse_method("none+clip")
+
+
+@pytest.mark.parametrize("value, closest", [("dapoo", "dapo"), ("DAPO", "dapo"), ("grpo ", "grpo"), ("dr-grpo", "dr_grpo"), ("ppo", None), (None, None)])
+def test_a_loss_type_no_trl_has_is_refused_naming_the_field_the_value_and_the_allowed_values(value, closest):
+    # issue 39, item 5: before, the config was accepted and the trainer blamed the TRL version ("a newer TRL has it").
+    with pytest.raises(ValueError) as info:
+        GRPOConfig(**CPU, beta=0.1, loss_type=value)
+    message = str(info.value)
+    assert f"loss_type={value!r} is not valid: no TRL release has this loss type" in message
+    assert "allowed with the installed trl" in message and "grpo, bnpo, dr_grpo, dapo" in message
+    assert "newer TRL" not in message
+    assert (f"did you mean {closest!r}?" in message) if closest else ("did you mean" not in message)
+
+
+def test_every_loss_type_some_trl_has_is_accepted_by_the_config():
+    from unsloth_adaptive_kl import versions
+
+    for loss_type in versions.ALL_LOSS_TYPES:  # the installed TRL's trainer refuses one it lacks, naming the TRL that has it
+        assert GRPOConfig(**CPU, beta=0.1, loss_type=loss_type).loss_type == loss_type
+
+
+@pytest.mark.parametrize("text", ["1e-3", "5E-2", "1.0e3", "1e3", "-2e-1", "+3e-4"])
+def test_the_yaml_hint_names_a_spelling_yaml_reads_as_the_same_float(text):
+    import yaml
+
+    loaded = yaml.safe_load(f"beta_min: {text}")["beta_min"]
+    assert loaded == text  # YAML 1.1 left it a string
+    with pytest.raises(ValueError) as info:
+        GRPOConfig(**CPU, beta=1.0, beta_min=loaded)
+    message = str(info.value)
+    written = message.rpartition("write it as ")[2].rstrip(")")
+    assert yaml.safe_load(f"beta_min: {written}")["beta_min"] == float(text)  # a float, the same number
+
+
+@pytest.mark.parametrize("text", ["0.5", "1.0e-3", "1.0e+3", ".5e-3", "nan", "inf", "1e400", "small"])
+def test_a_string_yaml_would_not_have_left_a_string_gets_no_yaml_hint(text):
+    # issue 39, item 7: before, any string float() reads ('0.5' included) got "write it with a dot, e.g. 0.5".
+    with pytest.raises(ValueError) as info:
+        GRPOConfig(**CPU, beta=1.0, beta_min=text)
+    assert f"beta_min={text!r} is not valid" in str(info.value) and "YAML" not in str(info.value)

@@ -266,3 +266,114 @@ def test_controller_mismatch_error_crosses_processes_intact():
 
     error = pickle.loads(pickle.dumps(ControllerMismatchError("fixed", "dynamic")))
     assert (error.saved, error.name) == ("fixed", "dynamic") and str(error) == str(ControllerMismatchError("fixed", "dynamic"))
+
+
+# -- every controller with a β floor (issue 38) --------------------------------------------------------------------
+def test_every_registered_controller_has_a_float64_reference():
+    import reference
+    from unsloth_adaptive_kl.controllers import CONTROLLER_CLASSES
+
+    assert set(reference.NEXT_BETA) == set(CONTROLLER_CLASSES)
+
+
+def _every_controller():
+    from unsloth_adaptive_kl.controllers import CONTROLLER_CLASSES
+
+    return sorted(CONTROLLER_CLASSES)
+
+
+@pytest.mark.parametrize("name", _every_controller())
+def test_every_controller_stops_at_beta_min_and_leaves_it_when_the_kl_says_so(name):
+    """β is floored at beta_min > 0 (never below it) and the floor is not absorbing: a KL far above target raises
+    ``target`` off it again. The observations drive every adapting controller below beta_min within a few steps."""
+    import reference
+    from unsloth_adaptive_kl.controllers import CONTROLLER_CLASSES
+
+    cfg = ControllerConfig(
+        beta=0.1, beta_min=0.06, dynamic_beta_decay=0.5, reward_threshold=0.0, reward_window=1, beta_schedule_steps=1000,
+        kl_target=0.1, kl_horizon=10.0,
+    )  # fmt: skip
+    c = make_controller(name, cfg)
+    kls = [0.0] * 5 + [1.0] * 2  # far below target (β falls by 16 % a step), then far above (β rises)
+    betas, beta = [], cfg.beta
+    for step, kl in enumerate(kls, start=1):
+        c.observe_reward(1.0)  # above reward_threshold: dynamic decays at every step
+        betas.append(c.update(global_step=step, kl=kl, num_completions=8))
+        beta = reference.NEXT_BETA[name](beta, cfg, kl, 1.0, 8)
+        assert betas[-1] == pytest.approx(beta, rel=1e-12), (step, betas)
+    assert min(betas) >= cfg.beta_min
+    if CONTROLLER_CLASSES[name].adapts_beta:
+        assert cfg.beta_min in betas  # the floor was reached, so it was tested
+    else:
+        assert betas == [cfg.beta] * len(kls)
+
+
+# -- found by mutation testing (docs/reliability.md, "Mutation testing") ---------------------------------------------
+def test_dynamic_restores_a_reward_not_yet_used_and_its_window_length():
+    """A checkpoint taken between a reward and the decay it causes decays at the resumed run's first update; the
+    restored window keeps reward_window's length (the oldest reward leaves it)."""
+    cfg = ControllerConfig(beta=0.1, beta_min=0.001, dynamic_beta_decay=0.5, reward_threshold=0.5, reward_window=2, beta_schedule_steps=50)
+    saved = DynamicBeta(cfg)
+    saved.observe_reward(0.9)  # not yet used by a decay
+    assert saved.state_dict()["new_reward"] is True
+    resumed = DynamicBeta(cfg)
+    resumed.load_state_dict(saved.state_dict())
+    assert resumed.update(global_step=1, kl=None, num_completions=4) == 0.05
+    assert resumed.update(global_step=2, kl=None, num_completions=4) == 0.05  # used: no second decay
+    resumed.observe_reward(0.0)
+    resumed.observe_reward(0.0)  # the 0.9 leaves the window of 2
+    assert resumed.trailing_reward() == 0.0
+    idle = DynamicBeta(cfg)
+    idle.load_state_dict({**saved.state_dict(), "new_reward": False})
+    assert idle.update(global_step=1, kl=None, num_completions=4) == 0.1
+    old = {k: v for k, v in saved.state_dict().items() if k != "new_reward"}  # written before new_reward existed
+    idle.load_state_dict(old)
+    assert idle.update(global_step=1, kl=None, num_completions=4) == 0.1  # no reward is taken as unused
+    with pytest.raises(ValueError, match=r"new_reward='yes' is not valid; allowed: true or false"):
+        idle.load_state_dict({**saved.state_dict(), "new_reward": "yes"})
+
+
+def test_the_skip_warning_names_the_controller_the_value_and_the_beta_it_kept(caplog):
+    c = TargetKLBeta(ControllerConfig(beta=0.2))
+    with caplog.at_level("WARNING", logger="unsloth_adaptive_kl"):
+        c.update(global_step=1, kl=float("inf"), num_completions=4)
+    (message,) = [r.getMessage() for r in caplog.records]
+    assert message.startswith("unsloth_adaptive_kl: the target controller got a non-finite KL (inf) and left beta at 0.2")
+    assert "counted in adaptive_kl/skipped_updates (this warning is shown once)" in message
+
+
+def test_a_restored_controller_keeps_its_skip_count_and_refuses_a_bad_one():
+    saved = TargetKLBeta(ControllerConfig(beta=0.2))
+    saved.update(global_step=1, kl=float("nan"), num_completions=4)
+    state = saved.state_dict()
+    assert state["skipped_updates"] == 1 and state["configured_beta"] == 0.2
+    restored = TargetKLBeta(ControllerConfig(beta=0.2))
+    restored.load_state_dict(state)
+    assert restored.skipped_updates == 1
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match=f"skipped_updates={bad!r} is not valid; allowed: an integer >= 0"):
+            restored.load_state_dict({**state, "skipped_updates": bad})
+
+
+def test_a_restored_beta_is_named_with_its_controller_when_refused_and_may_equal_the_configured_one(caplog):
+    c = DynamicBeta(ControllerConfig(beta=0.1))
+    with pytest.raises(ValueError, match=r"β-controller state of the 'dynamic' controller: beta=-1\.0"):
+        c.load_state_dict({**c.state_dict(), "beta": -1.0})
+    c.load_state_dict({**c.state_dict(), "beta": 0.1})  # equal to the configured β: allowed
+    assert c.beta == 0.1
+    fixed = FixedBeta(ControllerConfig(beta=0.1))
+    with caplog.at_level("INFO", logger="unsloth_adaptive_kl"):
+        fixed.load_state_dict({**fixed.state_dict(), "beta": 0.1})
+        assert "resumed with the configured beta" not in caplog.text  # the same β: nothing to say
+        fixed.load_state_dict({**fixed.state_dict(), "beta": 0.3})
+    assert fixed.beta == 0.1 and "resumed with the configured beta=0.1 (the checkpoint was trained with beta=0.3)" in caplog.text
+
+
+def test_a_changed_beta_on_resume_names_the_checkpoints_beta(caplog):
+    saved = TargetKLBeta(ControllerConfig(beta=0.2))
+    saved.beta = 0.15
+    resumed = TargetKLBeta(ControllerConfig(beta=0.4))
+    with caplog.at_level("WARNING", logger="unsloth_adaptive_kl"):
+        resumed.load_state_dict(saved.state_dict())
+    assert resumed.beta == 0.4
+    assert "restarts from beta=0.4 instead of the checkpoint's beta=0.15, keeping the rest of its state" in caplog.text

@@ -246,3 +246,41 @@ def test_trl_fails_without_a_triton_driver_or_the_interpreter_and_names_the_fix(
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     status, text = report("trl")
     assert status == 0 and "[  ok] trl Triton kernel on this machine: TRITON_INTERPRET=1" in text, text
+
+
+@pytest.mark.skipif(importlib.util.find_spec("unsloth") is None, reason="unsloth is not installed")
+def test_plain_doctor_imports_unsloth_before_trl_so_unsloth_does_not_warn_about_import_order(tmp_path):
+    # issue 39, item 8: before, the package's own patch imported trl and transformers, then the doctor imported
+    # unsloth, which warned "Unsloth should be imported before [trl, transformers, peft]".
+    env = {**os.environ, "TRITON_INTERPRET": "1", "UNSLOTH_COMPILE_DISABLE": "1", "UNSLOTH_COMPILE_LOCATION": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, "-m", "unsloth_adaptive_kl", "doctor"], capture_output=True, text=True, timeout=300, env=env)
+    assert "Backend unsloth" in proc.stdout and "unsloth_zoo grpo_compute_loss" in proc.stdout, proc.stdout[-3000:]
+    assert "should be imported before" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
+    only_trl = subprocess.run(
+        [sys.executable, "-m", "unsloth_adaptive_kl", "doctor", "--backend", "trl"], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert only_trl.returncode == 0 and "Unsloth Zoo will now patch" not in only_trl.stdout  # not asked for: not imported
+    assert "Unsloth Zoo will now patch" in proc.stdout  # (the banner `import unsloth` prints)
+
+
+def test_on_a_version_no_anchor_set_covers_doctor_shows_each_sets_matching_and_failing_anchors(monkeypatch):
+    # issue 39, item 10: before, only "no anchor set covers this version" (which anchors fail: only with the override).
+    installed = installed_trl_anchor_set()
+    broken = (*installed.rewrites[:2], Rewrite("GRPOTrainer._compute_loss", "trl", "        if self._a_future_trl_line:\n", "", "test"))
+    plan = dataclasses.replace(
+        trl_backend.PLAN,
+        anchor_sets=(
+            dataclasses.replace(installed, family="trl 0.1", versions={"trl": ">=0.1,<0.2"}),
+            dataclasses.replace(installed, family="trl 0.2", versions={"trl": ">=0.2,<0.3"}, rewrites=broken),
+        ),
+    )
+    monkeypatch.setattr(trl_backend, "PLAN", plan)
+    status, text = report("trl")
+    assert status == 1
+    assert "[FAIL] trl anchors: " in text and "no anchor set of the trl backend covers this version (it has: trl 0.1, trl 0.2)" in text
+    lines = {line.split(": ", 1)[0].strip(): line for line in text.splitlines() if "anchor set '" in line}
+    first = lines["[  --] anchor set 'trl 0.1'"]
+    assert "3 of 3 anchor(s) match exactly once" in first and "not matching" not in first, first
+    second = lines["[  --] anchor set 'trl 0.2'"]
+    assert "2 of 3 anchor(s) match exactly once: 'if self.beta != 0.0:" in second, second
+    assert "not matching: 'if self._a_future_trl_line:' (0 times)" in second, second

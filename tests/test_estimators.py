@@ -268,3 +268,69 @@ def test_bottom_q_keeps_a_deferred_count_whose_copy_has_not_finished_and_warns_f
         estimators.bottom_q_threshold(distinct, mask, q=0.2)
     warnings = [r.getMessage() for r in caplog.records if "bottom_q selected" in r.getMessage()]
     assert len(warnings) == 1 and "bottom_q selected 32 of 32 valid tokens (tied" in warnings[0]
+
+
+# -- k3's log-ratio bound (issue 38: caught here, not only by the adversarial tests) -------------------------------
+@pytest.mark.parametrize("name", ["k3", "k3+"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_k3_beyond_its_log_ratio_bound_takes_the_bounds_value_finite_with_no_gradient(name, dtype):
+    """r = log pi_ref - log pi is clamped to [-20, 20]: beyond it k3 is exp(c) - c - 1 at c = ±20 (float64, from the
+    definition), finite where exp(r) overflows float32 (r > 88.7), and gives logp no gradient; within it nothing changes."""
+    bound = estimators.K3_LOG_RATIO_BOUND
+    r = torch.tensor([-300.0, -25.0, -20.5, -19.5, 0.3, 19.5, 20.5, 25.0, 100.0], dtype=torch.float64)
+    logp = torch.full_like(r, -40.0).to(dtype).requires_grad_(True)
+    out = estimate_kl(name, logp, (logp.detach().double() + r).to(dtype))
+    c = r.clamp(-bound, bound)
+    torch.testing.assert_close(out.detach().double(), torch.exp(c) - c - 1, rtol=1e-6, atol=1e-6)
+    assert torch.isfinite(out).all()
+    if name == "k3":  # k3+ takes k2's gradient by design
+        out.sum().backward()
+        beyond = r.abs() > bound
+        assert (logp.grad[beyond] == 0).all() and (logp.grad[~beyond] != 0).all()
+
+
+# -- found by mutation testing (docs/reliability.md, "Mutation testing") ---------------------------------------------
+@pytest.mark.parametrize("bad", ["my+kl", "+kl", "my+X", ""])
+def test_an_estimator_name_with_an_inner_plus_or_empty_is_refused_a_trailing_plus_is_not(bad):
+    with pytest.raises(ValueError, match="is not allowed: use a non-empty name without inner '\\+'"):
+        register_estimator(bad)(lambda logp, ref_logp: logp - ref_logp)
+    assert bad not in estimators.ESTIMATORS
+    register_estimator("test_k1+")(lambda logp, ref_logp: logp - ref_logp)  # a trailing '+', as k1+ and k3+
+    unregister_estimator("test_k1+")
+
+
+def test_a_user_estimator_with_a_batch_statistic_gets_it_computed_on_the_valid_tokens():
+    seen = []
+
+    def largest_ref(ref_logp, mask, *, q):
+        seen.append(q)
+        return ref_logp[mask.bool()].max()
+
+    @register_estimator("test_above_max", "test_above_max_alias", batch_statistic=largest_ref)
+    def above_max(logp, ref_logp, *, statistic, q):
+        return (ref_logp >= statistic).to(logp.dtype) + 0 * logp
+
+    try:
+        spec = get_estimator("test_above_max")
+        assert spec.batch_statistic is largest_ref and not spec.builtin
+        ref = torch.tensor([[-1.0, -3.0], [-0.5, -2.0]])
+        mask = torch.tensor([[1, 1], [0, 1]])  # -0.5 is masked: the largest valid is -1.0
+        out = estimate_kl("test_above_max", torch.zeros(2, 2), ref, mask=mask, bottom_q=0.3, check=False)
+        assert out.tolist() == [[1.0, 0.0], [0.0, 0.0]] and seen == [0.3]
+    finally:
+        unregister_estimator("test_above_max")
+    assert "test_above_max_alias" not in estimators.estimator_names()
+    assert get_estimator("low_var_kl").name == "k3"  # the other estimators' aliases stay
+
+
+def test_a_user_estimators_output_is_checked_for_nan_on_valid_tokens_only():
+    """NaN where the mask is 0 is allowed (it is zeroed); on a valid token, or anywhere without a mask, it is refused."""
+    register_estimator("test_nan_on_padding")(lambda logp, ref_logp: torch.where(ref_logp == 0, float("nan"), logp - ref_logp))
+    try:
+        ref = torch.tensor([[-1.0, -2.0], [-3.0, -4.0]])
+        mask = torch.tensor([[1, 1], [1, 0]])  # estimate_kl zeroes the masked reference: the estimator returns NaN there
+        assert estimate_kl("test_nan_on_padding", torch.zeros(2, 2), ref, mask=mask)[1, 1] == 0
+        with pytest.raises(ValueError, match="test_nan_on_padding.*NaN or inf"):
+            estimate_kl("test_nan_on_padding", torch.zeros(2, 2), ref.masked_fill(mask == 0, 0.0))
+    finally:
+        unregister_estimator("test_nan_on_padding")

@@ -108,6 +108,9 @@ def test_ddp_on_two_cpu_processes_passes_every_check(tmp_path):
         assert r["tokens_per_rank"][0] != r["tokens_per_rank"][1]
         assert r["loss_one_process"] == pytest.approx(r["loss_mean_of_ranks"], rel=1e-5, abs=1e-6)
     assert report["methods"]["target"]["betas_rank0"][2] != 0.04  # the controller moved, identically on both ranks
+    for method in ("target", "clip"):  # step 2's micro-batch (one per step here) is the second row of each rank
+        r = report["methods"][method]
+        assert r["compared_rows"] == [[1], [1]] and all(sums[1] > 0 for sums in r["compared_kl_sums"])
     assert report["reference_device"] == {"CUDA_VISIBLE_DEVICES": "", "cuda_device_count": 0}
 
 
@@ -160,9 +163,9 @@ def test_the_reference_run_is_started_with_one_visible_device(tmp_path, monkeypa
         assert "exited with status 1" in results[method]["error"] and DATAPARALLEL in results[method]["error"]
 
 
-def rank_record(tokens, loss):
-    rows = [row([0.01] * tokens, [0.01] * tokens, 0.01, 0.01)]
-    return {"betas": [0.04, 0.04], "rows": rows, "loss": loss, "loss_beta": 0.04}
+def rank_record(tokens, loss, kl=0.01):
+    rows = [row([kl] * tokens, [kl] * tokens, kl, kl)]
+    return {"betas": [0.04, 0.04], "rows": rows, "loss": loss, "loss_beta": 0.04, "loss_rows": [0]}
 
 
 def test_a_failed_reference_run_shows_its_exception_in_the_report(tmp_path, monkeypatch):
@@ -238,3 +241,50 @@ def test_the_one_process_reference_uses_the_configured_accumulation_divisor(tmp_
     assert losses[1][0.0] == pytest.approx(expected, rel=1e-6)
     assert losses[2][0.0] == pytest.approx(expected, rel=1e-6)  # was 2 x expected
     assert losses[2][0.04] == pytest.approx(losses[1][0.04], rel=1e-6) and losses[1][0.04] != pytest.approx(expected, rel=1e-3)
+
+
+# -- the loss check must see the KL term (issue 39, item 9) ------------------------------------------------
+def reference_returning(tmp_path, monkeypatch, loss):
+    def run(command, env, **kwargs):
+        with open(tmp_path / check_ranks.REFERENCE_RESULT, "w") as f:
+            json.dump({"device": {"CUDA_VISIBLE_DEVICES": "0", "cuda_device_count": 1}, "clip": {"loss": loss}}, f)
+        return subprocess.CompletedProcess(command, 0, stdout="", stderr="")
+
+    monkeypatch.setattr(check_ranks.subprocess, "run", run)
+
+
+def zero_kl_at_the_compared_step(kl_rank0, kl_rank1, sums=False):
+    """Two ranks whose step 1 has a KL and whose compared step (step 2, the second row) has ``kl_rank*``."""
+    make = sums_row if sums else row
+    ranks = []
+    for tokens, kl in ((5, kl_rank0), (3, kl_rank1)):
+        rows = [make([0.02] * tokens, [0.02] * tokens, 0.02, 0.02), make([kl] * tokens, [kl] * tokens, 0.0, 0.0)]
+        ranks.append({"clip": {"betas": [0.04, 0.04, 0.04], "rows": rows, "loss": 0.2, "loss_beta": 0.04, "loss_rows": [1]}})
+    for r in ranks:  # the logged means are the global ones, so only the KL-visibility check can fail
+        glob = check_ranks.global_means(ranks[0]["clip"]["rows"][1], ranks[1]["clip"]["rows"][1])
+        r["clip"]["rows"][1].update(logged_raw=glob[0], logged_adapted=glob[1])
+    return ranks
+
+
+@pytest.mark.parametrize("sums", [False, True], ids=["trl-rows", "unsloth-sums"])
+def test_the_checker_fails_when_the_compared_steps_kl_is_zero_on_every_rank(tmp_path, monkeypatch, sums):
+    # Before the fix every check passed here: the losses agree, but a KL of 0 means they could not show a wrong KL term.
+    reference_returning(tmp_path, monkeypatch, 0.2)
+    args = check_ranks.parse_args(["--config", os.path.join(EXAMPLE, "ddp.yaml"), "--out", str(tmp_path), "--methods", "clip", "--steps", "2"])
+    report = check_ranks.check(args, "CHECKPOINT", zero_kl_at_the_compared_step(0.0, 0.0, sums))
+    (failure,) = report["methods"]["clip"]["failures"]
+    assert not report["passed"] and "step 2's KL is 0 on every rank" in failure and "cannot see the KL term" in failure
+    report = check_ranks.check(args, "CHECKPOINT", zero_kl_at_the_compared_step(0.0, 0.003, sums))  # one rank has a KL
+    assert report["passed"], report["methods"]["clip"]["failures"]
+    assert report["methods"]["clip"]["compared_kl_sums"][1] == pytest.approx((0.009, 0.009))
+
+
+def test_the_compared_kl_is_read_from_the_rows_the_captured_micro_batch_recorded(tmp_path, monkeypatch):
+    """Step 1 had a KL and step 2 none: a checker reading the first row (or any row but the captured one) passes."""
+    reference_returning(tmp_path, monkeypatch, 0.2)
+    args = check_ranks.parse_args(["--config", os.path.join(EXAMPLE, "ddp.yaml"), "--out", str(tmp_path), "--methods", "clip", "--steps", "2"])
+    ranks = zero_kl_at_the_compared_step(0.0, 0.0)
+    for r in ranks:
+        r["clip"]["loss_rows"] = []  # the captured micro-batch recorded no KL row (β was 0 there)
+    (failure,) = check_ranks.check(args, "CHECKPOINT", ranks)["methods"]["clip"]["failures"]
+    assert "no KL recorded for step 2's compared micro-batch" in failure

@@ -107,3 +107,19 @@ def test_tail_metrics_are_those_of_both_ranks_tokens_pooled(ranks, method):
             assert got_share != got_share
         local_only += got_max != max(a["valid_raw"]) or got_max != max(b["valid_raw"])
     assert local_only > 0 and shares >= 2  # some step's max was on one rank only: the other rank logged it too
+
+
+def test_reward_placement_penalties_are_gathered_in_process_order_and_the_metric_is_global(ranks):
+    zero, one = ranks[0]["target-reward"], ranks[1]["target-reward"]
+    assert zero["betas"] == one["betas"] and len(set(zero["betas"])) > 1  # the same β on both ranks, and it moved
+    assert len(zero["penalties"]) == len(one["penalties"]) == 3  # one generation batch per step
+    # each rank scored its own completions (the first batch is scored before any step: policy = reference, KL 0)
+    assert all(a["local"] != b["local"] for a, b in zip(zero["penalties"][1:], one["penalties"][1:]))
+    for a, b in zip(zero["penalties"], one["penalties"]):
+        every = a["local"] + b["local"]  # rank 0's completions first, as TRL gathers the rewards
+        for row in (a, b):
+            assert row["rewards"] == a["rewards"]  # TRL's rewards are already global
+            assert row["penalized"] == pytest.approx([r - p for r, p in zip(row["rewards"], every)], rel=1e-6, abs=1e-7)
+            assert row["logged"] == pytest.approx(sum(every) / len(every), rel=1e-12)  # the mean over all completions
+            # the controller got the sum of both ranks' scoring-time KL sums
+            assert row["total_sums"] == pytest.approx([x + y for x, y in zip(a["local_sums"], b["local_sums"])], rel=1e-12)

@@ -246,3 +246,9 @@ def test_masked_tokens_contribute_exactly_zero(rows, data):
     total.backward()
     assert math.isfinite(total.item())
     assert (kl.grad[~mask] == 0).all()
+
+
+def test_user_shaping_names_lists_only_the_methods_registered_outside_the_package(half_kl):
+    from unsloth_adaptive_kl.shaping import user_shaping_names
+
+    assert user_shaping_names() == ("half_kl",)

@@ -77,3 +77,77 @@ def test_a_traceback_from_inside_a_patched_function_shows_its_rewritten_line():
     (frame,) = [f for f in traceback.extract_tb(raised.value.__traceback__) if f.filename == code.co_filename]
     assert frame.name == "_compute_loss" and frame.line and frame.line in inspect.getsource(code)
     assert frame.line in "".join(traceback.format_exception(raised.value))  # what the user sees
+
+
+# -- the names a replacement reads (issue 39, item 10) ---------------------------------------------------
+import math  # noqa: E402  (a global of this module, which Library.loss may read)
+
+
+def library_rewrite(replacement, anchor="        y = x + 1\n"):
+    return Plan("trl", (family("trl 1.x", {}, anchor, replacement),))
+
+
+@pytest.mark.parametrize(
+    "replacement",
+    [
+        "        y = x + 1\n        z = y * 2\n        y = z + len([x]) + math.pi\n",  # a local, a builtin, a global
+        "        y = self.offset if hasattr(self, 'offset') else x\n",  # parameters
+        "        y = sum(k for k in range(x))\n",  # the comprehension's own variable
+    ],
+)
+def test_a_replacement_reading_only_the_functions_own_names_builds(replacement):
+    library_rewrite(replacement).build(OWNERS)
+
+
+def test_a_replacement_reading_a_name_the_function_does_not_define_is_refused_naming_library_version_and_name():
+    from unsloth_adaptive_kl._source_patch import version_of
+
+    with pytest.raises(PatchError) as info:
+        library_rewrite("        y = x + 1\n        y = y + offset\n").build(OWNERS)
+    message = str(info.value)
+    assert message.startswith(f"trl {version_of('trl')}: the rewrite of Library.loss reads 'offset' ('y = y + offset')")
+    assert "Library.loss does not define" in message and "not supported by unsloth_adaptive_kl" in message
+
+
+class Lazy:
+    """A library function that reads a global its module defines only later (``set_scale``)."""
+
+    def loss(self, x):
+        y = x + 1
+        return y * scale  # noqa: F821
+
+
+def test_only_what_a_replacement_adds_is_checked_not_the_names_its_anchor_already_reads():
+    anchor = "        return y * scale  # noqa: F821\n"
+    kept = Plan("trl", (AnchorSet("any", {}, (Rewrite("Lazy.loss", "trl", anchor, "        y = y + 0\n" + anchor, "test"),)),))
+    kept.build({"Lazy": Lazy})  # 'scale' is in the anchor: the library's own read
+    added = Plan("trl", (AnchorSet("any", {}, (Rewrite("Lazy.loss", "trl", anchor, "        return y * scale * shift\n", "test"),)),))
+    with pytest.raises(PatchError, match="reads 'shift'"):
+        added.build({"Lazy": Lazy})
+
+
+def test_trls_plan_refuses_a_trl_whose_compute_loss_renamed_a_variable_its_replacement_reads():
+    """A mutated copy of the installed TRL's _compute_loss, ``mask`` renamed throughout (every anchor still
+    matches): before the check the rewrite compiled, and failed with a NameError at the first step."""
+    import inspect
+    import linecache
+    import re
+
+    import unsloth_adaptive_kl  # noqa: F401  (patches)
+    from unsloth_adaptive_kl._source_patch import compile_target, original, version_of
+    from unsloth_adaptive_kl.backends import trl as trl_backend
+
+    owners = trl_backend.owners()
+    stock = original(owners["GRPOTrainer"], "_compute_loss")
+    anchor_set = trl_backend.PLAN.select(owners)
+    renamed = "class GRPOTrainer:\n" + re.sub(r"\bmask\b", "loss_mask", inspect.getsource(stock))
+    filename = "<a TRL release that renamed mask>"
+    linecache.cache[filename] = (len(renamed), None, renamed.splitlines(keepends=True), filename)
+    namespace = dict(stock.__globals__)
+    exec(compile(renamed, filename, "exec"), namespace)
+    mutated_owners = {**owners, "GRPOTrainer": namespace["GRPOTrainer"]}
+    assert trl_backend.PLAN.mismatches(anchor_set, mutated_owners) == []  # every anchor still matches
+    with pytest.raises(PatchError) as info:
+        compile_target(mutated_owners, "GRPOTrainer._compute_loss", anchor_set.rewrites)
+    assert str(info.value).startswith(f"trl {version_of('trl')}: the rewrite of GRPOTrainer._compute_loss reads 'mask'")
+    compile_target(owners, "GRPOTrainer._compute_loss", anchor_set.rewrites)  # the installed TRL's own builds

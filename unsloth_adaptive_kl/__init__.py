@@ -1,11 +1,12 @@
 """Adaptive KL regularisation for GRPO in TRL and Unsloth.
 
 Importing this package patches TRL's ``GRPOConfig`` and ``GRPOTrainer`` (idempotently);
-:func:`unpatch` restores the originals. See the README for the methods and fields.
+:func:`unpatch` restores the originals. See docs/methods.md and docs/fields.md for the methods and fields.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 
@@ -43,6 +44,25 @@ def _started_as_doctor() -> bool:
     as_script = len(argv) > 1 and os.path.basename(argv[1]) == "unsloth-adaptive-kl"
     return as_module or as_script
 
+
+def _doctor_checks_unsloth() -> bool:
+    """Whether this import is ``unsloth-adaptive-kl doctor`` starting, about to check the Unsloth backend
+    (``--backend unsloth``, or by default where Unsloth is installed)."""
+    argv = sys.argv[1:]
+    if not _started_as_doctor() or argv[:1] != ["doctor"] or "-h" in argv or "--help" in argv:
+        return False
+    requested = [value for flag, value in zip(argv, argv[1:]) if flag == "--backend"]
+    requested += [arg.partition("=")[2] for arg in argv if arg.startswith("--backend=")]
+    return "unsloth" in requested if requested else importlib.util.find_spec("unsloth") is not None
+
+
+# The doctor imports unsloth to check it: before patch() imports trl and transformers, as a user's script does
+# (Unsloth patches them, and warns "import unsloth first" when they came first).
+if _doctor_checks_unsloth():
+    try:
+        import unsloth  # noqa: F401
+    except Exception:  # noqa: BLE001, S110 - the doctor imports it again and reports what stopped it
+        pass
 
 #: The error that stopped the patch at import, seen only by the doctor command; elsewhere it raises.
 IMPORT_PATCH_ERROR: PatchError | None = None

@@ -10,15 +10,26 @@ from __future__ import annotations
 import sys
 
 COMMANDS = ("doctor", "grpo")
+USAGE = f"usage: unsloth-adaptive-kl {{{','.join(COMMANDS)}}} [options]   (try: doctor --help, grpo --help)"
+HELP = f"""{USAGE}
+
+Adaptive KL regularisation for GRPO in TRL, Unsloth and Liger.
+
+commands:
+  doctor   what is installed, and whether each backend (trl, unsloth, liger) can work here
+  grpo     TRL's `trl grpo` with the adaptive-KL fields in its flags and --config YAML
+
+options:
+  -h, --help   show this message and exit"""
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["-h"], ["--help"]):  # asked for: to stdout, exit status 0 (as argparse does)
+        print(HELP)
+        return 0
     if not argv or argv[0] not in COMMANDS:
-        print(
-            f"usage: unsloth-adaptive-kl {{{','.join(COMMANDS)}}} [options]   (try: doctor --help, grpo --help)",
-            file=sys.stderr,
-        )
+        print(USAGE, file=sys.stderr)
         return 2
     if argv[0] == "grpo":
         from . import trl_grpo

@@ -13,10 +13,13 @@ ambiguous, :class:`PatchError` names the library, its version and the anchor.
 
 from __future__ import annotations
 
+import ast
+import builtins
 import importlib.metadata
 import inspect
 import linecache
 import os
+import re
 import textwrap
 from dataclasses import dataclass
 from typing import Callable, Mapping
@@ -70,20 +73,24 @@ def rewrite_function(
         source = inspect.getsource(func)  # anchors are matched with the installed file's indentation
     except (OSError, TypeError) as error:
         raise PatchError(f"{installed}: cannot read the source of {func.__qualname__} ({error}); the adaptive KL cannot be applied") from error
+    replaced: list[_Replaced] = []  # where each replacement landed, to check the names it reads
     for anchor, replacement in replacements:
         count = source.count(anchor)
         if count != 1:
-            shown = " / ".join(line.strip() for line in anchor.strip().splitlines()[:2])
             raise PatchError(
-                f"{installed}: expected the anchor {shown!r} exactly once in "
+                f"{installed}: expected the anchor {anchor_text(anchor)!r} exactly once in "
                 f"{func.__qualname__}, found it {count} times. This version of {' and '.join(libraries)} is not "
                 "supported by unsloth_adaptive_kl; the adaptive KL cannot be applied."
             )
-        source = source.replace(anchor, replacement)
-    source = textwrap.dedent(source)
+        at = source.index(anchor)
+        replaced = [r.shifted(at, len(anchor), len(replacement)) for r in replaced]
+        replaced.append(_Replaced(at, at + len(replacement), frozenset(_IDENTIFIER.findall(anchor))))
+        source = source[:at] + replacement + source[at + len(anchor) :]
     if namespace is None:
         namespace = dict(func.__globals__)
     namespace.update(extra_globals or {})
+    check_free_names(func, source, replaced, namespace, installed=installed, libraries=libraries)
+    source = textwrap.dedent(source)
     filename = source_filename(func)
     # Registered so that a traceback, pdb and profilers show the rewritten lines (mtime None: kept by checkcache).
     linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
@@ -95,6 +102,79 @@ def rewrite_function(
     target.__wrapped_original__ = func
     target.__wrapped__ = func  # inspect.getsource/signature see the installed original (Unsloth reads them)
     return new
+
+
+def anchor_text(anchor: str) -> str:
+    """An anchor as errors and doctor show it: its first two lines, stripped."""
+    return " / ".join(line.strip() for line in anchor.strip().splitlines()[:2])
+
+
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+@dataclass(frozen=True)
+class _Replaced:
+    """Where one replacement sits in the rewritten source (``[start, end)``), and the identifiers its anchor
+    holds (the library's own code: names it reads are the library's to define)."""
+
+    start: int
+    end: int
+    anchor_names: frozenset[str]
+
+    def shifted(self, at: int, old: int, new: int) -> "_Replaced":
+        """This span after ``source[at:at + old]`` is replaced by ``new`` characters (a later anchor that
+        overlaps it makes it cover that replacement too)."""
+        if self.end <= at:
+            return self
+        if self.start >= at + old:
+            return _Replaced(self.start + new - old, self.end + new - old, self.anchor_names)
+        return _Replaced(min(self.start, at), max(self.end + new - old, at + new), self.anchor_names)
+
+
+def _bound_names(function: ast.AST) -> set[str]:
+    """Every name ``function`` binds anywhere (its parameters, assignments, imports, loop and ``with`` targets,
+    nested definitions and their parameters): the names it can read as its own."""
+    bound = set()
+    for node in ast.walk(function):
+        if isinstance(node, ast.arg):
+            bound.add(node.arg)
+        elif isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+            bound.add(node.id)
+        elif isinstance(node, ast.alias):
+            bound.add((node.asname or node.name).split(".")[0])
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node is not function:
+            bound.add(node.name)
+        elif isinstance(node, (ast.ExceptHandler, ast.MatchAs, ast.MatchStar)) and node.name:
+            bound.add(node.name)
+    return bound
+
+
+def check_free_names(func: Callable, source: str, replaced: list, namespace: Mapping, *, installed: str, libraries) -> None:
+    """Raise :class:`PatchError` if a replacement in ``source`` (the rewritten ``func``, still indented as
+    installed) reads a name that its anchor does not contain and that the function does not define: not
+    a parameter or local of it, nor a global of its module (``namespace``), nor a builtin. Such a name
+    is one the library renamed or removed; unchecked, it would fail at the first step as a NameError,
+    inside Unsloth's ``torch.compile(fullgraph=True)`` region."""
+    tree = ast.parse(textwrap.dedent(source))
+    function = next(
+        (n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == func.__name__), None
+    )
+    if function is None:
+        return
+    own = _bound_names(function) | set(namespace) | set(dir(builtins))
+    reads = [n for n in ast.walk(function) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and n.id not in own]
+    lines = source.splitlines()
+    for r in replaced:
+        first, last = source.count("\n", 0, r.start) + 1, source.count("\n", 0, max(r.start, r.end - 1)) + 1
+        for node in reads:
+            if first <= node.lineno <= last and node.id not in r.anchor_names:
+                raise PatchError(
+                    f"{installed}: the rewrite of {func.__qualname__} reads {node.id!r} "
+                    f"({lines[node.lineno - 1].strip()!r}), which {func.__qualname__} does not define: no parameter, "
+                    f"local, global of {func.__module__} or builtin has that name. This version of "
+                    f"{' and '.join(libraries)} is not supported by unsloth_adaptive_kl (it renamed or removed "
+                    f"{node.id!r}); the adaptive KL cannot be applied."
+                )
 
 
 def source_filename(func: Callable) -> str:

@@ -36,12 +36,14 @@ class AdaptiveKL:
 
     def __init__(self, config, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, *, process_index: int = 0, num_processes: int = 1):
         self.term = KLTerm.from_config(config)
+        self.term.check_user_functions()
         self.controller: BetaController = make_controller(self.term.method.controller, ControllerConfig.from_config(config))
         self.reduce = reduce or _no_reduce
         self.process_index, self.num_processes = process_index, num_processes
         self.monitor = bool(getattr(config, "kl_monitor", False))  # kl_monitor: the KL is computed and logged at β = 0 too
         self._step_sums: torch.Tensor | None = None
         self._tail_window: dict[bool, tail.TailTotals | None] = {True: None, False: None}  # by training
+        self._warned_nonfinite = False
 
     # -- the per-token math: the term's ---------------------------------------------------------
     @property
@@ -72,6 +74,11 @@ class AdaptiveKL:
     def is_stock(self) -> bool:
         return self.term.is_stock
 
+    @property
+    def kl_in_loss(self) -> bool:
+        """Whether the loss carries β·KL (``kl_placement="loss"``); under "reward" the KL acts at scoring time only."""
+        return self.term.placement == "loss"
+
     def batch_statistic(self, ref_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
         return self.term.batch_statistic(ref_logp, mask)
 
@@ -93,23 +100,39 @@ class AdaptiveKL:
         With ``raw is None`` (β is 0, no KL computed) only ``current_beta`` is reported and the
         KL metrics are NaN, which the trainer's logger shows as missing.
         """
-        sums = None if raw is None else metrics.local_metric_sums(raw, adapted, mask)
+        sums = None if raw is None else metrics.local_metric_sums(raw, adapted, mask, count_shaping_faults=bool(self.term.user_shaping_steps))
         return self.record_sums(sums, training=training, beta=beta)
 
     def record_sums(self, local_sums: torch.Tensor | None, *, training: bool, beta: float) -> dict[str, float]:
         """As :meth:`record`, from :func:`metrics.local_metric_sums` computed elsewhere (e.g. in a fused loss).
 
-        One reduce and one copy to the host per call: the tail histogram rides in the same tensor."""
-        if local_sums is None:
-            return {metrics.CURRENT_BETA: float(beta), **metrics.metric_values(None, length_normalized=self.length_normalized)}
-        spread_tail = tail.spread(local_sums[metrics.NUM_SUMS :], self.process_index, self.num_processes)
-        totals = self.reduce(torch.cat([local_sums[: metrics.NUM_SUMS], spread_tail]))
-        if training:
+        One reduce and one read to the host per micro-batch (the one host sync of the metrics): the tail
+        histogram rides in the same tensor, and the check of the user shaping steps reads the same copy. A user
+        step that made a finite KL NaN or inf is refused here, on every process alike (the totals are global),
+        before the step's optimizer update."""
+        totals = read = reduced_tail = None
+        if local_sums is not None:
+            spread_tail = tail.spread(local_sums[metrics.NUM_SUMS :], self.process_index, self.num_processes)
+            totals = self.reduce(torch.cat([local_sums[: metrics.NUM_SUMS], spread_tail]))
+            host = totals.cpu()
+            read, reduced_tail = host[: metrics.NUM_SUMS].tolist(), host[metrics.NUM_SUMS :]
+        if read is not None and read[metrics.SHAPING_FAULTS] > 0:
+            raise self._shaping_fault(int(read[metrics.SHAPING_FAULTS]))
+        if training and totals is not None and self.kl_in_loss:  # under "reward" the controller sees the scoring-time KL
             sums = totals[: metrics.NUM_SUMS]
             self._step_sums = sums if self._step_sums is None else self._step_sums + sums
-        host = totals.cpu()  # the one host sync
-        values = metrics.metric_values(host[: metrics.NUM_SUMS], length_normalized=self.length_normalized)
-        return {metrics.CURRENT_BETA: float(beta), **values, **self._tail_values(host[metrics.NUM_SUMS :], training)}
+        values = metrics.metric_values(read, length_normalized=self.length_normalized)
+        if values.get(metrics.NONFINITE_KL_BATCHES) and not self._warned_nonfinite:
+            self._warned_nonfinite = True
+            logger.warning(
+                "unsloth_adaptive_kl: a micro-batch's KL was NaN or inf on a valid token (raw_kl=%s, adapted_kl=%s; e.g. a NaN "
+                "or inf log-prob from the model): it is left out of adaptive_kl/raw_kl and adaptive_kl/adapted_kl, and each "
+                "logging window counts such micro-batches in %s (this warning is shown once)",
+                values[metrics.RAW_KL], values[metrics.ADAPTED_KL], metrics.NONFINITE_KL_BATCHES,
+            )
+        if reduced_tail is not None:
+            values.update(self._tail_values(reduced_tail, training))
+        return {metrics.CURRENT_BETA: float(beta), **values}
 
     def _tail_values(self, reduced_tail: torch.Tensor, training: bool) -> dict[str, float]:
         """Add this micro-batch's histogram to the logging window's; the window's tail statistics (NaN: no token)."""
@@ -121,6 +144,27 @@ class AdaptiveKL:
     def restart_tail_window(self, training: bool) -> None:
         """Start a new logging window for the tail metrics (the trainer's log flushed the last one)."""
         self._tail_window[training] = None
+
+    def _shaping_fault(self, tokens: int) -> ValueError:
+        names = self.term.user_shaping_steps
+        who = f"shaping method {names[0]!r}" if len(names) == 1 else (
+            f"one of the shaping methods {', '.join(map(repr, names))} (applied in this order)"
+        )
+        return ValueError(
+            f"{who} returned NaN or inf on valid tokens whose KL was finite ({tokens} of them) in "
+            f"kl_adaptation_method={self.method_text!r}: the bug is in that function; allowed: a finite value for every "
+            "finite KL"
+        )
+
+    def observe_scoring_sums(self, local_sums: torch.Tensor) -> torch.Tensor:
+        """Under ``kl_placement="reward"``: a generation batch's KL sums (:func:`metrics.local_kl_sums` at
+        scoring time), reduced across processes and kept for this optimizer step's controller update.
+        Returns the totals."""
+        totals = self.reduce(local_sums)
+        if self.term.user_shaping_steps and totals[metrics.SHAPING_FAULTS].item() > 0:
+            raise self._shaping_fault(int(totals[metrics.SHAPING_FAULTS].item()))
+        self._step_sums = totals if self._step_sums is None else self._step_sums + totals
+        return totals
 
     def observe_reward(self, reward: float) -> None:
         self.controller.observe_reward(reward)

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 
 from .estimators import get_estimator
-from .shaping import CONTROLLERS, Method, Parameter, parse_method, shaping_names, shaping_parameters
+from .shaping import CONTROLLERS, SHAPING, Method, Parameter, parse_method, shaping_names, shaping_parameters
 
 
 @dataclass(frozen=True)
@@ -126,6 +126,15 @@ FIELDS: tuple[FieldSpec, ...] = (
         "instead of 4). 'auto': wherever it is exact (else TRL's log-prob kernel); true: required (a call where it is "
         "not exact warns with the reason); false: never.",
     ),
+    FieldSpec(
+        "kl_placement",
+        str,
+        "loss",
+        "Where β·KL acts: 'loss' (TRL's place: β times the per-token KL is added to the loss) or 'reward' (each "
+        "completion's reward is lowered by β times the sum over its tokens of the per-token KL, measured when the "
+        "completions are scored, before the group normalisation of the advantages; the loss then has no KL term). "
+        "See docs/kl-placement.md.",
+    ),
 )
 
 FIELD_NAMES = tuple(f.name for f in FIELDS)
@@ -142,18 +151,23 @@ MIN_BOTTOM_Q = 0.01
 
 
 def _yaml_hint(value) -> str:
-    """PyYAML (YAML 1.1) reads ``1e-3`` -- no dot -- as a string: say how to write it as a float."""
+    """The hint for a number that YAML left a string. PyYAML (YAML 1.1) reads exponent form as a float only
+    with a dot in the mantissa and a sign in the exponent (``1.0e-3``, ``1.0e+3``): ``1e-3`` and ``1.0e3``
+    stay strings. Only such a string gets the hint, with the spelling YAML reads as the same number."""
     if not isinstance(value, str):
         return ""
+    mantissa, exponent_mark, exponent = value.strip().lower().partition("e")
     try:
         number = float(value)
     except ValueError:
         return ""
-    mantissa, _, exponent = value.lower().partition("e")
-    written = f"{mantissa}.0e{exponent}" if exponent and "." not in mantissa else repr(number)
+    signed = exponent[:1] in ("+", "-")
+    if not exponent_mark or not math.isfinite(number) or ("." in mantissa and signed):
+        return ""  # not exponent form, or a spelling YAML reads as a float: this string did not come from YAML
+    written = f"{mantissa if '.' in mantissa else mantissa + '.0'}e{exponent if signed else '+' + exponent}"
     return (
-        f" (it is the string {value!r}: YAML reads a number in exponent form without a dot, such as 1e-3, as a "
-        f"string; write it with a dot, e.g. {written})"
+        f" (it is the string {value!r}: YAML reads a number in exponent form as a string unless its mantissa has a "
+        f"dot and its exponent a sign; write it as {written})"
     )
 
 
@@ -296,4 +310,37 @@ def validate(config) -> Method:
             f"beta=0.0 is not valid with kl_adaptation_method={config.kl_adaptation_method!r}: that method acts on "
             "the KL term, which beta=0 removes; allowed: beta > 0, or kl_adaptation_method='none'"
         )
+    check_placement(config.kl_placement, method, beta)
+    if config.kl_monitor and config.kl_placement != "loss":
+        raise ValueError(
+            f"kl_monitor=True is not valid with kl_placement={config.kl_placement!r}: it watches the KL at beta = 0 of the "
+            "loss placement; allowed: kl_monitor=False, or kl_placement='loss'"
+        )
     return method
+
+
+#: ``kl_placement``'s values: where β·KL acts (docs/kl-placement.md).
+PLACEMENTS = ("loss", "reward")
+
+
+def check_placement(placement, method: Method, beta) -> str:
+    """``placement`` if it is a valid ``kl_placement`` for ``method`` and ``beta``; ValueError otherwise.
+
+    In the reward every per-token shaping step applies (it shapes the KL summed into the penalty), and
+    ``length_normalized`` makes the penalty a per-completion mean instead of a sum; a shaping step that
+    acts on the loss's aggregation in another way has no meaning there and is refused by name."""
+    _require(placement in PLACEMENTS, "kl_placement", placement, f"one of {list(PLACEMENTS)}")
+    if placement == "reward":
+        if beta == 0:
+            raise ValueError(
+                "kl_placement='reward' is not valid with beta=0.0: the reward is lowered by beta times the KL, which "
+                "beta=0 removes (and TRL then computes no reference log-probs); allowed: beta > 0, or kl_placement='loss'"
+            )
+        for name in method.shaping:
+            if not SHAPING[name].per_token and name != "length_normalized":
+                raise ValueError(
+                    f"kl_placement='reward' is not valid with the shaping method {name!r}: it acts on the loss's "
+                    "aggregation of the KL, which the reward placement does not have (the penalty is a sum over each "
+                    "completion's tokens); allowed: per-token shaping methods and length_normalized, or kl_placement='loss'"
+                )
+    return placement

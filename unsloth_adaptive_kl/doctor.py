@@ -17,12 +17,13 @@ reported, not an error).
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import platform
 import sys
 from dataclasses import dataclass
 
-from ._source_patch import ALLOW_UNTESTED_ENV, PatchError, compile_target, libraries_of, version_of
+from ._source_patch import ALLOW_UNTESTED_ENV, PatchError, anchor_text, compile_target, libraries_of, resolve, version_of
 from .gpu_support import BLACKWELL, kernel_support
 from .versions import PYTHON, SUPPORTED, requirement
 
@@ -106,8 +107,8 @@ def plan_findings(plan, owners: dict, *, namespace: dict | None = None) -> list[
     finding per target, named after the library that holds the anchors. FAIL names the missing anchor."""
     try:
         anchor_set = plan.select(owners)
-    except PatchError as error:
-        return [Finding(f"{plan.backend} anchors", FAIL, str(error))]
+    except PatchError as error:  # no anchor set covers this version: show how each would fare
+        return [Finding(f"{plan.backend} anchors", FAIL, str(error)), *anchor_set_findings(plan, owners, namespace=namespace)]
     findings = []
     for target, rewrites in anchor_set.targets().items():
         topic = f"{' / '.join(libraries_of(rewrites))} {target}"
@@ -117,6 +118,35 @@ def plan_findings(plan, owners: dict, *, namespace: dict | None = None) -> list[
             findings.append(Finding(topic, FAIL, str(error)))
         else:
             findings.append(Finding(topic, OK, f"{len(rewrites)} anchor(s) found (anchor set {anchor_set.family!r})"))
+    return findings
+
+
+def anchor_set_findings(plan, owners: dict, *, namespace: dict | None = None) -> list[Finding]:
+    """For a version no anchor set covers: for every anchor set and target, which anchors match the installed
+    source exactly once and which do not; where all match, whether the rewrite compiles (the names its
+    replacements read). What ``UNSLOTH_ADAPTIVE_KL_ALLOW_UNTESTED=1`` would try, as information (``--``)."""
+    findings = []
+    for anchor_set in plan.anchor_sets:
+        for target, rewrites in anchor_set.targets().items():
+            topic = f"anchor set {anchor_set.family!r}: {' / '.join(libraries_of(rewrites))} {target}"
+            try:
+                source = inspect.getsource(resolve(owners, target))
+            except (OSError, TypeError, KeyError, AttributeError) as error:
+                findings.append(Finding(topic, INFO, f"its source cannot be read ({type(error).__name__}: {error})"))
+                continue
+            counts = [source.count(r.anchor) for r in rewrites]
+            matching = [repr(anchor_text(r.anchor)) for r, count in zip(rewrites, counts) if count == 1]
+            failing = [f"{anchor_text(r.anchor)!r} ({count} times)" for r, count in zip(rewrites, counts) if count != 1]
+            detail = f"{len(matching)} of {len(rewrites)} anchor(s) match exactly once"
+            detail += f": {', '.join(matching)}" if matching else ""
+            if failing:
+                detail += f"; not matching: {', '.join(failing)}"
+            else:
+                try:
+                    compile_target(owners, target, rewrites, namespace=None if namespace is None else dict(namespace))
+                except PatchError as error:
+                    detail += f"; yet the rewrite fails: {error}"
+            findings.append(Finding(topic, INFO, detail))
     return findings
 
 

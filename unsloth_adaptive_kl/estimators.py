@@ -27,8 +27,9 @@ Register your own with :func:`register_estimator`::
     def my_kl(logp, ref_logp):
         return (logp - ref_logp).abs() ** 1.5
 
-Estimators registered by users are checked on every call (shape, dtype, finiteness on valid
-tokens, gradient); built-in ones are trusted.
+Estimators registered by users are checked once when the KL term is built and on every eager call
+(shape, dtype, gradient, and finiteness on valid tokens whose log-probs are finite); built-in ones
+are trusted.
 """
 
 from __future__ import annotations
@@ -316,11 +317,16 @@ def estimate_kl(
     else:
         out = spec.fn(logp, ref_logp)
     if check and not spec.builtin:
-        _check_user_output(spec.name, out, logp, mask)
+        _check_user_output(spec.name, out, logp, ref_logp, mask)
     return out if mask is None else torch.where(valid, out, 0.0)
 
 
-def _check_user_output(name: str, out, logp: torch.Tensor, mask: torch.Tensor | None) -> None:
+def _check_user_output(name: str, out, logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor | None) -> None:
+    """A user estimator's output: a tensor of ``logp``'s shape and dtype, with a gradient when ``logp`` has one, and
+    finite on every valid token whose log-probs are finite. A NaN or inf log-prob (the model's) is not the
+    estimator's fault: its KL goes on to the metrics, which count it (``adaptive_kl/nonfinite_kl_batches``).
+    One host sync, the finiteness test's (TRL's eager loss and the Liger module; Unsloth's compiled loss passes
+    ``check=False``)."""
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"KL estimator {name!r} returned {type(out).__name__}, expected a torch.Tensor")
     if out.shape != logp.shape:
@@ -329,6 +335,25 @@ def _check_user_output(name: str, out, logp: torch.Tensor, mask: torch.Tensor | 
         raise ValueError(f"KL estimator {name!r} returned dtype {out.dtype}, expected {logp.dtype}")
     if torch.is_grad_enabled() and logp.requires_grad and not out.requires_grad:
         raise ValueError(f"KL estimator {name!r} returned a tensor with no gradient (detached from logp)")
-    valid = out if mask is None else out[mask.bool()]
-    if not torch.isfinite(valid).all():
-        raise ValueError(f"KL estimator {name!r} returned NaN or inf on valid (unmasked) tokens")
+    with torch.no_grad():
+        blamed = torch.isfinite(logp) & torch.isfinite(ref_logp) & ~torch.isfinite(out)
+        if mask is not None:
+            blamed &= mask.bool()
+        count = int(blamed.sum())
+    if count:
+        raise ValueError(
+            f"KL estimator {name!r} returned NaN or inf on valid tokens whose log-probs were finite ({count} of them): the "
+            "bug is in the estimator; allowed: a finite value wherever logp and ref_logp are finite"
+        )
+
+
+def check_user_estimator(name: str, bottom_q: float) -> None:
+    """Run a registered (user) estimator once, eagerly, on a small float32 batch with a gradient (log-probs in
+    [-3, 0], reference log-probs around them), with every check of :func:`estimate_kl`: refused by name when the
+    KL term is built, also on backends that call it with ``check=False`` inside a compiled region (Unsloth)."""
+    if get_estimator(name).builtin:
+        return
+    g = torch.Generator().manual_seed(0)
+    logp = (-torch.rand(2, 5, generator=g) * 3).requires_grad_(True)
+    ref_logp = logp.detach() + torch.randn(2, 5, generator=g)
+    estimate_kl(name, logp, ref_logp, mask=torch.ones(2, 5, dtype=torch.bool), bottom_q=bottom_q)

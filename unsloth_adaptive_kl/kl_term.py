@@ -17,8 +17,8 @@ from typing import Callable
 import torch
 
 from .config import excluded_token_ids, shaping_values, validate
-from .estimators import estimate_kl, get_estimator
-from .shaping import Method, length_normalized_term, shape_per_token
+from .estimators import check_user_estimator, estimate_kl, get_estimator
+from .shaping import Method, check_user_steps, length_normalized_term, sequence_mean, shape_per_token, user_steps
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,8 @@ class KLTerm:
     shaping_parameters: tuple[tuple[str, object], ...] = ()
     #: ``kl_exclude_token_ids``: the token ids whose positions get no KL term (sorted; a constant for compilation).
     exclude_token_ids: tuple[int, ...] = ()
+    #: ``kl_placement``: "loss" (β·KL in the loss) or "reward" (β·KL subtracted from each reward at scoring time).
+    placement: str = "loss"
 
     @classmethod
     def from_config(cls, config) -> "KLTerm":
@@ -41,7 +43,21 @@ class KLTerm:
             bottom_q=float(config.kl_bottom_q),
             shaping_parameters=tuple(shaping_values(config, method).items()),
             exclude_token_ids=excluded_token_ids(getattr(config, "kl_exclude_token_ids", None)),
+            placement=config.kl_placement,
         )
+
+    def check_user_functions(self) -> None:
+        """Run the registered (user) estimator and shaping steps of this term once, eagerly, on a small batch, and
+        refuse by name one that breaks a rule (:func:`~unsloth_adaptive_kl.estimators.check_user_estimator`,
+        :func:`~unsloth_adaptive_kl.shaping.check_user_steps`). Built-ins are not run."""
+        check_user_estimator(self.estimator, self.bottom_q)
+        check_user_steps(self.method, dict(self.shaping_parameters))
+
+    @property
+    def user_shaping_steps(self) -> tuple[str, ...]:
+        """The registered (user) per-token shaping steps, in applied order: the metric sums count the tokens they
+        made non-finite (:func:`~unsloth_adaptive_kl.metrics.local_kl_sums`)."""
+        return user_steps(self.method)
 
     @property
     def length_normalized(self) -> bool:
@@ -125,3 +141,12 @@ class KLTerm:
         ``accumulation`` is the gradient-accumulation divisor the backend applies to its own loss
         (1 where the backend divides the whole loss afterwards)."""
         return beta * length_normalized_term(adapted, mask, num_completions) / accumulation
+
+    def reward_penalty(self, adapted: torch.Tensor, mask: torch.Tensor, *, beta: float) -> torch.Tensor:
+        """The amount ``kl_placement="reward"`` subtracts from each completion's reward, ``(B,)`` float64,
+        detached: ``beta * sum_t adapted_t`` over its valid tokens, or under ``length_normalized``
+        ``beta * mean_t adapted_t`` (0 for a completion with no valid token)."""
+        with torch.no_grad():
+            adapted = torch.where(mask.bool(), adapted.double(), 0.0)
+            per_completion = sequence_mean(adapted, mask) if self.length_normalized else adapted.sum(-1)
+            return beta * per_completion

@@ -19,41 +19,60 @@ RAW_KL = "adaptive_kl/raw_kl"
 ADAPTED_KL = "adaptive_kl/adapted_kl"
 CURRENT_BETA = "adaptive_kl/current_beta"
 SKIPPED_UPDATES = "adaptive_kl/skipped_updates"
+#: How many micro-batches of the logging window had a NaN or inf KL on a valid token (raw or adapted): they
+#: are left out of both ``raw_kl`` and ``adapted_kl`` (TRL's ``log()`` drops a NaN from a window's mean), so
+#: the window says how many, and the first one is warned about.
+NONFINITE_KL_BATCHES = "adaptive_kl/nonfinite_kl_batches"
 TOKEN_KL_MAX = "adaptive_kl/token_kl_max"
 TOKEN_KL_P99 = "adaptive_kl/token_kl_p99"
 TOKEN_KL_TOP1PCT_SHARE = "adaptive_kl/token_kl_top1pct_share"
-METRIC_NAMES = (RAW_KL, ADAPTED_KL, CURRENT_BETA, SKIPPED_UPDATES, TOKEN_KL_MAX, TOKEN_KL_P99, TOKEN_KL_TOP1PCT_SHARE)
+METRIC_NAMES = (RAW_KL, ADAPTED_KL, CURRENT_BETA, SKIPPED_UPDATES, NONFINITE_KL_BATCHES, TOKEN_KL_MAX, TOKEN_KL_P99, TOKEN_KL_TOP1PCT_SHARE)
 #: Statistics of every token of the logging window pooled (over its micro-batches, steps and processes),
 #: logged as their latest value: the max over the window, the p99 and top-1 % share of the window's tokens.
 WINDOW_TAIL_METRICS = (TOKEN_KL_MAX, TOKEN_KL_P99, TOKEN_KL_TOP1PCT_SHARE)
+#: Under ``kl_placement="reward"``: the mean over the generation batch's completions (all processes) of
+#: β · (each completion's KL) subtracted from its reward; logged once per generation batch.
+KL_PENALTY = "adaptive_kl/kl_penalty"
 #: Logged as their latest value in the logging window, not averaged over it: the β of the window's
 #: last step (an average of several steps' β is a β no step used) and a running count.
 LATEST_VALUE_METRICS = (CURRENT_BETA, SKIPPED_UPDATES)
+#: Summed over the logging window (a count per window), not averaged.
+WINDOW_SUM_METRICS = (NONFINITE_KL_BATCHES,)
 
 # Layout of the sums tensor.
-RAW_SUM, ADAPTED_SUM, TOKENS, ADAPTED_SEQ_MEAN_SUM, COMPLETIONS = range(5)
-NUM_SUMS = 5
+RAW_SUM, ADAPTED_SUM, TOKENS, ADAPTED_SEQ_MEAN_SUM, COMPLETIONS, SHAPING_FAULTS = range(6)
+NUM_SUMS = 6
 #: Length of :func:`local_metric_sums`: the sums, then this shard's :func:`tail.local_tail`.
 SUMS_SIZE = NUM_SUMS + tail.LOCAL_SIZE
 
 
-def local_metric_sums(raw: torch.Tensor, adapted: torch.Tensor, mask: torch.Tensor, tail_edges: torch.Tensor | None = None) -> torch.Tensor:
+def local_metric_sums(
+    raw: torch.Tensor, adapted: torch.Tensor, mask: torch.Tensor, tail_edges: torch.Tensor | None = None, *, count_shaping_faults: bool = False
+) -> torch.Tensor:
     """What a backend reduces once per micro-batch: :func:`local_kl_sums`, then the histogram of the raw
     KL for the tail metrics (:func:`tail.local_tail`; ``tail_edges``: its edges on the device)."""
-    return torch.cat([local_kl_sums(raw, adapted, mask), tail.local_tail(raw, mask, tail_edges)])
+    sums = local_kl_sums(raw, adapted, mask, count_shaping_faults=count_shaping_faults)
+    return torch.cat([sums, tail.local_tail(raw, mask, tail_edges)])
 
 
-def local_kl_sums(raw: torch.Tensor, adapted: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Sums over this shard's valid tokens, as one float64 tensor of 5 values (see the layout above).
+def local_kl_sums(raw: torch.Tensor, adapted: torch.Tensor, mask: torch.Tensor, *, count_shaping_faults: bool = False) -> torch.Tensor:
+    """Sums over this shard's valid tokens, as one float64 tensor of 6 values (see the layout above).
 
     The values are summed in float64, whatever their dtype: a bf16 KL (TRL's log-probs under FSDP2's
     bf16 ``MixedPrecisionPolicy``) summed in bf16 is rounded to 8 significant bits, which made the
     logged ``adapted_kl`` of ``clip`` 5.9e-4 off the global mean (issue 24).
     ``where`` rather than a product keeps NaN or inf on masked positions out of the sums.
+
+    ``count_shaping_faults`` (a method with a registered, user, shaping step): ``SHAPING_FAULTS`` counts the
+    valid tokens whose raw KL is finite and adapted KL is not. The built-in steps keep a finite KL finite, so
+    those are a user step's fault. Counted here, it is read with the sums (no host sync of its own); 0 otherwise.
     """
     with torch.no_grad():
         valid = mask.bool()
         zero = torch.zeros((), dtype=torch.float64, device=raw.device)
+        faults = zero
+        if count_shaping_faults:
+            faults = (valid & torch.isfinite(raw) & ~torch.isfinite(adapted)).sum().double()
         return torch.stack(
             [
                 torch.where(valid, raw.double(), zero).sum(),
@@ -61,6 +80,7 @@ def local_kl_sums(raw: torch.Tensor, adapted: torch.Tensor, mask: torch.Tensor) 
                 valid.sum().double(),
                 sequence_mean(adapted.double(), mask).sum(),
                 torch.ones_like(valid.sum(-1), dtype=torch.float64).sum(),  # rows (also when T = 0); no Python float, so it compiles
+                faults,
             ]
         )
 
@@ -90,22 +110,26 @@ def _clamped_mean(totals: torch.Tensor) -> float:
     return (totals[0] / totals[1].clamp(min=1.0)).item()
 
 
-def metric_values(totals: torch.Tensor | None, *, length_normalized: bool) -> dict[str, float]:
-    """Global metric values from summed :func:`local_kl_sums`; NaN for both when ``totals`` is None
-    (β is 0: no KL was computed) or no token was valid.
+def metric_values(totals: torch.Tensor | list[float] | None, *, length_normalized: bool) -> dict[str, float]:
+    """Global metric values from summed :func:`local_kl_sums` (a tensor, or its ``tolist()``); NaN for both
+    when ``totals`` is None (β is 0: no KL was computed) or no token was valid.
 
     ``adapted_kl`` is the value β multiplies: the token-weighted mean of the shaped KL, or, under
-    ``length_normalized``, the mean over completions of each completion's mean shaped KL.
+    ``length_normalized``, the mean over completions of each completion's mean shaped KL. Where a token
+    was valid, :data:`NONFINITE_KL_BATCHES` is 1 when either mean is NaN or inf, else 0.
     """
     if totals is None:
         return {RAW_KL: math.nan, ADAPTED_KL: math.nan}
-    t = totals.tolist()
+    t = totals.tolist() if isinstance(totals, torch.Tensor) else totals
     tokens = t[TOKENS]
     if length_normalized:
         adapted = math.nan if tokens == 0 else t[ADAPTED_SEQ_MEAN_SUM] / max(t[COMPLETIONS], 1.0)
     else:
         adapted = token_mean(t[ADAPTED_SUM], tokens)
-    return {RAW_KL: token_mean(t[RAW_SUM], tokens), ADAPTED_KL: adapted}
+    values = {RAW_KL: token_mean(t[RAW_SUM], tokens), ADAPTED_KL: adapted}
+    if tokens == 0:
+        return values
+    return {**values, NONFINITE_KL_BATCHES: float(not (math.isfinite(values[RAW_KL]) and math.isfinite(adapted)))}
 
 
 def tail_values(statistics: "tail.TailStatistics | None") -> dict[str, float]:

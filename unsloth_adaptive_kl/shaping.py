@@ -30,7 +30,8 @@ method              order  what it does to the per-token KL ``kl_t`` (after the 
                            loss type: the KL part of the loss is ``beta * mean_i(mean_t kl_it)``
 ==================  =====  ============================================================================
 
-A method registered without ``order`` applies at 50: after the built-in per-token methods.
+A method registered without ``order`` applies at 50: after the built-in per-token methods. Methods
+of equal ``order`` apply in the alphabetical order of their names (the same in every process).
 At most one β controller (``dynamic`` or ``target``) may be joined with any shaping methods,
 e.g. ``"dynamic+length_normalized"``.
 """
@@ -57,7 +58,7 @@ class Parameter:
     """A parameter of a shaping method.
 
     ``name`` is how the user sets it: a ``GRPOConfig`` field for the built-ins' parameters, a key of
-    ``kl_shaping_kwargs`` for those of methods registered later (README, "Your own shaping method").
+    ``kl_shaping_kwargs`` for those of methods registered later (docs/methods.md, "Your own shaping method").
     ``keyword`` is the keyword the method's function receives it as (``name`` when None). ``check``
     returns whether a value (already of ``type``) is allowed; ``allowed`` says what is, in words.
     """
@@ -104,14 +105,23 @@ def register_shaping(
     """Decorator: register the per-token shaping ``fn(kl, **parameters) -> shaped kl`` under ``name``.
 
     ``order``: where it applies among the methods joined with ``+`` (lower first; built-ins: clip 10,
-    soft_clip 20, sigmoid 30). ``parameters``: its :class:`Parameter` s (a parameter already
-    registered, e.g. ``kl_clip_threshold``, may be reused by naming it with the same declaration).
+    soft_clip 20, sigmoid 30), a finite number; methods of equal ``order`` apply in the alphabetical order
+    of their names, so the order never depends on which process registered what first. ``parameters``:
+    its :class:`Parameter` s (a parameter already registered, e.g. ``kl_clip_threshold``, may be reused
+    by naming it with the same declaration).
     ``summary``: one line for the method table (the docstring's first line when empty).
+
+    ``fn`` is checked as user estimators are (:func:`check_user_step`): it must return a new tensor of its
+    input's shape and dtype, connected to the graph when the input requires grad, finite wherever the KL is
+    finite; it must not change its input in place. Refused by name when the KL term is built, at the call
+    that breaks a rule, or, for NaN, at the metric sums of that micro-batch (docs/reliability.md).
     """
     if not isinstance(name, str) or not name or "+" in name or name != name.strip() or name in ("none", *CONTROLLERS):
         raise ValueError(f"shaping method name {name!r} is not allowed: use a non-empty name without '+' or spaces, not 'none' or {list(CONTROLLERS)}")
     if name in SHAPING:
         raise ValueError(f"shaping method {name!r} is already registered")
+    if isinstance(order, bool) or not isinstance(order, (int, float)) or not math.isfinite(order):
+        raise ValueError(f"shaping method {name!r}: order={order!r} is not valid; allowed: a finite number (built-ins: clip 10, soft_clip 20, sigmoid 30)")
     if not per_token and not _builtin:
         raise ValueError(f"shaping method {name!r}: only per-token methods can be registered (per_token=True)")
     known = {p.name: p for method in SHAPING.values() for p in method.parameters}
@@ -218,14 +228,85 @@ def format_method(method: Method) -> str:
 
 
 def shape_per_token(kl: torch.Tensor, method: Method, parameters: dict[str, object]) -> torch.Tensor:
-    """Apply the per-token shaping steps of ``method``, in order; ``parameters``: name -> value."""
+    """Apply the per-token shaping steps of ``method``, in order; ``parameters``: name -> value.
+    Registered (user) steps go through :func:`apply_user_step`; built-ins are trusted."""
     for step in method.per_token_steps:
-        shaped = step.fn(kl, **{p.argument: parameters[p.name] for p in step.parameters})
-        if not step.builtin and (not isinstance(shaped, torch.Tensor) or shaped.shape != kl.shape):
-            got = tuple(shaped.shape) if isinstance(shaped, torch.Tensor) else type(shaped).__name__
-            raise ValueError(f"shaping method {step.name!r} returned {got} for a KL of shape {tuple(kl.shape)}; allowed: a tensor of the same shape")
-        kl = shaped
+        arguments = {p.argument: parameters[p.name] for p in step.parameters}
+        kl = step.fn(kl, **arguments) if step.builtin else apply_user_step(step, kl, arguments)
     return kl
+
+
+def apply_user_step(step: ShapingMethod, kl: torch.Tensor, arguments: dict[str, object]) -> torch.Tensor:
+    """``step.fn(kl, **arguments)``, its output checked by :func:`check_user_step`, and a change of ``kl`` in place
+    refused: the caller's ``kl`` is the raw KL that TRL's ``kl``, ``adaptive_kl/raw_kl`` and ``target`` read.
+
+    Eagerly, the tensor's version counter tells (a host-side integer: nothing is copied or synchronised). Inside
+    a compiled region (Unsloth's fused loss, the Liger module) there is no counter to read: the step gets a copy,
+    which the compiler fuses into the step's own kernel, so an in-place change reaches the copy only.
+    """
+    if torch.compiler.is_compiling() or kl.is_inference():  # inference tensors have no version counter either
+        shaped = step.fn(kl.clone(), **arguments)
+    else:
+        version = kl._version
+        shaped = step.fn(kl, **arguments)
+        if kl._version != version:
+            raise ValueError(
+                f"shaping method {step.name!r} changed its input in place (an in-place operation such as kl.clamp_()): "
+                "that input is the raw KL the trainer logs and the target controller steers on; allowed: return a new "
+                "tensor (kl.clamp(...), not kl.clamp_(...))"
+            )
+    check_user_step(step.name, shaped, kl)
+    return shaped
+
+
+def check_user_step(name: str, shaped, kl: torch.Tensor) -> None:
+    """What a registered step must return for ``kl``, as a user estimator must: a tensor of the same shape and
+    dtype, with a gradient when ``kl`` has one. Metadata only (no value is read, nothing synchronises), so it runs
+    on every call, inside compiled regions too; finiteness is counted in the metric sums
+    (:func:`~unsloth_adaptive_kl.metrics.local_kl_sums`)."""
+    if not isinstance(shaped, torch.Tensor):
+        raise ValueError(f"shaping method {name!r} returned {type(shaped).__name__}; allowed: a torch.Tensor of the KL's shape {tuple(kl.shape)}")
+    if shaped.shape != kl.shape:
+        raise ValueError(f"shaping method {name!r} returned shape {tuple(shaped.shape)} for a KL of shape {tuple(kl.shape)}; allowed: a tensor of the same shape")
+    if shaped.dtype != kl.dtype:
+        raise ValueError(f"shaping method {name!r} returned dtype {shaped.dtype} for a KL of dtype {kl.dtype}; allowed: the KL's dtype")
+    if torch.is_grad_enabled() and kl.requires_grad and not shaped.requires_grad:
+        raise ValueError(
+            f"shaping method {name!r} returned a tensor with no gradient (detached from the KL): the KL term would not "
+            "train while the logs show a KL; allowed: a result computed from the KL with differentiable operations"
+        )
+
+
+#: The KL values :func:`check_user_steps` gives each registered step when the KL term is built: 0, the range
+#: k3 takes in practice, and beyond Unsloth's cap of 10. Non-negative: only k1 gives a negative KL (a method
+#: such as sqrt that is NaN there is refused at its first micro-batch instead, by the metric sums).
+PROBE_KL = ((0.0, 1e-4, 0.01, 0.1, 0.5), (1.0, 2.0, 5.0, 10.0, 30.0))
+
+
+def check_user_steps(method: Method, parameters: dict[str, object]) -> None:
+    """Run each registered step of ``method`` once on :data:`PROBE_KL` (eagerly, float32, with a gradient) and
+    refuse it by name if it breaks a rule of :func:`apply_user_step`, changes its input's values in any other
+    way, or returns NaN or inf for this finite KL. Called when the KL term is built, before any compiled region
+    could hide the error in a compiler's message."""
+    for step in method.per_token_steps:
+        if step.builtin:
+            continue
+        kl = torch.tensor(PROBE_KL).requires_grad_(True)
+        probe = kl * 1.0  # not a leaf, as in a loss: in-place operations are allowed on it
+        before = probe.detach().clone()
+        shaped = apply_user_step(step, probe, {p.argument: parameters[p.name] for p in step.parameters})
+        if not torch.equal(probe.detach(), before):
+            raise ValueError(f"shaping method {step.name!r} changed its input in place; allowed: return a new tensor, leave the input as it is")
+        if not torch.isfinite(shaped).all():
+            raise ValueError(
+                f"shaping method {step.name!r} returned NaN or inf for a finite KL (checked on kl = {list(PROBE_KL)}): "
+                f"got {shaped.detach().tolist()}; allowed: a finite value for every finite KL"
+            )
+
+
+def user_steps(method: Method) -> tuple[str, ...]:
+    """The registered (user) per-token steps of ``method``, in applied order."""
+    return tuple(step.name for step in method.per_token_steps if not step.builtin)
 
 
 # -- the built-in methods ------------------------------------------------------------------------------

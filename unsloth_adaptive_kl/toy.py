@@ -49,8 +49,10 @@ def build_tokenizer(*, seed: int = 0, vocab_size: int = 64):
     )
 
 
-def build_model(tokenizer, *, hidden_size: int = 64, layers: int = 2, heads: int = 4, seed: int = 0):
-    """A small Llama causal LM sized to ``tokenizer``, randomly initialised from ``seed``."""
+def build_model(tokenizer, *, hidden_size: int = 64, layers: int = 2, heads: int = 4, seed: int = 0,
+                max_positions: int = 128):
+    """A small Llama causal LM sized to ``tokenizer``, randomly initialised from ``seed``; it takes
+    sequences (prompt and completion) of up to ``max_positions`` tokens."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -62,7 +64,7 @@ def build_model(tokenizer, *, hidden_size: int = 64, layers: int = 2, heads: int
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=heads,
-        max_position_embeddings=128,
+        max_position_embeddings=max_positions,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.bos_token_id,
@@ -153,6 +155,26 @@ def worked_solution(terms: list[int], style: int) -> str:
     return (",".join(steps) if style else "") + f">{total}"
 
 
+def column_solution(terms: list[int], style: int) -> str:
+    """A correct completion for ``terms`` written as column addition, least significant column first,
+    in one of three styles: 0 ``">12211"``; 1 the column sums (carry included), ``"1,11,12,12,1>12211"``;
+    2 every column written out with the carry it receives, ``"1+0+0=1,2+9+0=11,8+3+1=12,4+7+1=12,1>12211"``
+    (for 4821+7390). Same alphabet and answer format as :func:`worked_solution`, so the scratchpad
+    tokenizer and rewards apply. With 4-5 terms of up to 8 digits, style 2 is at most 132 tokens long
+    (end-of-sequence included; 110-132 in 4,000 draws)."""
+    width = max(len(str(t)) for t in terms)
+    columns = zip(*(str(t).rjust(width, "0")[::-1] for t in terms))
+    carry, steps = 0, []
+    for column in columns:
+        digits = [int(d) for d in column]
+        total = sum(digits) + carry
+        steps.append("+".join(map(str, digits + [carry])) + f"={total}" if style == 2 else str(total))
+        carry = total // 10
+    if carry:
+        steps.append(str(carry))
+    return (",".join(steps) if style else "") + f">{sum(terms)}"
+
+
 def build_scratchpad_tokenizer():
     """A character-level tokenizer for the scratchpad task: one token per character, so a
     completion's length in tokens is its length in characters (plus the end-of-sequence token)."""
@@ -189,8 +211,10 @@ def scratchpad_correctness_reward(completions, answer, **kwargs) -> list[float]:
     return rewards
 
 
-def supervised_warm_start(model, tokenizer, texts: list[str], *, batch_size: int = 32, lr: float = 3e-3) -> float:
-    """One pass of next-token training over ``texts`` in batches; returns the last loss.
+def supervised_warm_start(model, tokenizer, texts: list[str], *, batch_size: int = 32, lr: float = 3e-3,
+                          losses: list | None = None) -> float:
+    """One pass of next-token training over ``texts`` in batches; returns the last loss, and appends
+    every batch's loss to ``losses`` when given.
 
     Position ids follow the attention mask, as in generation with left padding."""
     import torch
@@ -199,6 +223,7 @@ def supervised_warm_start(model, tokenizer, texts: list[str], *, batch_size: int
     model.train()
     device = next(model.parameters()).device
     loss = torch.tensor(0.0)
+    batch_losses = []
     for start in range(0, len(texts) - batch_size + 1, batch_size):
         batch = tokenizer(texts[start : start + batch_size], return_tensors="pt", padding=True).to(device)
         labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
@@ -207,6 +232,10 @@ def supervised_warm_start(model, tokenizer, texts: list[str], *, batch_size: int
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if losses is not None:
+            batch_losses.append(loss.detach())
+    if batch_losses:  # one device-to-host copy at the end, not a synchronisation every batch
+        losses.extend(torch.stack(batch_losses).float().cpu().tolist())
     return float(loss.detach())
 
 

@@ -7,6 +7,7 @@ import gzip
 import json
 import math
 import statistics
+from dataclasses import dataclass
 
 from .summary import _mean, cell, summarize_run
 
@@ -127,3 +128,263 @@ def analyze(paths: list[str], baseline: str = "none") -> str:
                        f"{col('adapted_kl_end', '.4f')} | {col('final_beta', '.3g')} | {diff('length_end')} | "
                        f"{diff('length_slope')} | {diff('final_reward')} |")
     return "\n".join(out)
+
+
+# -- the pre-registered tests of docs/evidence.md section 7 (issue 33) ----------------------------------
+# One-sided 95 % quantiles of Student's t by degrees of freedom 1-30 (standard table values): the two
+# one-sided tests at α = 0.05 of TOST are the 90 % two-sided interval.
+T95 = [6.314, 2.920, 2.353, 2.132, 2.015, 1.943, 1.895, 1.860, 1.833, 1.812, 1.796, 1.782, 1.771, 1.761, 1.753,
+       1.746, 1.740, 1.734, 1.729, 1.725, 1.721, 1.717, 1.714, 1.711, 1.708, 1.706, 1.703, 1.701, 1.699, 1.697]
+
+
+def _t(table: list[float], df: int, normal: float) -> float:
+    return table[df - 1] if df <= len(table) else normal
+
+
+@dataclass(frozen=True)
+class Equivalence:
+    """TOST (Schuirmann 1987) on paired differences: equivalent at α = 0.05 when both one-sided tests reject,
+    i.e. the 90 % t interval of the mean difference lies inside (-margin, margin); different when the 95 %
+    interval excludes 0. Both can hold (a difference smaller than the margin); neither: inconclusive."""
+
+    n: int
+    mean: float
+    se: float
+    margin: float
+    low90: float
+    high90: float
+    low95: float
+    high95: float
+
+    @property
+    def equivalent(self) -> bool:
+        return self.n >= 2 and -self.margin < self.low90 and self.high90 < self.margin
+
+    @property
+    def different(self) -> bool:
+        return self.n >= 2 and (self.low95 > 0 or self.high95 < 0)
+
+    @property
+    def verdict(self) -> str:
+        if self.n < 2:
+            return "too few seeds"
+        if self.equivalent:
+            return "equivalent, and different from 0" if self.different else "equivalent"
+        return "different" if self.different else "inconclusive"
+
+
+def tost(differences: list[float], margin: float) -> Equivalence:
+    """Paired differences (one per seed) against the equivalence margin ``margin`` > 0."""
+    if not margin > 0:
+        raise ValueError(f"margin={margin!r}: allowed: a number > 0")
+    n = len(differences)
+    mean = sum(differences) / n if n else math.nan
+    if n < 2:
+        return Equivalence(n, mean, math.nan, margin, math.nan, math.nan, math.nan, math.nan)
+    se = statistics.stdev(differences) / math.sqrt(n)
+    h90, h95 = _t(T95, n - 1, 1.645) * se, _t(T975, n - 1, 1.96) * se
+    return Equivalence(n, mean, se, margin, mean - h90, mean + h90, mean - h95, mean + h95)
+
+
+def trailing_means(values: list[float], window: int) -> list[float]:
+    """Mean of each value with the ``window - 1`` before it (fewer at the start); None counts as missing."""
+    out = []
+    for i in range(len(values)):
+        out.append(_mean(values[max(0, i - window + 1): i + 1]))
+    return out
+
+
+def runaway_step(rows: list[dict], kl_threshold: float | None, *, window: int = 10, reward_drop: float = 0.1,
+                 first_step: int = 20) -> int | None:
+    """The pre-registered runaway criterion: the first step ``s >= first_step`` at which the trailing
+    ``window``-step mean raw KL (``adaptive_kl/raw_kl``) exceeds ``kl_threshold`` while the trailing mean
+    reward is at least ``reward_drop`` below the highest trailing mean reward the run had reached by then.
+    ``kl_threshold=None`` (β = 0: no KL is computed) uses the reward condition alone. None: no runaway."""
+    kl = trailing_means([r.get("adaptive_kl/raw_kl") for r in rows], window)
+    reward = trailing_means([r.get("reward") for r in rows], window)
+    best = -math.inf
+    for row, k, rw in zip(rows, kl, reward):
+        best = max(best, rw)
+        if row["step"] < first_step:
+            continue
+        kl_high = kl_threshold is None or (not math.isnan(k) and k > kl_threshold)
+        if kl_high and rw <= best - reward_drop:
+            return row["step"]
+    return None
+
+
+def final_window(rows: list[dict], planned_steps: int, fraction: float = 0.25) -> list[dict]:
+    """The rows of the pre-registered final window: steps after (1 - fraction) x planned_steps, i.e. the last
+    ``fraction`` of the planned run (steps 151-200 of 200). A run cut before the window has none."""
+    start = final_window_start(planned_steps, fraction)
+    return [r for r in rows if start < r["step"] <= planned_steps]
+
+
+def final_window_start(planned_steps: int, fraction: float = 0.25) -> int:
+    """The last step before the final window: the window holds at least one step, however short the run."""
+    return planned_steps - max(1, round(planned_steps * fraction))
+
+
+def saturation_step(rows: list[dict], final_reward: float, *, window: int = 10, tolerance: float = 0.02) -> int | None:
+    """The first step at which the trailing ``window``-step mean reward reaches ``final_reward - tolerance``
+    (the run's final-window mean reward): where question (a) starts to look for a length drift."""
+    for row, rw in zip(rows, trailing_means([r.get("reward") for r in rows], window)):
+        if rw >= final_reward - tolerance:
+            return row["step"]
+    return None
+
+
+def drift_after_saturation(rows: list[dict], planned_steps: int, *, fraction: float = 0.25,
+                           min_steps: int = 50) -> dict:
+    """Question (a) for one run: the saturation step, and the least-squares slope of the mean completion
+    length against step from there to the end, in tokens per 100 steps (None when fewer than ``min_steps``
+    steps follow saturation: no room to see a drift)."""
+    window = final_window(rows, planned_steps, fraction)
+    if not window:
+        return {"saturation_step": None, "slope": None, "steps_after": 0}
+    final = _mean(r["reward"] for r in window)
+    s = saturation_step(rows, final)
+    after = [r for r in rows if s is not None and r["step"] >= s and r.get(LENGTH) is not None]
+    slope = 100.0 * ols_slope([r["step"] for r in after], [r[LENGTH] for r in after]) if len(after) >= min_steps else None
+    return {"saturation_step": s, "slope": slope, "steps_after": len(after)}
+
+
+def read_copies(paths: list[str]) -> dict[str, dict[tuple[str, int], list[list[dict]]]]:
+    """Every copy of every run, none dropped (the rule of section 7: every copy counts as a draw):
+    {tag: {(method, seed): [rows of one copy sorted by step, ...]}}. A copy is one training process: rows
+    carry its ``copy`` id (the demo writes one per process); rows without it count one copy per file."""
+    copies: dict[tuple[str, str, int, str], dict[int, dict]] = {}
+    for path in paths:
+        with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
+            for line in f:
+                if line.strip():
+                    row = json.loads(line)
+                    key = (row.get("tag", "default"), row["method"], row["seed"], row.get("copy") or path)
+                    copies.setdefault(key, {})[row["step"]] = row
+    out: dict[str, dict[tuple[str, int], list[list[dict]]]] = {}
+    for (tag, method, seed, _), steps in sorted(copies.items()):
+        out.setdefault(tag, {}).setdefault((method, seed), []).append([steps[k] for k in sorted(steps)])
+    return out
+
+
+def copy_numbers(rows: list[dict], planned_steps: int, kl_threshold: float | None, fraction: float = 0.25) -> dict:
+    """One copy's pre-registered numbers: final-window means (None when the copy stopped before the window),
+    whether it was complete, and its runaway step."""
+    window = final_window(rows, planned_steps, fraction)
+    has_kl = any(r.get("adaptive_kl/raw_kl") is not None for r in rows)
+    mean = (lambda key: _mean(r.get(key) for r in window) if window else None)  # noqa: E731
+    return {"complete": rows[-1]["step"] >= planned_steps, "last_step": rows[-1]["step"], "reward": mean("reward"),
+            "length": mean(LENGTH), "kl": mean("adaptive_kl/raw_kl") if has_kl else None,
+            "runaway_step": runaway_step(rows, kl_threshold if has_kl else None)}
+
+
+def seed_values(copies: list[list[dict]], planned_steps: int, key: str, kl_threshold: float | None = None) -> float | None:
+    """A seed's value of ``key``: the mean over its copies that reached the final window (every copy a draw)."""
+    values = [copy_numbers(rows, planned_steps, kl_threshold)[key] for rows in copies]
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def paired_by_seed(a: dict[int, list[list[dict]]], b: dict[int, list[list[dict]]], planned_steps: int, key: str) -> list[float]:
+    """``key``'s seed value of ``a`` minus ``b``'s, for every seed both have a value for, by seed."""
+    out = []
+    for seed in sorted(set(a) & set(b)):
+        x, y = seed_values(a[seed], planned_steps, key), seed_values(b[seed], planned_steps, key)
+        if x is not None and y is not None:
+            out.append(x - y)
+    return out
+
+
+def fmt_equivalence(e: Equivalence, fmt: str = ".3f") -> str:
+    if e.n < 2:
+        return f"{format(e.mean, fmt)} (n={e.n}) | — | — | {e.verdict}"
+    return (f"{format(e.mean, fmt)} | [{format(e.low90, fmt)}, {format(e.high90, fmt)}] | "
+            f"[{format(e.low95, fmt)}, {format(e.high95, fmt)}] | {e.verdict}")
+
+
+# The numbers section 7 pre-registers (docs/evidence.md); the report below applies them and nothing else.
+REWARD_MARGIN = 0.05  # equivalence margin for the final-window reward (reward in [0, 1])
+LENGTH_MARGIN = 5.0  # tokens: final-window length, and tokens per 100 steps for the drift slope
+KL_RATIO_MARGIN = math.log(1.25)  # target's final KL / kl_target, on the log scale
+RUNAWAY_KL_FACTOR = 10.0  # a runaway's KL threshold: this x the natural KL (the best fixed β > 0's final KL)
+
+
+def _family(tag: str) -> str:
+    from .grid import BETA_IN_TAG, KT_IN_TAG
+
+    return KT_IN_TAG.sub("", BETA_IN_TAG.sub("-b*", tag))
+
+
+def study_report(paths: list[str]) -> str:
+    """Markdown: the pre-registered analysis of section 7, per family of settings (tags that differ only in
+    the initial β and kl_target): every run's final-window numbers and runaways, (a) the length slope after
+    saturation of every fixed β, (b) target's KL / kl_target and its reward against the best fixed β, (c)
+    every other method against `none` at the same β; paired by seed, TOST at the pre-registered margins."""
+    runs: dict[str, dict[tuple[str, float, float | None], dict[int, list[list[dict]]]]] = {}
+    planned: dict[str, int] = {}
+    for tag, by_run in read_copies(paths).items():
+        family = _family(tag)
+        for (method, seed), copies in by_run.items():
+            first = copies[0][0]
+            key = (method, float(first["beta0"]), first.get("kl_target") if method == "target" else None)
+            runs.setdefault(family, {}).setdefault(key, {})[seed] = copies
+            planned[family] = max(planned.get(family, 0), int(first["planned_steps"]))
+    out = []
+    for family, cells in runs.items():
+        steps = planned[family]
+        seed_mean = lambda cell, key: _mean(seed_values(c, steps, key) for c in cell.values())  # noqa: E731
+        fixed = {k: v for k, v in cells.items() if k[0] == "none"}
+        best = max(fixed, key=lambda k: seed_mean(fixed[k], "reward")) if fixed else None
+        positive = [k for k in fixed if k[1] > 0]
+        natural_key = max(positive, key=lambda k: seed_mean(fixed[k], "reward")) if positive else None
+        natural = seed_mean(fixed[natural_key], "kl") if natural_key else math.nan
+        threshold = RUNAWAY_KL_FACTOR * natural if not math.isnan(natural) else None
+        out += [f"## {family} ({steps} planned steps; final window: steps {final_window_start(steps) + 1}-{steps})", "",
+                f"Best fixed β (highest seed-mean final reward of `none`): {best[1]:g}" if best else "No `none` runs.",
+                f"Natural KL (best fixed β > 0, {natural_key[1]:g}): {natural:.4g}; runaway threshold "
+                f"{RUNAWAY_KL_FACTOR:g} x = {threshold:.4g}" if threshold else "No natural KL (no `none` run with β > 0).", "",
+                "| method | β0 | kl_target | seeds | copies (complete) | final reward | final length | final KL | runaways |",
+                "|---|---|---|---|---|---|---|---|---|"]
+        for (method, beta, kt), cell in sorted(cells.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] or 0)):
+            numbers = [copy_numbers(rows, steps, threshold) for copies in cell.values() for rows in copies]
+            ran = [f"seed {s} step {copy_numbers(rows, steps, threshold)['runaway_step']}" for s, copies in cell.items()
+                   for rows in copies if copy_numbers(rows, steps, threshold)["runaway_step"] is not None]
+            col = lambda key, fmt: cell_text([seed_values(c, steps, key) for c in cell.values()], fmt)  # noqa: E731
+            out.append(f"| `{method}` | {beta:g} | {kt if kt is not None else '—'} | {len(cell)} | {len(numbers)} "
+                       f"({sum(n['complete'] for n in numbers)}) | {col('reward', '.3f')} | {col('length', '.1f')} | "
+                       f"{col('kl', '.4f')} | {len(ran)}{': ' + ', '.join(ran) if ran else ''} |")
+        out += ["", f"**(a) Length slope after saturation** (tokens / 100 steps, from the first step whose 10-step mean "
+                    f"reward reaches the final-window mean - 0.02; seeds with >= 50 such steps). TOST margin ±{LENGTH_MARGIN:g}.", "",
+                "| β | seeds | slope: mean | 90 % CI | 95 % CI | verdict |", "|---|---|---|---|---|---|"]
+        for (method, beta, _), cell in sorted(fixed.items(), key=lambda kv: kv[0][1]):
+            slopes = [drift_after_saturation(rows, steps)["slope"] for copies in cell.values() for rows in copies]
+            slopes = [s for s in slopes if s is not None]
+            out.append(f"| {beta:g} | {len(slopes)} | {fmt_equivalence(tost(slopes, LENGTH_MARGIN), '.2f')} |")
+        targets = {k: v for k, v in cells.items() if k[0] == "target"}
+        if targets and best:
+            out += ["", f"**(b) `target`**: final KL / kl_target (geometric mean; TOST on the log ratio, margin ±ln 1.25) "
+                        f"and Δ final reward against the best fixed β {best[1]:g} by seed (margin ±{REWARD_MARGIN:g}).", "",
+                    "| kl_target | β0 | seeds | KL / kl_target | log ratio: 90 % CI | verdict | Δ reward | 90 % CI | 95 % CI | verdict |",
+                    "|---|---|---|---|---|---|---|---|---|---|"]
+            for (_, beta, kt), cell in sorted(targets.items(), key=lambda kv: (kv[0][2], kv[0][1])):
+                logs = [math.log(v / kt) for v in (seed_values(c, steps, "kl") for c in cell.values()) if v and v > 0]
+                hold = tost(logs, KL_RATIO_MARGIN)
+                ratio = f"{math.exp(hold.mean):.2f}" if logs else "—"
+                ci = f"[{math.exp(hold.low90):.2f}, {math.exp(hold.high90):.2f}]" if hold.n >= 2 else "—"
+                reward = tost(paired_by_seed(cell, fixed[best], steps, "reward"), REWARD_MARGIN)
+                out.append(f"| {kt:g} | {beta:g} | {len(cell)} | {ratio} | {ci} | {hold.verdict} | {fmt_equivalence(reward)} |")
+        others = {k: v for k, v in cells.items() if k[0] not in ("none", "target") and ("none", k[1], None) in cells}
+        if others:
+            out += ["", f"**(c) Against `none` at the same β**, paired by seed: Δ final reward (margin ±{REWARD_MARGIN:g}), "
+                        f"Δ final length (margin ±{LENGTH_MARGIN:g} tokens).", "",
+                    "| method | β0 | quantity | Δ mean | 90 % CI | 95 % CI | verdict |", "|---|---|---|---|---|---|---|"]
+            for (method, beta, _), cell in sorted(others.items()):
+                for key, margin in (("reward", REWARD_MARGIN), ("length", LENGTH_MARGIN)):
+                    e = tost(paired_by_seed(cell, cells[("none", beta, None)], steps, key), margin)
+                    out.append(f"| `{method}` | {beta:g} | {key} | {fmt_equivalence(e)} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def cell_text(values: list[float | None], fmt: str) -> str:
+    return cell([v for v in values if v is not None], fmt)

@@ -12,14 +12,14 @@ import sys
 import time
 from dataclasses import asdict
 
-from .analysis import analyze
+from .analysis import analyze, study_report
 from .grid import analyze_grid, plot_grid
 from .gpu import GpuCheck, choose_backend, probe_gpu
 from .plot import plot, plot_analysis
 from .scheduler import default_jobs, make_runs, run_all
-from .settings import (ALL_METHODS, HUB, SMOKE, TASKS, Settings, beta_settings, method_fields, parse_betas, seed_list,
+from .settings import (ALL_METHODS, HUB, SMOKE, SOLUTIONS, TASKS, Settings, beta_settings, method_fields, parse_betas, seed_list,
                        settings_from, validate_methods)
-from .summary import markdown_table, read_metrics, table_notes
+from .summary import markdown_table, read_metrics, table_notes, trained_batch_lines
 from .tasks import starting_model
 from .worker import train_one
 
@@ -41,6 +41,13 @@ def parse_args(argv=None, description: str | None = None):
     p.add_argument("--task", choices=sorted(TASKS), help=f"the offline task's difficulty (default {Settings.task}): "
                    + "; ".join(f"{k}: {v['min_terms']}-{v['max_terms']} terms of 0-{v['max_operand']}" for k, v in TASKS.items()))
     p.add_argument("--loss-type", help=f"TRL's loss_type (default {Settings.loss_type}), e.g. grpo, dapo, dr_grpo, bnpo")
+    p.add_argument("--prompts-per-step", type=int, help=f"prompts per optimizer step (default {Settings.prompts_per_step}), "
+                   f"each with {Settings.num_generations} completions")
+    p.add_argument("--gradient-accumulation-steps", type=int, help="micro-batches an optimizer step is split into (default "
+                   f"{Settings.gradient_accumulation_steps}, on every backend: Unsloth's config would default to 2); the "
+                   "completions per step stay prompts-per-step x generations")
+    p.add_argument("--kl-horizon-steps", type=float, help=f"kl_horizon in optimizer steps (default {Settings.kl_horizon_steps:g}): "
+                   "kl_horizon = this x the completions a step trains, so target moves β by at most 0.2 / this a step")
     p.add_argument("--hidden-size", type=int, help=f"tiny Llama's hidden size (default {Settings.hidden_size})")
     p.add_argument("--layers", type=int, help=f"tiny Llama's layers (default {Settings.layers})")
     p.add_argument("--max-completion-length", type=int, help=f"default {Settings.max_completion_length}")
@@ -60,6 +67,9 @@ def parse_args(argv=None, description: str | None = None):
                    "differ only in the initial β, as --betas writes them): final KL, reward, length and β over the "
                    "last 50 steps per method and β, the spread across β, target's KL / kl_target, the best fixed β "
                    "against target, paired by seed")
+    p.add_argument("--study", action="store_true", help="with --analyze: the pre-registered analysis of docs/evidence.md "
+                   "section 7 (issue 33): every copy of every run, final window, runaways, (a) length slope after "
+                   "saturation, (b) target's KL / kl_target and reward, (c) methods against none; TOST by seed")
     p.add_argument("--plot", metavar="PNG", help="with --analyze: also draw the curves (every method of one setting, "
                                                  "or the baseline of each setting) into this file; with --grid, the "
                                                  "final KL and reward against the initial β")
@@ -83,13 +93,20 @@ def parse_args(argv=None, description: str | None = None):
             args.betas = parse_betas(args.betas)
         except ValueError as e:
             p.error(str(e))
-    if args.grid and not args.analyze:
-        p.error("--grid goes with --analyze FILE...")
+    if (args.grid or args.study) and not args.analyze:
+        p.error("--grid and --study go with --analyze FILE...")
+    if args.grid and args.study:
+        p.error("--grid and --study are two analyses: give one")
     if args.dataset and not args.model:
         p.error("--dataset needs --model: the offline tiny Llama only knows the synthetic task's characters")
     if args.smoke and (args.model or args.dataset):
         p.error("--smoke builds its own tiny model; it does not take --model or --dataset")
     return args
+
+
+def planned_completions(settings: Settings) -> int:
+    """Completions per optimizer step that the settings ask for (one process, as the demo runs)."""
+    return settings.prompts_per_step * settings.num_generations
 
 
 def header(args, settings: Settings, backend: str, gpu: GpuCheck, tags: list[str]) -> str:
@@ -108,7 +125,11 @@ def header(args, settings: Settings, backend: str, gpu: GpuCheck, tags: list[str
         f"backend: {backend} ({'Unsloth generated GRPOTrainer' if backend == 'unsloth' else 'TRL GRPOTrainer'})",
         f"task: {task}",
         f"settings: {json.dumps(asdict(settings))}",
-        f"method fields (every run): {json.dumps(method_fields(settings))}",
+        f"per optimizer step: {settings.prompts_per_step} prompts x {settings.num_generations} = {planned_completions(settings)} "
+        f"completions in {settings.gradient_accumulation_steps} micro-batch(es) of {settings.per_device_train_batch_size}, "
+        "one process (planned; every run prints and records what its trainer trained, and kl_horizon is sized from that)",
+        f"method fields (every run, sized for {planned_completions(settings)} completions a step): "
+        f"{json.dumps(method_fields(settings, completions_per_step=planned_completions(settings)))}",
         *([f"initial β (--betas, each its own setting; 'beta' above is the first): {args.betas}"] if args.betas else []),
         f"methods: {', '.join(args.methods)}; seeds: {seed_list(args)}; tag{'s' if len(tags) > 1 else ''}: {', '.join(tags)}",
     ])
@@ -120,6 +141,8 @@ def main(argv=None, description: str | None = None) -> None:
     if args.worker:
         return train_one(args.worker)
     if args.analyze:
+        if args.study:
+            return print(study_report(args.analyze))
         if args.grid:
             print(analyze_grid(args.analyze))
             return print(plot_grid(args.analyze, args.plot)) if args.plot else None
@@ -134,6 +157,8 @@ def main(argv=None, description: str | None = None) -> None:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before trl imports triton: its kernel, interpreted
     validate_methods(args.methods)
     settings = settings_from(args)
+    if settings.task in SOLUTIONS:  # a deterministic warm start needs cuBLAS's fixed workspace, set before its first call
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     settings_list = beta_settings(args, settings)
     settings = settings_list[0][0]
     gpu = probe_gpu()
@@ -171,6 +196,7 @@ def main(argv=None, description: str | None = None) -> None:
             f.writelines(json.dumps(r) + "\n" for r in rows)
     table = "\n\n".join(tables)
     notes = table_notes(seeds, settings.steps, settings.summary_window)
+    notes += "\n\n" + "\n".join(trained_batch_lines(all_metrics, planned_completions(settings)))
     elapsed = f"wall time: {time.perf_counter() - t0:.0f} s"
     with open(os.path.join(args.output_dir, "summary.md"), "w") as f:
         f.write(f"```\n{head}\n{elapsed}\n```\n\n{table}\n\n{notes}\n")

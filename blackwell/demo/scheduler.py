@@ -46,7 +46,7 @@ def make_runs(args, settings_list: list[tuple[Settings, str]], backend: str, che
                           os.path.join(run_dir, "metrics.jsonl"), beta=beta)
                 spec = dict(method=method, seed=seed, backend=backend, model=model, dataset=args.dataset,
                             settings=asdict(settings), run_dir=run_dir, metrics_path=run.metrics_path,
-                            max_seq_length=512 if args.model else 128, tag=tag,
+                            max_seq_length=512 if args.model else settings.max_seq_length, tag=tag,
                             stream=os.path.abspath(args.stream) if args.stream else None)
                 with open(run.spec_path, "w") as f:
                     json.dump(spec, f, indent=1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from unsloth_adaptive_kl import toy
 from unsloth_adaptive_kl.shaping import method_names
 
 #: Every registered method alone (none, the shaping methods, the β controllers), and one composition.
@@ -18,14 +19,24 @@ class Settings:
     steps: int = 120
     beta: float = 0.1
     learning_rate: float = 2e-3
-    prompts_per_step: int = 8
+    prompts_per_step: int = 8  # per optimizer step, all processes together
     num_generations: int = 8
+    # Micro-batches per optimizer step. Passed to every backend's config: Unsloth's defaults to 2, TRL's
+    # to 1, and the number of completions a step trains (StepBatch) is what kl_horizon is sized from.
+    gradient_accumulation_steps: int = 1
+    optim: str = "adamw_torch"  # TRL's default, passed to every backend (Unsloth's config defaults to adamw_8bit)
+    weight_decay: float = 0.0  # TRL's default, passed to every backend (Unsloth's: 0.001)
+    # TRL's defaults, passed to every backend: Unsloth's config sets mask_truncated_completions=True and
+    # epsilon_high=0.28 when loss_type="dapo" is passed and these are not.
+    mask_truncated_completions: bool = False
+    epsilon_high: float = 0.2
     max_completion_length: int = 48  # the longest warm-start completion is 14 tokens
     temperature: float = 1.0
     loss_type: str = "dapo"  # TRL's default: token-sum, where length_normalized changes the loss
     lora_rank: int = 32
     hidden_size: int = 128
     layers: int = 4
+    heads: int = 4
     warm_start_steps: int = 800  # batch 64; seconds on a GPU. 400 left the reward at ~0.7 in a CPU trial
     # AdamW's learning rate in the warm start. 3e-3 suits the 128-wide model; at hidden 256 it left the
     # loss at 1.47 after 300 steps of the hard task in a CPU trial, against 0.93 with 1e-3 (docs/evidence.md).
@@ -33,6 +44,32 @@ class Settings:
     summary_window: float = 0.1  # "start" and "end" values are means over this fraction of the steps
     task: str = "easy"  # the offline task's difficulty: a key of TASKS
     kl_target: float = 0.1  # the target controller's KL target (method `target`; `sigmoid` centres on it too)
+    # kl_horizon in optimizer steps: kl_horizon = kl_horizon_steps x the completions a step trains, so that
+    # target moves β by at most 0.2 / kl_horizon_steps a step (2 %) whatever the batch.
+    kl_horizon_steps: float = 10.0
+
+    def check(self) -> None:
+        """ValueError naming the field when the batch cannot be split as asked."""
+        completions = self.prompts_per_step * self.num_generations
+        if self.gradient_accumulation_steps < 1 or completions % self.gradient_accumulation_steps:
+            raise ValueError(f"gradient_accumulation_steps={self.gradient_accumulation_steps}: it must be >= 1 and divide "
+                             f"prompts_per_step x num_generations = {completions}, the completions of an optimizer step")
+        if not self.kl_horizon_steps > 0.2:
+            raise ValueError(f"kl_horizon_steps={self.kl_horizon_steps}: allowed > 0.2 (target's factor 1 - 0.2 / "
+                             "kl_horizon_steps must stay positive)")
+
+    @property
+    def per_device_train_batch_size(self) -> int:
+        """Completions per micro-batch (one process): an optimizer step's, split over the accumulation steps."""
+        return self.prompts_per_step * self.num_generations // self.gradient_accumulation_steps
+
+    @property
+    def max_seq_length(self) -> int:
+        """Positions a sequence may take: the longest prompt of the task (its digits, '+' and '='), then the
+        completion; at least 128, what the tasks before "long" always had."""
+        task = TASKS[self.task]
+        longest_prompt = task["max_terms"] * (len(str(task["max_operand"])) + 1)
+        return max(128, longest_prompt + self.max_completion_length)
 
 
 # The offline task's variants: how many terms a sum has and how large they are. "easy" is the
@@ -43,20 +80,39 @@ TASKS = {
     "easy": dict(min_terms=2, max_terms=3, max_operand=9),
     "medium": dict(min_terms=3, max_terms=4, max_operand=9),
     "hard": dict(min_terms=3, max_terms=4, max_operand=19),
+    # Issue 33: completions of ~100+ tokens. Column additions of 4-5 terms of up to 8 digits; the warm start
+    # writes toy.column_solution's styles (answer only, column sums, every column written out) in parts
+    # 0.2, 0.2, 0.6, a median of 116 tokens (the full style 110-132).
+    "long": dict(min_terms=4, max_terms=5, max_operand=99_999_999),
 }
 
-SMOKE = dict(steps=4, prompts_per_step=2, num_generations=4, max_completion_length=24, hidden_size=32, layers=2,
+# How a task's warm-start completions are written: (solution function, weight of each style). The tasks
+# not named here mix toy.worked_solution's three styles in equal parts.
+SOLUTIONS = {"long": (toy.column_solution, (0.2, 0.2, 0.6))}
+DEFAULT_SOLUTION = (toy.worked_solution, (1.0, 1.0, 1.0))
+
+# The settings a task brings with it where the command line does not say otherwise (--task long): a
+# Llama of 35.4 M parameters (768 x 6, 12 heads; a token step of decoding costs per layer, so few wide
+# layers), completions up to 192 tokens (room above the longest warm-start completion, 132).
+TASK_DEFAULTS = {
+    "long": dict(hidden_size=768, layers=6, heads=12, max_completion_length=192, warm_start_steps=2000,
+                 warm_start_lr=1e-3, learning_rate=1e-3, steps=200),
+}
+
+SMOKE = dict(steps=4, prompts_per_step=2, num_generations=4, max_completion_length=24, hidden_size=32, layers=2, heads=4,
              warm_start_steps=30, lora_rank=8)
 HUB = dict(learning_rate=5e-6, prompts_per_step=2, num_generations=8, max_completion_length=256, warm_start_steps=0)
 
 
-def method_fields(settings: Settings) -> dict:
+def method_fields(settings: Settings, *, completions_per_step: int) -> dict:
     """The adaptive-KL fields given to every run; each method reads only the ones it uses.
 
+    ``completions_per_step``: what an optimizer step of the run's trainer trains (all processes), read
+    from the backend's config (:class:`~demo.batch.StepBatch`), never from the settings alone.
     Package defaults, except two that are tied to this run's length: the reward window (10 of
-    120 steps is most of the run) and the target controller's horizon, set so that it can move β
-    by up to 2% a step (with the default 10 000 completions it could barely move in the run)."""
-    completions_per_step = settings.prompts_per_step * settings.num_generations
+    120 steps is most of the run) and the target controller's horizon, ``kl_horizon_steps`` steps of
+    completions, so that it can move β by up to 0.2 / kl_horizon_steps a step (2 % by default; with the
+    package's 10 000 completions it could barely move in the run)."""
     return dict(
         kl_estimator="k3",
         kl_clip_threshold=1.0,
@@ -66,7 +122,7 @@ def method_fields(settings: Settings) -> dict:
         dynamic_beta_decay=0.9,
         beta_min=0.0,
         beta_schedule_steps=1_000_000,
-        kl_horizon=10.0 * completions_per_step,
+        kl_horizon=settings.kl_horizon_steps * completions_per_step,
     )
 
 
@@ -106,6 +162,8 @@ def seed_list(args) -> list[int]:
 
 def settings_from(args) -> Settings:
     settings = Settings()
+    if args.task in TASK_DEFAULTS:
+        settings = replace(settings, **TASK_DEFAULTS[args.task])
     if args.smoke:
         settings = replace(settings, **SMOKE)
     if args.model:
@@ -113,8 +171,12 @@ def settings_from(args) -> Settings:
     overrides = {"steps": args.steps, "beta": args.beta, "learning_rate": args.learning_rate, "task": args.task,
                  "loss_type": args.loss_type, "hidden_size": args.hidden_size, "layers": args.layers,
                  "max_completion_length": args.max_completion_length, "warm_start_steps": args.warm_start_steps,
-                 "warm_start_lr": args.warm_start_lr, "kl_target": args.kl_target}
-    return replace(settings, **{k: v for k, v in overrides.items() if v is not None})
+                 "warm_start_lr": args.warm_start_lr, "kl_target": args.kl_target,
+                 "prompts_per_step": args.prompts_per_step, "gradient_accumulation_steps": args.gradient_accumulation_steps,
+                 "kl_horizon_steps": args.kl_horizon_steps}
+    settings = replace(settings, **{k: v for k, v in overrides.items() if v is not None})
+    settings.check()
+    return settings
 
 
 def validate_methods(methods: list[str]) -> None:

@@ -83,3 +83,28 @@ def table_notes(seeds: list[int], steps: int, window: float) -> str:
             "(— once β reached 0: no KL is computed); token KL max final: the last logged adaptive_kl/token_kl_max "
             "(the largest per-token raw KL of that logging window, docs/metrics-tail.md). Step time: median wall time of an optimizer step, "
             "generation included.")
+
+
+def trained_batch_lines(metrics: dict, planned: int) -> list[str]:
+    """What the runs' optimizer steps trained, as their rows record it (``StepBatch.fields`` and ``kl_horizon``):
+    one line per distinct batch with its number of runs, and a line for every run that trained a number of
+    completions other than the ``planned`` one."""
+    groups: dict[tuple, list[str]] = {}
+    for key, rows in metrics.items():
+        first = rows[0] if rows else {}
+        batch = tuple(first.get(k) for k in ("completions_per_step", "gradient_accumulation_steps",
+                                             "per_device_train_batch_size", "generation_batch_size", "num_processes",
+                                             "kl_horizon"))
+        groups.setdefault(batch, []).append("/".join(str(k) for k in key if k is not None))
+    lines = []
+    for (completions, accumulation, micro, generation, processes, horizon), runs in groups.items():
+        if completions is None:
+            lines.append(f"Trained: not recorded in the rows of {len(runs)} run(s) (written before the demo recorded it).")
+            continue
+        lines.append(f"Trained (read from each run's trainer): {completions} completions per optimizer step = "
+                     f"{micro} x gradient_accumulation_steps {accumulation} x {processes} process(es), generation batch "
+                     f"{generation}; kl_horizon {horizon:g} ({horizon / completions:g} steps): {len(runs)} run(s).")
+        if completions != planned:
+            lines.append(f"DIFFERENCE: {len(runs)} run(s) trained {completions} completions a step, the settings ask "
+                         f"for {planned}: {', '.join(runs)}.")
+    return lines

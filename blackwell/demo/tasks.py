@@ -3,11 +3,15 @@ GSM8K-shaped hub data set and model (not reachable offline; small on purpose).""
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
 import math
 import os
+import statistics
 import time
 
-from .settings import TASKS, Settings
+from .settings import DEFAULT_SOLUTION, SOLUTIONS, TASKS, Settings
 
 HUB_HELP = (
     "This machine may have no access to the Hugging Face hub: run without --model/--dataset for the offline "
@@ -81,7 +85,9 @@ def fetch_hub_model(name: str) -> str:
 
 # -- the starting model ------------------------------------------------------------------------------
 def starting_model(args, settings: Settings, seed: int, device: str) -> str:
-    """The checkpoint every method of this seed starts from."""
+    """The checkpoint every method of this seed starts from. An offline task's warm start is recorded in
+    ``OUTPUT_DIR/warm_start-seedN.json`` (:func:`build_task_checkpoint`, :func:`evaluate_start`) and
+    printed in a line."""
     from unsloth_adaptive_kl import toy
 
     if args.model:
@@ -94,15 +100,28 @@ def starting_model(args, settings: Settings, seed: int, device: str) -> str:
                                                 lr=settings.warm_start_lr)
     else:
         built = build_task_checkpoint(path, settings, seed, device)
+    built_s = time.perf_counter() - started
     print(f"seed {seed}: tiny Llama ({settings.hidden_size}x{settings.layers}) warm-started for "
           f"{settings.warm_start_steps} steps on the {settings.task} task, final loss {built['warm_start_loss']:.3f} "
-          f"({time.perf_counter() - started:.0f} s)", flush=True)
+          f"({built_s:.0f} s)", flush=True)
+    if settings.task != "easy":
+        record = {**{k: v for k, v in built.items() if k != "path"}, "build_s": built_s,
+                  "start": evaluate_start(path, settings, seed, device)}
+        with open(os.path.join(args.output_dir, f"warm_start-seed{seed}.json"), "w") as f:
+            json.dump(record, f, indent=1)
+        start = record["start"]
+        print(f"seed {seed}: at step 0 (n={start['n']}, temperature {settings.temperature}): accuracy "
+              f"{start['accuracy']:.3f}, reward {start['reward']:.3f}, length median {start['length']['median']:g} "
+              f"(p10 {start['length']['p10']:g}, p90 {start['length']['p90']:g}, max {start['length']['max']}), truncated "
+              f"{start['truncated']:.3f}; weights sha256 {record['weights_sha256'][:16]}", flush=True)
     return path
 
 
 def build_task_checkpoint(path: str, settings: Settings, seed: int, device: str) -> dict:
-    """As ``toy.build_scratchpad_checkpoint``, for any task of TASKS: the three solution styles in
-    equal parts, batch 64, ``settings.warm_start_steps`` steps."""
+    """As ``toy.build_scratchpad_checkpoint``, for any task of TASKS: the task's solution styles
+    (``SOLUTIONS``; by default toy.worked_solution's three in equal parts), batch 64,
+    ``settings.warm_start_steps`` steps. Returns what was done: the loss per step, time, tokens a second,
+    and the saved weights' sha256 (the same seed must give the same start in every GPU call)."""
     import random
 
     import torch
@@ -110,14 +129,106 @@ def build_task_checkpoint(path: str, settings: Settings, seed: int, device: str)
     from unsloth_adaptive_kl import toy
 
     tokenizer = toy.build_scratchpad_tokenizer()
-    model = toy.build_model(tokenizer, hidden_size=settings.hidden_size, layers=settings.layers, seed=seed).to(device)
+    model = toy.build_model(tokenizer, hidden_size=settings.hidden_size, layers=settings.layers, heads=settings.heads,
+                            seed=seed, max_positions=settings.max_seq_length).to(device)
     rng = random.Random(seed + 1)
     rows = toy.sum_problems(settings.warm_start_steps * 64, seed=seed + 1, **TASKS[settings.task])
-    texts = [r["prompt"] + toy.worked_solution(r["terms"], rng.randrange(3)) + tokenizer.eos_token for r in rows]
-    loss = toy.supervised_warm_start(model, tokenizer, texts, batch_size=64, lr=settings.warm_start_lr) if settings.warm_start_steps else math.nan
+    solution, weights = SOLUTIONS.get(settings.task, DEFAULT_SOLUTION)
+    if settings.task in SOLUTIONS:
+        styles = rng.choices(range(len(weights)), weights, k=len(rows))
+    else:  # the tasks of section 2-6 of docs/evidence.md: the draws their checkpoints were built with
+        styles = [rng.randrange(3) for _ in rows]
+    texts = [r["prompt"] + solution(r["terms"], style) + tokenizer.eos_token for r, style in zip(rows, styles)]
+    losses: list[float] = []
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    attention = contextlib.nullcontext()
+    if settings.task in SOLUTIONS:  # the same seed, the same start, call after call (earlier tasks: as they ran)
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        # SDPA's fused CUDA backward kernels accumulate in a nondeterministic order; the math one does not
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        attention = sdpa_kernel([SDPBackend.MATH])
+    started = time.perf_counter()
+    with attention:
+        loss = (toy.supervised_warm_start(model, tokenizer, texts, batch_size=64, lr=settings.warm_start_lr, losses=losses)
+                if settings.warm_start_steps else math.nan)
+    seconds = time.perf_counter() - started
+    torch.use_deterministic_algorithms(deterministic)
     model.to("cpu").save_pretrained(path)
     tokenizer.save_pretrained(path)
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    parameters = sum(p.numel() for p in model.parameters())
     del model
     if device != "cpu":
         torch.cuda.empty_cache()
-    return {"path": path, "warm_start_loss": loss}
+    tokens = sum(len(t) - len(tokenizer.eos_token) + 1 for t in texts)  # one token a character, the eos one token
+    tail = losses[-50:]
+    return {"path": path, "warm_start_loss": loss, "warm_start_steps": settings.warm_start_steps,
+            "warm_start_s": seconds, "tokens_per_s": tokens / seconds if seconds else math.nan, "parameters": parameters,
+            "loss_last50": statistics.fmean(tail) if tail else math.nan,
+            "loss_curve": {i + 1: losses[i] for i in sorted({*range(0, len(losses), max(1, len(losses) // 20)), len(losses) - 1})}
+            if losses else {},
+            "style_shares": [styles.count(i) / len(styles) for i in range(len(weights))] if styles else [],
+            "weights_sha256": digest.hexdigest()}
+
+
+def completion_style(completion: str) -> str:
+    """Which warm-start style a completion looks like: "unformatted" (no '>'), "answer" (nothing before '>'),
+    "full" (a column or addition written out: '='), "sums" (anything else)."""
+    if ">" not in completion:
+        return "unformatted"
+    scratchpad = completion.strip().split(">", 1)[0]
+    return "answer" if not scratchpad else "full" if "=" in scratchpad else "sums"
+
+
+def quantiles(values: list[int]) -> dict:
+    """Median, p10, p25, p75, p90 (statistics' "inclusive" method: the sample's own values at the ends), mean, max."""
+    q = statistics.quantiles(values, n=20, method="inclusive") if len(values) > 1 else [values[0]] * 19
+    return {"mean": statistics.fmean(values), "p10": q[1], "p25": q[4], "median": statistics.median(values),
+            "p75": q[14], "p90": q[17], "max": max(values)}
+
+
+def evaluate_start(path: str, settings: Settings, seed: int, device: str, n: int = 256) -> dict:
+    """The starting policy as GRPO's first step sees it: ``n`` held-out prompts (``sum_problems`` seed + 2),
+    one completion each, sampled at the run's temperature up to ``max_completion_length``. Accuracy, reward
+    (the task's two reward functions), length in tokens (end-of-sequence included, as TRL counts it),
+    the share that hit the length limit, and the share and accuracy of each completion style."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from unsloth_adaptive_kl import toy
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path).to(device).eval()
+    rows = toy.sum_problems(n, seed=seed + 2, **TASKS[settings.task])
+    torch.manual_seed(seed + 2)
+    completions, lengths, truncated = [], [], 0
+    for start in range(0, n, 128):
+        batch = tokenizer([r["prompt"] for r in rows[start:start + 128]], return_tensors="pt", padding=True).to(device)
+        with torch.no_grad():
+            out = model.generate(**batch, do_sample=True, temperature=settings.temperature, top_k=0, top_p=1.0,
+                                 max_new_tokens=settings.max_completion_length, pad_token_id=tokenizer.pad_token_id,
+                                 eos_token_id=tokenizer.eos_token_id)
+        for ids in out[:, batch["input_ids"].shape[1]:].tolist():
+            ended = tokenizer.eos_token_id in ids
+            ids = ids[:ids.index(tokenizer.eos_token_id) + 1] if ended else ids
+            truncated += not ended
+            lengths.append(len(ids))
+            completions.append(tokenizer.decode(ids, skip_special_tokens=True))
+    del model
+    if device != "cpu":
+        torch.cuda.empty_cache()
+    answers = [r["answer"] for r in rows]
+    correct = [c > 0 for c in toy.scratchpad_correctness_reward(completions, answers)]
+    formatted = [f > 0 for f in toy.scratchpad_format_reward(completions)]
+    styles = [completion_style(c) for c in completions]
+    by_style = {s: [i for i, x in enumerate(styles) if x == s] for s in ("answer", "sums", "full", "unformatted")}
+    return {"n": n, "accuracy": sum(correct) / n, "format": sum(formatted) / n, "reward": (sum(correct) + sum(formatted)) / (2 * n),
+            "length": quantiles(lengths), "truncated": truncated / n,
+            "styles": {s: {"share": len(ix) / n, "accuracy": sum(correct[i] for i in ix) / len(ix) if ix else None,
+                           "median_length": statistics.median(lengths[i] for i in ix) if ix else None}
+                       for s, ix in by_style.items()},
+            "examples": completions[:3]}

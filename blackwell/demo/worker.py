@@ -4,8 +4,11 @@ patch, the policy with its LoRA, the task, and a callback writing one JSON line 
 from __future__ import annotations
 
 import json
+import os
 import time
+import uuid
 
+from .batch import StepBatch
 from .settings import Settings, method_fields
 from .tasks import task
 
@@ -52,7 +55,7 @@ def load_policy(spec: dict, cuda: bool):
                                         task_type="CAUSAL_LM")
 
 
-def step_logger(metrics_path: str, spec: dict):
+def step_logger(metrics_path: str, spec: dict, trained: dict):
     """A callback writing one JSON line per logged step (with its wall time) and a progress line."""
     from transformers import TrainerCallback
 
@@ -68,7 +71,7 @@ def step_logger(metrics_path: str, spec: dict):
                 return
             row = {"tag": spec["tag"], "method": spec["method"], "seed": spec["seed"], "step": state.global_step,
                    "step_time": self.seconds, "beta0": spec["settings"]["beta"], "planned_steps": spec["settings"]["steps"],
-                   "kl_target": spec["settings"]["kl_target"]}
+                   "kl_target": spec["settings"]["kl_target"], **trained}
             row.update({k: v for k, v in logs.items() if isinstance(v, (int, float)) or v is None})
             line = json.dumps(row) + "\n"
             for path in filter(None, [metrics_path, spec.get("stream")]):
@@ -80,6 +83,51 @@ def step_logger(metrics_path: str, spec: dict):
     return StepLogger()
 
 
+# The trainer arguments that decide what a step does, beside the batch (StepBatch): each run prints and saves
+# them as its trainer holds them. Unsloth's config defaults several of them unlike TRL's (optim adamw_8bit,
+# weight_decay 0.001, warmup_steps 0.1, seed 3407, lr_scheduler_type linear; with loss_type "dapo" also
+# mask_truncated_completions True and epsilon_high 0.28): the demo passes them all.
+TRAINING_FIELDS = ("learning_rate", "lr_scheduler_type", "warmup_steps", "optim", "weight_decay", "max_grad_norm", "seed",
+                   "temperature", "top_k", "top_p", "loss_type", "beta", "epsilon", "epsilon_high", "scale_rewards", "num_iterations",
+                   "importance_sampling_level", "mask_truncated_completions", "max_completion_length", "bf16")
+
+
+def trained_args(trainer) -> dict:
+    return {name: getattr(trainer.args, name, None) for name in TRAINING_FIELDS}
+
+
+def build_trainer(spec: dict, cuda: bool):
+    """(trainer, what its optimizer step trains). ``kl_horizon`` is sized from the completions per step that
+    the backend's own config makes of the settings (Unsloth's and TRL's defaults differ), and the trainer
+    must train that number: a trainer that trains another raises before any step."""
+    GRPOConfig, GRPOTrainer = import_trainer(spec["backend"], cuda)
+    settings = Settings(**spec["settings"])
+    model, tokenizer, peft_config = load_policy(spec, cuda)
+    dataset, rewards = task(spec)
+    common = dict(
+        output_dir=spec["run_dir"], seed=spec["seed"], use_cpu=not cuda, bf16=cuda, report_to="none",
+        save_strategy="no", disable_tqdm=True, logging_steps=1, max_steps=settings.steps,
+        per_device_train_batch_size=settings.per_device_train_batch_size,
+        gradient_accumulation_steps=settings.gradient_accumulation_steps,
+        num_generations=settings.num_generations, max_completion_length=settings.max_completion_length,
+        temperature=settings.temperature, learning_rate=settings.learning_rate, lr_scheduler_type="constant",
+        warmup_steps=0, loss_type=settings.loss_type, beta=settings.beta, optim=settings.optim,
+        weight_decay=settings.weight_decay, mask_truncated_completions=settings.mask_truncated_completions,
+        epsilon_high=settings.epsilon_high,
+    )
+    probe = GRPOConfig(**common)  # what the backend's config class makes of these arguments
+    planned = StepBatch.of_args(probe, probe.world_size)
+    config = GRPOConfig(**common, kl_adaptation_method=spec["method"],
+                        **method_fields(settings, completions_per_step=planned.completions_per_step))
+    trainer = GRPOTrainer(model=model, reward_funcs=rewards, args=config, train_dataset=dataset,
+                          processing_class=tokenizer, peft_config=peft_config)
+    trained = StepBatch.of_trainer(trainer)
+    if trained.completions_per_step != planned.completions_per_step:
+        raise RuntimeError(f"the trainer trains {trained.describe()}, but kl_horizon was sized for "
+                           f"{planned.describe()}")
+    return trainer, trained
+
+
 def train_one(spec_path: str) -> None:
     """Train one (method, seed) and append its per-step metrics to the run's metrics file."""
     with open(spec_path) as f:
@@ -87,21 +135,18 @@ def train_one(spec_path: str) -> None:
     import torch
 
     cuda = torch.cuda.is_available()
-    GRPOConfig, GRPOTrainer = import_trainer(spec["backend"], cuda)
-    settings = Settings(**spec["settings"])
-    model, tokenizer, peft_config = load_policy(spec, cuda)
-    dataset, rewards = task(spec)
-    config = GRPOConfig(
-        output_dir=spec["run_dir"], seed=spec["seed"], use_cpu=not cuda, bf16=cuda, report_to="none",
-        save_strategy="no", disable_tqdm=True, logging_steps=1, max_steps=settings.steps,
-        per_device_train_batch_size=settings.prompts_per_step * settings.num_generations,
-        num_generations=settings.num_generations, max_completion_length=settings.max_completion_length,
-        temperature=settings.temperature, learning_rate=settings.learning_rate, lr_scheduler_type="constant",
-        warmup_steps=0, loss_type=settings.loss_type, beta=settings.beta, kl_adaptation_method=spec["method"],
-        **method_fields(settings),
-    )
-    trainer = GRPOTrainer(model=model, reward_funcs=rewards, args=config, train_dataset=dataset,
-                          processing_class=tokenizer, peft_config=peft_config)
-    trainer.add_callback(step_logger(spec["metrics_path"], spec))
+    trainer, trained = build_trainer(spec, cuda)
+    # copy: this process's id in every row, so that a run started again is a second draw, not a continuation
+    # (docs/evidence.md section 7; analysis.read_copies)
+    recorded = {**trained.fields(), "kl_horizon": trainer.args.kl_horizon, "copy": uuid.uuid4().hex[:12]}
+    trainer.add_callback(step_logger(spec["metrics_path"], spec, recorded))
     print(f"{spec['method']} seed {spec['seed']}: {type(trainer).__module__}.{type(trainer).__name__}", flush=True)
+    print(f"trained: {trained.describe()}; kl_horizon {trainer.args.kl_horizon:g}", flush=True)
+    print(f"trainer arguments: {json.dumps(trained_args(trainer))}", flush=True)
+    with open(os.path.join(spec["run_dir"], "trained.json"), "w") as f:
+        json.dump({**recorded, "args": trained_args(trainer), "trainer": type(trainer).__name__}, f, indent=1)
+    settings = Settings(**spec["settings"])
+    if trained.completions_per_step != settings.prompts_per_step * settings.num_generations:
+        print(f"NOTE: the settings ask for {settings.prompts_per_step} prompts x {settings.num_generations} per optimizer "
+              f"step; the trainer trains {trained.completions_per_step} completions", flush=True)
     trainer.train()

@@ -21,7 +21,8 @@ Each rank records:
 * for every micro-batch, the per-token raw and adapted KL of its valid tokens (with Unsloth, whose
   fused loss keeps them inside its compiled region: the rank's local sums of them), and the
   ``adaptive_kl/*`` values the package computed (after its cross-process reduce);
-* the inputs and the loss of step 2's micro-batch, and the weights (gathered) that loss saw.
+* the inputs and the loss of step 2's micro-batch, the KL rows that micro-batch recorded, and the weights
+  (gathered from the wrapped model: DeepSpeed's engine under ZeRO-3) that loss saw.
 
 Then this process (no launcher) checks:
 
@@ -34,7 +35,8 @@ Then this process (no launcher) checks:
    DDP/FSDP/ZeRO apply), within bf16 tolerance (float32 tolerance with ``--precision fp32``). That
    process is a child started with exactly one visible GPU (``CUDA_VISIBLE_DEVICES`` = the first this
    process sees): a Trainer that sees 2 GPUs wraps the model in ``nn.DataParallel``, which GRPOTrainer
-   refuses. If it fails, the report shows its exception.
+   refuses. If it fails, the report shows its exception. The compared micro-batch's KL must not be 0 on
+   every rank: that loss check then could not see the KL term (a policy still at the reference), and fails.
 
 With ``--cpu`` an FSDP config runs as FSDP2 over gloo (``fully_shard`` works on CPU; accelerate alone
 would fall back to DDP there, see :func:`fsdp_on_cpu`); a DeepSpeed config still falls back to DDP and
@@ -219,7 +221,9 @@ def worker(args):
         class Betas(TrainerCallback):
             def on_step_begin(self, a, state, control, **kwargs):
                 if state.global_step == CAPTURE_STEP - 1:  # the weights this step's loss sees, gathered (a collective)
-                    weights = trainer.accelerator.get_state_dict(trainer.model)
+                    # model_wrapped: under DeepSpeed the engine, which ZeRO-3 needs to gather its shards (the bare model has
+                    # no zero_gather_16bit_weights_on_model_save); DDP's wrapper is unwrapped; FSDP2's is the model itself.
+                    weights = trainer.accelerator.get_state_dict(trainer.model_wrapped)
                     if rank == 0:
                         torch.save(weights, os.path.join(args.out, f"{method}-weights.pt"))
                     record["armed"] = True
@@ -267,9 +271,12 @@ def worker(args):
         compute_loss = trainer.compute_loss
 
         def captured_loss(model, inputs, *a, **k):
+            rows_before = len(record["rows"])
             loss = compute_loss(model, inputs, *a, **k)
             if record.pop("armed", False):
                 record["loss"], record["loss_beta"] = float(loss.detach()), float(trainer.beta)
+                # the KL rows this very micro-batch recorded (one; none if β was 0): the KL the loss check can see
+                record["loss_rows"] = list(range(rows_before, len(record["rows"])))
                 cpu = {key: (v.detach().cpu() if isinstance(v, torch.Tensor) else v) for key, v in inputs.items()}
                 torch.save(cpu, os.path.join(args.out, f"{method}-rank{rank}-inputs.pt"))
             return loss
@@ -365,6 +372,31 @@ def rank_consistency(zero: dict, one: dict, steps: int) -> tuple[list[str], floa
         if valid_tokens(a) == valid_tokens(b):
             failures.append("the ranks did not see different numbers of valid tokens")
     return failures, metric_error
+
+
+def compared_kl_sums(record: dict) -> tuple[float, float] | None:
+    """The (raw, adapted) KL sums of a rank's compared micro-batch (step CAPTURE_STEP's captured loss), from the
+    rows that micro-batch recorded; None where it recorded none (β was 0, or no loss was captured)."""
+    from unsloth_adaptive_kl import metrics
+
+    rows = [record["rows"][i] for i in record.get("loss_rows") or ()]
+    if not rows:
+        return None
+    if "sums" in rows[0]:
+        return tuple(math.fsum(r["sums"][i] for r in rows) for i in (metrics.RAW_SUM, metrics.ADAPTED_SUM))
+    return math.fsum(v for r in rows for v in r["raw"]), math.fsum(v for r in rows for v in r["adapted"])
+
+
+def kl_visibility(zero: dict, one: dict) -> list[str]:
+    """The loss check compares losses that hold β times the adapted KL: where the compared micro-batch's KL is 0 on
+    every rank (e.g. a policy still at the reference), it cannot tell whether the KL term is right. A failure then."""
+    sums = [compared_kl_sums(zero), compared_kl_sums(one)]
+    if any(s is None for s in sums):
+        return [f"no KL recorded for step {CAPTURE_STEP}'s compared micro-batch (rank 0: {sums[0]}, rank 1: {sums[1]}): the loss check cannot see the KL term"]
+    if all(raw == 0 and adapted == 0 for raw, adapted in sums):
+        return [f"step {CAPTURE_STEP}'s KL is 0 on every rank (raw, adapted sums of the compared micro-batch: rank 0 {sums[0]}, "
+                f"rank 1 {sums[1]}): the loss check cannot see the KL term"]  # fmt: skip
+    return []
 
 
 def valid_tokens(row: dict) -> int:
@@ -487,6 +519,7 @@ def check(args, checkpoint, ranks) -> dict:
         if method not in captured:
             failures.append(f"no loss captured at step {CAPTURE_STEP}")
         else:
+            failures += kl_visibility(zero, one)
             if zero["loss_beta"] != one["loss_beta"]:
                 failures.append(f"beta at the compared step differs: {zero['loss_beta']} vs {one['loss_beta']}")
             distributed = (zero["loss"] + one["loss"]) / 2
@@ -501,6 +534,7 @@ def check(args, checkpoint, ranks) -> dict:
             "betas_rank0": zero["betas"], "betas_rank1": one["betas"], "max_metric_rel_error": metric_error,
             "loss_ranks": [zero["loss"], one["loss"]], "loss_mean_of_ranks": distributed, "loss_one_process": single,
             "tokens_per_rank": [valid_tokens(zero["rows"][0]), valid_tokens(one["rows"][0])] if zero["rows"] and one["rows"] else None,
+            "compared_rows": [zero.get("loss_rows"), one.get("loss_rows")], "compared_kl_sums": [compared_kl_sums(zero), compared_kl_sums(one)],
             "failures": failures,
         }  # fmt: skip
         report["passed"] &= not failures
@@ -520,12 +554,13 @@ def format_report(args, report) -> str:
     for method, r in report["methods"].items():
         for step, (b0, b1) in enumerate(zip(r["betas_rank0"], r["betas_rank1"])):
             lines.append(f"| {method} | {step} | {b0:.8g} | {b1:.8g} |")
-    lines += ["", "| method | valid tokens rank 0 / 1 (step 1) | adaptive_kl max rel. error | step-2 loss rank 0, rank 1 | mean of ranks | one process | result |", "|---|---|---|---|---|---|---|"]
+    lines += ["", "| method | valid tokens rank 0 / 1 (step 1) | adaptive_kl max rel. error | step-2 adapted KL sum rank 0, rank 1 | step-2 loss rank 0, rank 1 | mean of ranks | one process | result |", "|---|---|---|---|---|---|---|---|"]
     for method, r in report["methods"].items():
         result = "ok" if not r["failures"] else f"FAIL ({len(r['failures'])}, below)"
         tokens = "n/a" if r["tokens_per_rank"] is None else f"{r['tokens_per_rank'][0]} / {r['tokens_per_rank'][1]}"
+        kl = ", ".join("n/a" if sums is None else f"{sums[1]:.6g}" for sums in r["compared_kl_sums"])
         lines.append(
-            f"| {method} | {tokens} | {r['max_metric_rel_error']:.1e} | {r['loss_ranks'][0]}, {r['loss_ranks'][1]} | "
+            f"| {method} | {tokens} | {r['max_metric_rel_error']:.1e} | {kl} | {r['loss_ranks'][0]}, {r['loss_ranks'][1]} | "
             f"{r['loss_mean_of_ranks']:.8f} | {r['loss_one_process']:.8f} | {result} |"
         )
     for method, r in report["methods"].items():

@@ -28,12 +28,17 @@
 # kl-diagnostics (issue 36, one GPU, <= 580 s): bench_trl.py (LoRA and full FT, 16 completions) and bench_unsloth.py
 # (LoRA, 16 completions) with the rows stock, none (tail metrics on), stock beta=0, kl_monitor (TRL only) and
 # kl_exclude_token_ids; writes bench-trl-kl-diagnostics.md and bench-unsloth-kl-diagnostics.md (+ .json, .log).
+# study33-probe (issue 33, one GPU, <= 560 s): the long task's warm start and GRPO step time before its study
+# (scripts/gpu/study33_probe.py: one run alone, then eight at once, 8 steps each, each invocation warm-starting
+# seed 0); writes study33-probe.md, study33-probe.json, study33-probe-k1-stream.jsonl, study33-probe-k8-stream.jsonl
+# and study33-probe-runs.tar.gz to $OUT.
 # multi-gpu (2 GPUs): examples/multi_gpu/check_ranks.py for each of MULTI_GPU_RUNS (below): DDP, FSDP2, FSDP2 with a
 # LoRA adapter, DeepSpeed ZeRO-2 and ZeRO-3 (full fine-tuning), and the Unsloth backend (LoRA) under DDP;
 # multi-gpu:NAME,NAME runs those only (6 runs do not fit one 10-minute call: see docs/gpu-verification.md).
 # Writes multi-gpu-NAME.log and multi-gpu-NAME/report.md.
 # DeepSpeed: deepspeed importable from PYTHONPATH, or .gpu-site-ds.tgz (scripts/gpu/build-deepspeed-site.sh)
-# carried and unpacked here to /tmp/ds-site for the DeepSpeed runs.
+# carried and unpacked here to /tmp/ds-site for the DeepSpeed runs. The whole stage at one commit: two calls
+# (docs/gpu-verification.md, "The whole 2-GPU stage at one commit").
 EVIDENCE_TIMEOUT=${EVIDENCE_TIMEOUT:-550}
 MULTI_GPU_RUNS="ddp:ddp fsdp2:fsdp2 fsdp2-lora:fsdp2:--lora deepspeed_zero2:deepspeed_zero2 deepspeed_zero3:deepspeed_zero3 unsloth-ddp:ddp:--backend=unsloth"
 MULTI_GPU_TIMEOUT=${MULTI_GPU_TIMEOUT:-280}
@@ -77,6 +82,9 @@ evidence() {  # $1: NAME; the stream goes to $EVIDENCE_STREAM_DIR (default $OUT)
 set -uo pipefail
 OUT=$1; shift
 mkdir -p "$OUT"
+# .gpu-site carried packed (.gpu-site.tgz, ~20 MB for its ~54 MB): with the tree and .gpu-site-ds.tgz it keeps well
+# inside the 64 MiB a call carries. Unpacked here, where PYTHONPATH=$PWD/.gpu-site expects it.
+if [ ! -d .gpu-site ] && [ -f .gpu-site.tgz ]; then tar xzf .gpu-site.tgz; fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false UNSLOTH_COMPILE_LOCATION=/tmp/unsloth_cache
 for stage in "$@"; do
   echo "== $stage"
@@ -182,6 +190,8 @@ for stage in "$@"; do
         tail -25 "$OUT/$name-grid.md" 2>/dev/null
       done
       tar czf "$OUT/evidence-pair.tar.gz" -C /tmp/evidence-pair . ;;
+    study33-probe)
+      timeout 570 python scripts/gpu/study33_probe.py --out "$OUT" 2>&1 | tail -60 ;;
     demo-3seeds)
       timeout 570 python blackwell/test_adaptive_kl_grpo.py --seeds 3 --jobs 21 --output-dir "$OUT/demo-3seeds" 2>&1 | tee "$OUT/demo-3seeds.log" | tail -40 ;;
   esac

@@ -239,3 +239,159 @@ def test_kl_monitor_is_refused_naming_unsloth_and_why(tmp_path_factory):
     error = run_worker("unsloth-first", "diagnostics", tmp_path_factory)["monitor_error"]
     assert error is not None and error.startswith("kl_monitor=True is not valid with Unsloth's generated trainer (unsloth 20"), error
     assert "only while beta != 0" in error and "allowed: kl_monitor=False" in error
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_kl_part_of_the_fused_loss_under_gradient_accumulation_matches_float64_for_every_method(loss_type, tmp_path_factory):
+    """3 accumulation steps: the fused loss divides every method's KL part as Unsloth divides its loss (issue 38);
+    length_normalized's term, added by this package in the fused loss, by the accumulation steps too."""
+    cases = [c for c in run_worker("unsloth-first", "kl_part", tmp_path_factory)["kl_part_accumulation"] if c["loss_type"] == loss_type]
+    assert [c["method"] for c in cases] == reference.ACCUMULATION_METHODS
+    for c in cases:
+        assert c["accumulation"] == 3, c  # the divisor reached the fused loss
+        assert c["got"] == pytest.approx(c["expected"], rel=2e-4, abs=1e-7), c
+
+
+# -- fast: the fused loss's statistics, without the generated trainer (issue 38) -----------------------------------------
+@pytest.mark.parametrize("rejection", [False, True])
+@pytest.mark.parametrize("method", reference.ACCUMULATION_METHODS)
+def test_the_fused_losss_sums_hold_the_raw_and_the_adapted_kl_each_in_its_slot(method, rejection):
+    """``FusedKLInputs.finish`` (the fused loss's last line): ``[unsloth_kl, raw sum, adapted sum, tokens, sum of
+    per-completion adapted means, completions]`` against float64, and length_normalized's term divided by the
+    accumulation steps. Rollout rejection (``rs_keep``) removes tokens from the adapted KL. Milliseconds: no worker."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from unsloth_adaptive_kl import FIELDS, AdaptiveKL, metrics
+    from unsloth_adaptive_kl.backends.unsloth import STATS_SIZE, FusedKLInputs
+    from unsloth_adaptive_kl.shaping import SHAPING
+
+    beta, clip_threshold, kl_target, accumulation = 0.3, 0.4, 0.2, 3
+    config = SimpleNamespace(**{f.name: f.default for f in FIELDS})
+    config.__dict__.update(beta=beta, kl_adaptation_method=method, kl_clip_threshold=clip_threshold, kl_target=kl_target)
+    term = AdaptiveKL(config).term
+    inputs = reference.loss_inputs(64, seed=5)
+    mask = inputs["completion_mask"]
+    logp = inputs["old_per_token_logps"] + 0.5 * torch.randn(mask.shape, generator=torch.Generator().manual_seed(6))
+    raw64, _ = reference.raw_and_shaped_kl("none", logp, inputs["ref_per_token_logps"], logp, mask, estimator="k3", clip_threshold=clip_threshold, kl_target=kl_target, bias_correction=False)
+    raw = raw64.float()
+    rs_keep = (torch.arange(mask.shape[1]) % 3 != 1).expand_as(mask) if rejection else None
+    fused = FusedKLInputs(term, torch.tensor(beta), torch.tensor(float(mask.shape[0])), None)
+    loss, stats = fused.finish(torch.tensor(0.0), torch.tensor(0.125), raw, term.shape(raw), mask, rs_keep, accumulation)
+
+    kept = mask.bool() if rs_keep is None else mask.bool() & rs_keep
+    adapted64 = torch.where(kept, reference.shaped64(raw.double(), method, clip_threshold, kl_target), 0.0)
+    sequence_means = adapted64.sum(-1) / mask.sum(-1).clamp(min=1)
+    assert stats.shape == (STATS_SIZE,) and stats[0].item() == 0.125  # Unsloth's own kl, passed through
+    sums = stats[1:]
+    assert sums[metrics.RAW_SUM].item() == pytest.approx(raw64.sum().item(), rel=1e-6)
+    assert sums[metrics.ADAPTED_SUM].item() == pytest.approx(adapted64.sum().item(), rel=1e-6)
+    assert sums[metrics.TOKENS].item() == mask.sum().item() and sums[metrics.COMPLETIONS].item() == mask.shape[0]
+    assert sums[metrics.ADAPTED_SEQ_MEAN_SUM].item() == pytest.approx(sequence_means.sum().item(), rel=1e-6)
+    expected_loss = beta * sequence_means.mean().item() / accumulation if "length_normalized" in method.split("+") else 0.0
+    assert loss.item() == pytest.approx(expected_loss, rel=1e-6)
+    shaped_per_token = any(SHAPING[part].per_token for part in method.split("+") if part in SHAPING)
+    if shaped_per_token or rejection:  # the case can tell the adapted KL from the raw one
+        assert abs(adapted64.sum().item() - raw64.sum().item()) > 1e-3
+
+
+# -- issue 39: user code on the fused loss (tests/test_user_code.py has the core, test_user_code_in_trainers.py TRL's)
+def test_user_shaping_methods_are_refused_by_name_on_the_fused_loss(tmp_path_factory):
+    """The probe's methods, registered as a user would: refused when the trainer is created (the fused loss is
+    compiled, so the term is checked once eagerly then); the faults only real batches show are refused during
+    training, before their optimizer step, with the weights still finite."""
+    r = run_worker("unsloth-first", "user_code", tmp_path_factory)["user_code"]
+    assert "shaping method 'cap_in_place' changed its input in place" in r["created_cap_in_place"]
+    assert "shaping method 'detached' returned a tensor with no gradient" in r["created_detached"]
+    assert "shaping method 'float64' returned dtype torch.float64" in r["created_float64"]
+    assert "shaping method 'nan' returned NaN or inf for a finite KL" in r["created_nan"]
+    in_place = r["trained_cap_in_place_on_real_batches"]
+    assert "shaping method 'cap_in_place_on_real_batches' changed its input in place" in in_place["error"], in_place
+    assert in_place["global_step"] == 0 and in_place["weights_finite"]
+    power = r["trained_power"]
+    assert "shaping method 'power' returned NaN or inf on valid tokens whose KL was finite" in power["error"], power
+    assert power["global_step"] < 4 and power["weights_finite"]
+
+
+@pytest.mark.parametrize("method", ["sigmoid", "halve"])
+def test_a_nan_reference_on_the_fused_loss_is_counted_not_blamed_and_both_kl_means_leave_it_out(method, tmp_path_factory):
+    """Two micro-batches of one logging window, the first with a NaN reference log-prob (the model's, not the
+    user method's): not refused; counted in nonfinite_kl_batches; raw_kl and adapted_kl both hold only the second."""
+    run = run_worker("unsloth-first", "user_code", tmp_path_factory)["user_code"][f"nan_reference_{method}"]
+    logged = run["logged"]
+    assert run["errors"] == [None, None], run
+    assert logged["adaptive_kl/nonfinite_kl_batches"] == [1.0], logged
+    assert len(logged["adaptive_kl/raw_kl"]) == len(logged["adaptive_kl/adapted_kl"]) == 1, logged
+    assert 0 < logged["adaptive_kl/adapted_kl"][0] < logged["adaptive_kl/raw_kl"][0], logged
+
+def test_a_subclass_overriding_compute_loss_trains_with_the_adaptation_when_it_calls_super_and_is_refused_when_not(tmp_path_factory):
+    # issue 39, item 4. Before the fix both were refused when the trainer was created ("would not reach its loss").
+    r = run_worker("unsloth-first", "subclass", tmp_path_factory)["subclass"]
+    plain, inherited, own = r["plain"], r["super"], r["own"]
+    assert plain["error"] is None and inherited["error"] is None
+    assert inherited["logs"] == plain["logs"] and len(plain["logs"]) == 3  # the same losses, β and KL metrics
+    assert len({h["adaptive_kl/current_beta"] for h in plain["logs"]}) == 3  # target moved β
+    assert inherited["calls"] == 3
+    assert "OwnLoss overrides compute_loss of UnslothGRPOTrainer" in own["error"], own["error"]
+    assert "did not go through UnslothGRPOTrainer.compute_loss" in own["error"] and "super().compute_loss(model, inputs" in own["error"]
+    assert own["global_step"] == 0 and own["weights_unchanged"]
+
+
+RENAMED = ["grpo_compute_loss:" + n for n in ("new", "ref", "mask", "rs_keep", "current_gradient_accumulation_steps")]
+RENAMED += ["grpo_accumulated_loss:" + n for n in ("ref_logps", "completion_mask")]
+
+
+@pytest.mark.parametrize("case", RENAMED)
+def test_an_unsloth_release_that_renames_a_variable_a_replacement_reads_is_refused_at_patch_time_naming_it(case, tmp_path_factory):
+    # issue 39, item 10: every anchor still matches such a release; before the check the plan built, and the
+    # rewritten loss would have failed with a NameError inside torch.compile(fullgraph=True) at the first step.
+    from unsloth_adaptive_kl._source_patch import version_of
+
+    r = run_worker("unsloth-first", "renamed", tmp_path_factory)["renamed"]
+    assert r["unchanged_targets"] == ["UnslothEfficientGRPO.forward", "UnslothGRPOTrainer.compute_loss", "grpo_accumulated_loss", "grpo_compute_loss"]
+    function, name = case.split(":")
+    error = r["errors"][case]
+    assert error is not None, f"the plan built on a copy where {function} renamed {name!r}"
+    assert error.startswith(f"unsloth_zoo {version_of('unsloth_zoo')}: the rewrite of {function} reads {name!r}"), error
+    assert f"{function} does not define" in error
+
+
+def _reward_placement(tmp_path_factory):
+    return run_worker("unsloth-first", "reward_placement", tmp_path_factory)["reward_placement"]
+
+
+def test_reward_placement_lowers_each_reward_by_beta_times_its_summed_kl_on_the_generated_trainer(tmp_path_factory):
+    import torch
+
+    scored = _reward_placement(tmp_path_factory)["scored"]
+    logp, ref, mask = (torch.tensor(scored[k], dtype=torch.float64) for k in ("logp", "ref", "mask"))
+    valid = mask.bool()
+    assert scored["coef_is_none"] and scored["ref_is_trls"]  # Unsloth's reference log-probs, at scoring time
+    # The policy's log-probs by the function Unsloth computes its old and reference log-probs with, so the KL is
+    # taken between two log-probs of the same computation. (They are not a plain float32 forward's: measured here,
+    # Unsloth's differ from one, and treat a sampled pad token as padding; docs/kl-placement.md.)
+    assert scored["logp_is_unsloths_own"]
+    assert (logp[valid] != 0).sum() > 10  # a real batch of log-probs
+    penalty, _ = reference.reward_penalty64("clip", logp, ref, mask, estimator="k1", beta=0.5, clip_threshold=0.05, kl_target=0.02)
+    rewards = torch.tensor(scored["rewards_per_func"], dtype=torch.float64).sum(1)
+    advantages = torch.tensor(scored["advantages"], dtype=torch.float64)
+    assert torch.allclose(advantages, reference.group_advantages64(rewards - penalty, scored["num_generations"]), rtol=1e-4, atol=1e-4)
+    assert (advantages - reference.group_advantages64(rewards, scored["num_generations"])).abs().max() > 1e-2
+    assert scored["kl_penalty"] == [pytest.approx(penalty.mean().item(), rel=1e-6)]
+
+
+def test_under_reward_placement_the_fused_loss_carries_no_kl_term(tmp_path_factory):
+    loss = _reward_placement(tmp_path_factory)["loss"]
+    assert loss["equal"] and loss["grads_equal"], loss  # the same trainer's loss and gradients at beta 0
+    assert loss["with_kl_in_loss"] != loss["loss"]  # and the KL in the loss would have changed it
+    assert len(loss["logged_raw"]) == 1 and loss["logged_raw"][0] > 0  # the KL is still measured (raw_kl as today)
+
+
+def test_the_generated_trainer_trains_with_reward_placement_and_the_target_controller(tmp_path_factory):
+    r = _reward_placement(tmp_path_factory)
+    assert r["runtime"] == "UnslothAdaptiveKL"
+    logs = r["logs"]
+    assert len(logs) == 3 and all("adaptive_kl/kl_penalty" in h for h in logs)
+    betas = [h["adaptive_kl/current_beta"] for h in logs]
+    assert betas[0] == 0.04 and len(set(betas)) == 3  # the controller acted on the scoring-time KL after each step

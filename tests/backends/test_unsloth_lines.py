@@ -43,6 +43,19 @@ def test_clip_shapes_the_kl_part_as_the_float64_reference(measured):
     assert abs(measured["clip_reference"] - measured["none_reference"]) > 1e-4  # the clip changed the loss
 
 
+def test_the_fused_loss_reports_the_raw_and_the_clipped_kl_in_their_own_slots(measured):
+    """The rewritten loss's mean_kl slot, ``[unsloth_kl, local sums...]``: the adapted sum is the clipped KL's, the
+    raw sum the unclipped one's (logging the raw KL as the adapted one fails here, issue 38)."""
+    from unsloth_adaptive_kl import metrics
+
+    stats, expected = measured["clip_stats"][1:], measured["clip_sums_reference"]
+    assert len(stats) == metrics.NUM_SUMS
+    assert stats[metrics.RAW_SUM] == pytest.approx(expected["raw"], rel=1e-5)
+    assert stats[metrics.ADAPTED_SUM] == pytest.approx(expected["adapted"], rel=1e-5)
+    assert stats[metrics.TOKENS] == expected["tokens"]
+    assert expected["adapted"] < expected["raw"] - 1e-3  # the clip acted, so the two slots differ
+
+
 def _installed_config_compat():
     """The installed line's unsloth/models/rl_config_compat.py (stdlib only), loaded from its file
     under a private name: importing it as a package module would run ``import unsloth`` here."""

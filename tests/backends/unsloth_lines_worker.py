@@ -74,15 +74,21 @@ def run(function, beta, **kwargs):
     new = new0.clone().requires_grad_(True)
     out = function(inputs["ref_per_token_logps"], new, inputs["old_per_token_logps"], None, inputs["completion_ids"], mask, beta, advantages, **common, **kwargs)
     out[0].backward()
-    return out[0].detach(), new.grad
+    return out[0].detach(), new.grad, out[2]  # out[2]: the mean_kl slot, [unsloth_kl, local sums...] when patched
 
 
-stock_loss, stock_grad = run(zoo.grpo_compute_loss, BETA)
-ours_loss, ours_grad = run(built["grpo_compute_loss"], 1.0, adaptive_kl=fused_inputs("none", BETA))
+stock_loss, stock_grad, _ = run(zoo.grpo_compute_loss, BETA)
+ours_loss, ours_grad, _ = run(built["grpo_compute_loss"], 1.0, adaptive_kl=fused_inputs("none", BETA))
 results["none_identical"] = bool(torch.equal(stock_loss, ours_loss) and torch.equal(stock_grad, ours_grad))
-with_kl, _ = run(built["grpo_compute_loss"], 1.0, adaptive_kl=fused_inputs("clip", BETA))
-without_kl, _ = run(built["grpo_compute_loss"], 0.0, adaptive_kl=fused_inputs("clip", 0.0))
+with_kl, _, clip_stats = run(built["grpo_compute_loss"], 1.0, adaptive_kl=fused_inputs("clip", BETA))
+without_kl, _, _ = run(built["grpo_compute_loss"], 0.0, adaptive_kl=fused_inputs("clip", 0.0))
 results["clip_kl_part"] = (with_kl.double() - without_kl.double()).item()
+results["clip_stats"] = clip_stats.tolist()
+raw, shaped = reference.raw_and_shaped_kl(
+    "clip", new0, inputs["ref_per_token_logps"], inputs["old_per_token_logps"], mask, estimator="k3", clip_threshold=CLIP,
+    kl_target=0.1, bias_correction=bias_correction, unsloth_clamps=True,
+)  # fmt: skip
+results["clip_sums_reference"] = {"raw": raw.sum().item(), "adapted": shaped.sum().item(), "tokens": mask.sum().item()}
 for method in ("clip", "none"):
     expected, _, _ = reference.kl_part(
         method, new0, inputs, "grpo", beta=BETA, estimator="k3", clip_threshold=CLIP, kl_target=0.1,

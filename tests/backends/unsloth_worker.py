@@ -311,6 +311,37 @@ def scenario_kl_part():
                 )
             )
     results["kl_part"] = out
+    results["kl_part_accumulation"] = kl_part_under_accumulation(t, seen, beta, clip_threshold, kl_target)
+
+
+def kl_part_under_accumulation(t, seen, beta, clip_threshold, kl_target, accumulation=3):
+    """Every method's KL part with 3 gradient-accumulation steps (and 3 steps per generation), against float64
+    with the divisor the fused loss was given (the scenario's last use of the trainer)."""
+    t.current_gradient_accumulation_steps, t.args.steps_per_generation = accumulation, accumulation
+    out = []
+    for loss_type in LOSS_TYPES:
+        for method in reference.ACCUMULATION_METHODS:
+            set_method(t, method, loss_type, kl_estimator="k3", beta=beta, kl_clip_threshold=clip_threshold, kl_target=kl_target)
+            inputs = hand_made_inputs(t, seed=4)
+            inputs["num_items_in_batch"] = inputs["num_items_in_batch"] * accumulation  # the generation batch's tokens
+            with torch.no_grad():
+                with_kl = t.compute_loss(t.model, inputs).double().item()
+                t.beta = 0.0
+                without_kl = t.compute_loss(t.model, inputs).double().item()
+            seen_inputs = {
+                "ref_per_token_logps": seen["ref"], "old_per_token_logps": seen["old"], "completion_mask": seen["mask"],
+                "num_items_in_batch": seen["num_items_in_batch"],
+            }
+            expected, _, _ = reference.kl_part(
+                method, seen["new"], seen_inputs, loss_type, beta=beta, estimator="k3", clip_threshold=clip_threshold,
+                kl_target=kl_target, unsloth_clamps=True, max_completion=seen["max_completion_length"],
+                ga=seen["current_gradient_accumulation_steps"], spg=seen["steps_per_generation"] or 1, nproc=seen["num_processes"],
+            )
+            out.append(dict(
+                loss_type=loss_type, method=method, got=with_kl - without_kl, expected=expected.item(),
+                accumulation=seen["current_gradient_accumulation_steps"],
+            ))  # fmt: skip
+    return out
 
 
 def scenario_diagnostics():
@@ -379,6 +410,85 @@ def scenario_train():
             "batch": [t.args.per_device_train_batch_size, t.args.gradient_accumulation_steps, t.args.steps_per_generation],
         }
     results["train"] = runs
+
+
+def scenario_subclass():
+    """Subclasses of the generated trainer that override compute_loss (issue 39, item 4): one that calls
+    super().compute_loss, against the plain trainer; one that returns its own loss, which must be refused
+    before any optimizer step."""
+    import torch
+
+    class SuperLoss(trl.GRPOTrainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            self.calls = getattr(self, "calls", 0) + 1
+            return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+
+    class OwnLoss(trl.GRPOTrainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            return model(input_ids=inputs["completion_ids"]).logits.float().pow(2).mean()
+
+    fields = dict(kl_adaptation_method="target+clip", kl_clip_threshold=0.05, kl_target=0.02, kl_horizon=40.0)
+    logged = ("loss", "kl", "adaptive_kl/raw_kl", "adaptive_kl/adapted_kl", "adaptive_kl/current_beta")
+
+    def run(cls):
+        t = cls(
+            model=model(), reward_funcs=[toy.format_reward, toy.correctness_reward], args=config(**fields),
+            train_dataset=toy.prompt_dataset(64), processing_class=TOKENIZER,
+        )  # fmt: skip
+        before = [p.detach().clone() for p in t.model.parameters()]
+        error = None
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):
+                t.train()
+        except unsloth_adaptive_kl.PatchError as e:
+            error = str(e)
+        return {
+            "logs": [{k: h[k] for k in logged if k in h} for h in t.state.log_history if "loss" in h],
+            "error": error, "global_step": t.state.global_step, "calls": getattr(t, "calls", None),
+            "weights_unchanged": all(torch.equal(a, b) for a, b in zip(before, t.model.parameters())),
+        }  # fmt: skip
+
+    results["subclass"] = {"plain": run(trl.GRPOTrainer), "super": run(SuperLoss), "own": run(OwnLoss)}
+
+
+def scenario_renamed():
+    """Mutated copies of the generated module, each with one variable of one patched function renamed (what an
+    Unsloth release that renames it would ship; every anchor still matches): building the plan on each copy
+    (issue 39, item 10). Returns {"function:name": the PatchError's message, or None if it built}."""
+    import ast
+    import importlib.util
+    import re
+
+    from unsloth_adaptive_kl._source_patch import PatchError
+    from unsloth_adaptive_kl.backends import unsloth as backend
+
+    with open(generated.__file__) as f:
+        text = f.read()
+    functions = {n.name: n for n in ast.parse(text).body if isinstance(n, ast.FunctionDef)}
+    renames = [("grpo_compute_loss", name) for name in ("new", "ref", "mask", "rs_keep", "current_gradient_accumulation_steps")]
+    renames += [("grpo_accumulated_loss", name) for name in ("ref_logps", "completion_mask")]
+    folder = tempfile.mkdtemp(prefix="renamed-")
+    out = {}
+    for i, (function, name) in enumerate(renames):
+        node = functions[function]
+        lines = text.splitlines(keepends=True)
+        body = "".join(lines[node.lineno - 1 : node.end_lineno])
+        lines[node.lineno - 1 : node.end_lineno] = [re.sub(rf"\b{name}\b", f"{name}_renamed", body)]
+        module_name = f"UnslothGRPOTrainer_renamed_{i}"
+        path = os.path.join(folder, module_name + ".py")
+        with open(path, "w") as f:
+            f.write("".join(lines))
+        spec = importlib.util.spec_from_file_location(module_name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module
+        spec.loader.exec_module(module)
+        try:
+            backend.PLAN.build(backend.owners(module), namespace=dict(module.__dict__))
+            out[f"{function}:{name}"] = None
+        except PatchError as error:
+            out[f"{function}:{name}"] = str(error)
+    unchanged = backend.PLAN.build(backend.owners(generated), namespace=dict(generated.__dict__))  # the real module builds
+    results["renamed"] = {"errors": out, "unchanged_targets": sorted(unchanged)}
 
 
 def scenario_early_config():
@@ -510,6 +620,130 @@ def scenario_compiled_loop():
     results["compiled_loop"] = runs
 
 
+def scenario_user_code():
+    """Issue 39's probes on Unsloth's fused loss: shaping methods registered here as a user would (the in-place
+    cap, a detached, a float64 and a NaN result, a NaN only on real KLs) and a NaN reference log-prob (the model's)."""
+
+    def error_of(build):
+        try:
+            build()
+        except Exception as e:  # noqa: BLE001 (the message is the measurement)
+            return f"{type(e).__name__}: {e}"
+        return None
+
+    out = {}
+    user = {
+        "cap_in_place": lambda kl: kl.clamp_(max=1e-3),
+        "detached": lambda kl: kl.detach(),
+        "float64": lambda kl: kl.double(),
+        "nan": lambda kl: kl * torch.nan,
+        "cap_in_place_on_real_batches": lambda kl: kl.clamp_(max=1e-3) if kl.shape[0] != 2 else kl.clamp(max=1e-3),
+        "power": lambda kl: kl**1.5,
+        "halve": lambda kl: kl * 0.5,
+    }
+    for name, fn in user.items():
+        unsloth_adaptive_kl.register_shaping(name)(fn)
+    for name in ("cap_in_place", "detached", "float64", "nan"):
+        out[f"created_{name}"] = error_of(lambda: trainer(kl_adaptation_method=f"target+{name}", kl_target=0.02, kl_horizon=40.0))
+    # Faults the check at creation cannot see, refused during training: before their optimizer step.
+    for name, estimator in (("cap_in_place_on_real_batches", "k3"), ("power", "k1")):
+        t = trainer(kl_adaptation_method=name, kl_estimator=estimator, max_steps=4)
+        out[f"trained_{name}"] = {
+            "error": error_of(t.train), "global_step": t.state.global_step,
+            "weights_finite": all(bool(p.isfinite().all()) for p in t.model.parameters()),
+        }  # fmt: skip
+    # A NaN reference log-prob on one completion of the first of two micro-batches of one logging window.
+    t = trainer()
+    t.model.train()
+    for method in ("sigmoid", "halve"):
+        set_method(t, method, "dapo", kl_estimator="k3", kl_target=0.02)
+        t._metrics["train"].clear()
+        nan_inputs = hand_made_inputs(t, seed=4)
+        nan_inputs["ref_per_token_logps"][0] = float("nan")
+        with torch.no_grad():
+            errors = [error_of(lambda: t.compute_loss(t.model, nan_inputs)), error_of(lambda: t.compute_loss(t.model, hand_made_inputs(t, seed=5)))]
+        out[f"nan_reference_{method}"] = {"errors": errors, "logged": {k: list(v) for k, v in t._metrics["train"].items()}}
+    results["user_code"] = out
+
+
+def scenario_reward_placement():
+    """kl_placement='reward' on the generated trainer: one scored generation batch (what the penalty saw, the
+    rewards, the advantages, the metric), the loss against the same trainer's at beta 0, and a short run."""
+    from unsloth_adaptive_kl.kl_term import KLTerm
+
+    def length_reward(completions, **kwargs):
+        return [len(c) / 10.0 for c in completions]
+
+    t = trl.GRPOTrainer(
+        model=model(), reward_funcs=[toy.format_reward, length_reward], train_dataset=toy.prompt_dataset(64), processing_class=TOKENIZER,
+        args=config(per_device_train_batch_size=8, kl_placement="reward", beta=0.5, kl_adaptation_method="clip", kl_estimator="k1",
+                    kl_clip_threshold=0.05),
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # the policy starts as the reference (KL 0): move it away
+        for p in t.model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    t.model.train()
+    seen = {}
+    calculate, per_token = t._calculate_rewards, KLTerm.per_token
+
+    def rewards_spy(*args, **kwargs):
+        seen["rewards_per_func"] = calculate(*args, **kwargs)
+        return seen["rewards_per_func"]
+
+    def per_token_spy(term, logp, ref, mask, coef=None, statistic=None, estimator=None):
+        seen.setdefault("scored", []).append((logp.clone(), ref.clone(), mask.clone(), coef))
+        return per_token(term, logp, ref, mask, coef, statistic, estimator)
+
+    t._calculate_rewards = rewards_spy
+    KLTerm.per_token = per_token_spy
+    rows = [toy.prompt_dataset(64)[i] for i in (0, 1)]
+    torch.manual_seed(0)
+    out = t._generate_and_score_completions([row for row in rows for _ in range(4)])
+    KLTerm.per_token = per_token
+    ((logp, ref, mask, coef),) = seen["scored"]
+    ids = torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1)
+    attention = torch.cat([out["prompt_mask"], out["completion_mask"]], dim=1)
+    length = out["completion_ids"].shape[1]
+    with torch.no_grad():  # the policy's log-probs by Unsloth's own function (its old/ref log-probs), and by a plain forward
+        own = t._get_per_token_logps_and_entropies(t.model, ids, attention, length, batch_size=8)[0]
+        logits = t.model(input_ids=ids, attention_mask=attention).logits[:, -length - 1 : -1].double()
+    plain = torch.log_softmax(logits, -1).gather(-1, out["completion_ids"].unsqueeze(-1)).squeeze(-1)
+    scored = {
+        "logp": logp.tolist(), "ref": ref.tolist(), "mask": mask.tolist(), "coef_is_none": coef is None,
+        "ref_is_trls": bool(torch.equal(ref, out["ref_per_token_logps"])), "plain_logp": plain.tolist(),
+        "logp_is_unsloths_own": bool(torch.equal(logp, own)), "completion_ids": out["completion_ids"].tolist(),
+        "pad_token_id": TOKENIZER.pad_token_id,
+        "rewards_per_func": seen["rewards_per_func"].tolist(), "advantages": out["advantages"].tolist(),
+        "kl_penalty": list(t._metrics["train"]["adaptive_kl/kl_penalty"]), "num_generations": t.num_generations,
+    }  # fmt: skip
+
+    # The loss: with the KL in the reward, the same as this trainer's at beta 0 (no KL term at all).
+    set_method(t, "clip", "dapo", kl_estimator="k1", kl_clip_threshold=0.05, kl_placement="reward")
+    inputs = hand_made_inputs(t, seed=1)
+    torch.manual_seed(0)
+    reward_loss, reward_grads = loss_and_grads(t, inputs)
+    logged_raw = list(t._metrics["train"]["adaptive_kl/raw_kl"])
+    t.beta = 0.0
+    torch.manual_seed(0)
+    zero_loss, zero_grads = loss_and_grads(t, inputs)
+    set_method(t, "clip", "dapo", kl_estimator="k1", kl_clip_threshold=0.05, kl_placement="loss")
+    torch.manual_seed(0)
+    loss_loss, _ = loss_and_grads(t, inputs)
+    loss = {
+        "equal": bool(torch.equal(reward_loss, zero_loss)), "loss": reward_loss.item(), "zero": zero_loss.item(),
+        "with_kl_in_loss": loss_loss.item(), "logged_raw": logged_raw,
+        "grads_equal": len(reward_grads) == len(zero_grads) > 0 and all(torch.equal(a, b) for a, b in zip(reward_grads, zero_grads)),
+        "grads_max_diff": max(float((a - b).abs().max()) for a, b in zip(reward_grads, zero_grads)),
+    }  # fmt: skip
+
+    # A short run with the target controller.
+    run = trainer(kl_placement="reward", kl_adaptation_method="target", kl_target=1e-4, kl_horizon=40.0)
+    run.train()
+    logs = [{k: v for k, v in h.items() if k.startswith("adaptive_kl/")} for h in run.state.log_history if "adaptive_kl/current_beta" in h]
+    results["reward_placement"] = {"scored": scored, "loss": loss, "logs": logs, "runtime": type(run._adaptive_kl).__name__}
+
+
 def scenario_unpatch():
     """Configs built by stock Unsloth, then after each of import, unpatch(), patch(), unpatch()."""
     results["never_patched"] = never_patched
@@ -519,6 +753,6 @@ def scenario_unpatch():
         results["sequence"][step] = probe_config()
 
 
-{"early_config": scenario_early_config, "config": scenario_config, "unpatch": scenario_unpatch, "identity": scenario_identity, "all_masked": scenario_all_masked, "resume": scenario_resume, "kl_part": scenario_kl_part, "train": scenario_train, "compiled": scenario_compiled, "compiled_loop": scenario_compiled_loop, "diagnostics": scenario_diagnostics}[SCENARIO]()
+{"early_config": scenario_early_config, "config": scenario_config, "unpatch": scenario_unpatch, "identity": scenario_identity, "all_masked": scenario_all_masked, "resume": scenario_resume, "kl_part": scenario_kl_part, "train": scenario_train, "compiled": scenario_compiled, "compiled_loop": scenario_compiled_loop, "reward_placement": scenario_reward_placement, "user_code": scenario_user_code, "diagnostics": scenario_diagnostics}[SCENARIO]()
 with open(OUT, "w") as f:
     json.dump(results, f, default=lambda o: None if isinstance(o, float) and math.isnan(o) else str(o))

@@ -21,7 +21,7 @@ def resume_generation_schedule(trainer, runtime) -> None:
     later reward at other steps than the uninterrupted run. So ``_step`` is set to the micro-step of
     the checkpoint (the next generations happen where the uninterrupted run has them), and the
     reward of the regenerated batch is not observed (the uninterrupted run observed that batch's
-    reward before the checkpoint). The regenerated completions themselves differ: see README, resume.
+    reward before the checkpoint). The regenerated completions themselves differ: see docs/resume.md.
     Methods without a controller, and a controller started fresh (``restart_beta_controller``), keep
     TRL's own behaviour."""
     if not runtime.controller.adapts_beta or trainer.args.restart_beta_controller:

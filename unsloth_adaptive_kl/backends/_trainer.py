@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import functools
 import inspect
 import logging
@@ -21,8 +22,10 @@ from .. import metrics
 from .._source_patch import PatchError, set_attribute, version_of
 from ..adaptation import AdaptiveKL
 from ..config import FIELDS, validate
+from ..versions import ALL_LOSS_TYPES, offered_loss_types
 from . import _callback
 from ._resume import observe_generated_reward, resume_generation_schedule
+from .reward_placement import RewardPlacement
 
 logger = logging.getLogger("unsloth_adaptive_kl")
 
@@ -52,7 +55,7 @@ def _default_handler() -> None:
 _default_handler()
 
 
-class TrainerAdaptiveKL(AdaptiveKL):
+class TrainerAdaptiveKL(RewardPlacement, AdaptiveKL):
     """The :class:`AdaptiveKL` of one GRPO trainer: its KL term and β controller, reduced across the
     trainer's processes, with the trainer's metrics as the sink. A backend subclasses it."""
 
@@ -67,6 +70,9 @@ class TrainerAdaptiveKL(AdaptiveKL):
             process_index=accelerator.process_index, num_processes=accelerator.num_processes,
         )  # fmt: skip
         self.trainer = trainer
+        #: Micro-batches whose loss went through the patched loss (each reports its metrics once):
+        #: how a subclass's override of the loss is seen to reach it (:func:`_guard_loss_path`).
+        self.losses_reported = 0
 
     def record_sums(self, local_sums, *, training: bool, beta: float) -> dict[str, float]:
         # The trainer's log() empties its metrics: no tail metric there means the last window was logged
@@ -104,18 +110,26 @@ class TrainerAdaptiveKL(AdaptiveKL):
         """Hand the adaptive_kl/* values to the trainer's metrics, which its ``log()`` averages over the
         logging window: the KL values are appended (one per micro-batch); ``current_beta`` and
         ``skipped_updates`` keep only their latest value, so the log shows the β of the window's last
-        step and the running count, never an average of them. A KL value that was not observed (NaN:
-        β is 0, or no valid token) is not appended: TRL's ``log()`` would turn a window of only NaN into
-        ``None``, which TensorBoard and other loggers refuse with a warning at every logged step.
+        step and the running count, never an average of them; ``nonfinite_kl_batches`` is summed over the
+        window. A KL value that was not observed (NaN: β is 0, or no valid token) is not appended: TRL's
+        ``log()`` would turn a window of only NaN into ``None``, which TensorBoard and other loggers refuse
+        with a warning at every logged step. A micro-batch whose raw or adapted KL is NaN or inf appends
+        neither (both means stay over the same micro-batches) and is counted in ``nonfinite_kl_batches``.
         The tail metrics (``metrics.WINDOW_TAIL_METRICS``) are statistics of the window's tokens pooled so
-        far: each keeps its latest value, so the log shows the whole window's."""
+        far (NaN tokens left out): each keeps its latest value, so the log shows the whole window's."""
+        self.losses_reported += 1
+        window = self.trainer._metrics[mode]
+        left_out = values.get(metrics.NONFINITE_KL_BATCHES, 0.0) > 0
         for name, value in values.items():
-            if name not in metrics.LATEST_VALUE_METRICS and value != value:
-                continue
-            if name in metrics.LATEST_VALUE_METRICS or name in metrics.WINDOW_TAIL_METRICS:
-                self.trainer._metrics[mode][name][:] = [value]
-            else:
-                self.trainer._metrics[mode][name].append(value)
+            if name in metrics.LATEST_VALUE_METRICS:
+                window[name][:] = [value]
+            elif name in metrics.WINDOW_SUM_METRICS:
+                window[name][:] = [sum(window[name]) + value]
+            elif name in metrics.WINDOW_TAIL_METRICS:
+                if value == value:
+                    window[name][:] = [value]
+            elif not (value != value or left_out):
+                window[name].append(value)
         return values
 
 
@@ -152,6 +166,8 @@ def patch_config_class(config_cls, after_post_init=None) -> None:
     def __post_init__(self):
         original_post_init(self)
         validate(self)
+        if hasattr(self, "loss_type"):
+            check_loss_type(self.loss_type)
         if after_post_init is not None:
             after_post_init()
 
@@ -159,6 +175,26 @@ def patch_config_class(config_cls, after_post_init=None) -> None:
     set_attribute(config_cls, "__dataclass_fields__", extended.__dataclass_fields__)
     set_attribute(config_cls, "__annotations__", annotations)
     set_attribute(config_cls, "__post_init__", __post_init__)
+
+
+def check_loss_type(value) -> None:
+    """Refuse a ``loss_type`` that no TRL release has (a typo: ``'dapoo'``, ``'DAPO'``, ``'grpo '``; TRL itself
+    checks it only at the first loss), naming the field, the value, the values the installed TRL offers and
+    the closest one. One that some TRL has but the installed one lacks is the backend's to refuse, saying so."""
+    if isinstance(value, str) and value in ALL_LOSS_TYPES:
+        return
+    version = version_of("trl")
+    offered = ALL_LOSS_TYPES if version == "not installed" else [name for name, why in offered_loss_types(version).items() if why is None]
+    hint = ""
+    if isinstance(value, str):
+        close = difflib.get_close_matches(value.strip().lower(), ALL_LOSS_TYPES, n=1, cutoff=0.75)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+    others = [name for name in ALL_LOSS_TYPES if name not in offered]
+    elsewhere = f"; other TRL releases also have {', '.join(others)}" if others else ""
+    raise ValueError(
+        f"loss_type={value!r} is not valid: no TRL release has this loss type{hint}; allowed with the installed trl "
+        f"{version}: {', '.join(offered)}{elsewhere}"
+    )
 
 
 # Every wrapper keeps the original's signature and source (functools.wraps sets __wrapped__):
@@ -305,22 +341,66 @@ def _wrap_load_callback_state(original, runtime_cls):
     return _load_callback_state
 
 
-def _check_loss_path(trainer, method_is_none: bool) -> None:
-    """A subclass that overrides the patched loss would train without the adaptation: refuse it."""
+def _guard_loss_path(trainer) -> None:
+    """A subclass that overrides a method of the patched loss path (``compute_loss``, TRL's ``_compute_loss``)
+    trains with the adaptation when its override reaches the patched loss (``super().compute_loss(...)``).
+    Whether it does is seen at every call: the trainer's ``compute_loss`` becomes a check that the patched
+    loss reported this micro-batch, before the loss goes back to the training step, so a bypassed loss is
+    refused before its backward pass and before any optimizer step."""
     for base, names in _LOSS_PATH.items():
         if not isinstance(trainer, base):
             continue
         overridden = [name for name in names if getattr(type(trainer), name) is not getattr(base, name)]
-        if not overridden:
-            return
-        message = (
-            f"{type(trainer).__qualname__} overrides {', '.join(overridden)} of {base.__qualname__}, the loss path "
-            "unsloth_adaptive_kl patches: the adaptive KL would not reach its loss"
-        )
-        if not method_is_none:
-            raise PatchError(message + f"; kl_adaptation_method={trainer.args.kl_adaptation_method!r} cannot be applied")
-        logger.warning("%s (no adaptation requested, so training goes on; the adaptive_kl metrics may be missing)", message)
+        if overridden:
+            trainer.compute_loss = _reached_loss_check(trainer, base, names, overridden)
         return
+
+
+def _reached_loss_check(trainer, base, names: tuple[str, ...], overridden: list[str]):
+    own = trainer.compute_loss  # the subclass's bound method
+
+    @functools.wraps(own)
+    def compute_loss(*args, **kwargs):
+        runtime = trainer._adaptive_kl
+        before = runtime.losses_reported
+        result = own(*args, **kwargs)
+        if runtime.losses_reported == before and trainer_is_patched(trainer):  # after unpatch() nothing reports
+            _loss_not_reached(trainer, base, names, overridden)
+        return result
+
+    return compute_loss
+
+
+def _loss_not_reached(trainer, base, names: tuple[str, ...], overridden: list[str]) -> None:
+    """A call of an overriding subclass's ``compute_loss`` returned without running the patched loss:
+    refuse it when the adaptation is on (its update would train without it); with ``none`` + ``k3``
+    (nothing to adapt) warn once that the adaptive_kl metrics are not logged."""
+    runtime = trainer._adaptive_kl
+    cls, path = type(trainer).__qualname__, " -> ".join(f"{base.__qualname__}.{name}" for name in names)
+    message = (
+        f"{cls} overrides {', '.join(overridden)} of {base.__qualname__}, and this call of {cls}.compute_loss returned "
+        f"a loss that did not go through {path}, the loss unsloth_adaptive_kl patches"
+    )
+    how = (
+        f"make the override build on the patched loss: in {cls}.compute_loss, `loss = super().compute_loss(model, inputs, "
+        "return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)`"
+        + (" (or `super()._compute_loss(model, inputs)` in an override of _compute_loss)" if "_compute_loss" in names else "")
+        + ", then change and return that loss (docs/reliability.md, 'Subclasses of the trainer')"
+    )
+    if runtime.is_stock:
+        if not getattr(trainer, "_adaptive_kl_bypass_warned", False):
+            trainer._adaptive_kl_bypass_warned = True
+            logger.warning(
+                "unsloth_adaptive_kl: %s. No adaptation is requested (kl_adaptation_method='none', kl_estimator='k3'), so "
+                "training goes on with that loss, without the adaptive_kl metrics. To have them, %s.", message, how
+            )
+        return
+    args = trainer.args
+    raise PatchError(
+        f"{message}: kl_adaptation_method={args.kl_adaptation_method!r} with kl_estimator={args.kl_estimator!r} would not "
+        f"act on this update, so it is refused before its backward pass (no optimizer step has applied it). To train "
+        f"with the adaptation, {how}."
+    )
 
 
 def attach(trainer, runtime_cls, loss_class=None) -> TrainerAdaptiveKL:
@@ -328,11 +408,12 @@ def attach(trainer, runtime_cls, loss_class=None) -> TrainerAdaptiveKL:
     existing = getattr(trainer, "_adaptive_kl", None)
     if existing is not None:
         return existing
+    check_loss_type(getattr(trainer, "loss_type", trainer.args.loss_type))  # the config's may have changed since it was checked
     runtime = runtime_cls(trainer)
-    _check_loss_path(trainer, runtime.is_stock)
     args = trainer.args
     runtime.check_step_size(args.per_device_train_batch_size * args.gradient_accumulation_steps * trainer.accelerator.num_processes)
     trainer._adaptive_kl = runtime  # from now on trainer.beta is runtime.beta (trainer_beta)
+    _guard_loss_path(trainer)
     trainer._adaptive_loss_module = None
     if loss_class is not None:
         from . import loss_class as loss_class_path
@@ -347,6 +428,7 @@ def attach(trainer, runtime_cls, loss_class=None) -> TrainerAdaptiveKL:
         runtime.beta,
         ", ".join(metrics.METRIC_NAMES),
     )
+    runtime.check_placement()  # kl_placement='reward': refused here where this trainer cannot apply it
     runtime.after_attach(loss_class)
     return runtime
 
@@ -369,7 +451,7 @@ def patch_trainer_class(trainer_cls, runtime_cls, loss_path: tuple[str, ...]) ->
     """The wrappers every GRPO trainer class gets, whichever backend computes its loss.
 
     ``loss_path`` names the methods the loss goes through; a subclass that overrides one of them
-    is refused when an adaptation is on (see :func:`_check_loss_path`).
+    must reach the patched loss from its override (see :func:`_guard_loss_path`).
     """
     _callback.make_callback_class()
     _LOSS_PATH[trainer_cls] = loss_path

@@ -70,7 +70,7 @@ class AdaptiveFusedLinearGRPOLoss(nn.Module):
 
     The arguments before ``kl_adaptation_method`` are Liger 0.8.5's, with its defaults
     (``chunk_size`` has no effect here; the table is ``_liger_interface.LIGER_PARAMETERS``). The
-    keyword-only ones are this package's fields of the same names (README, "Fields"), or
+    keyword-only ones are this package's fields of the same names (docs/fields.md), or
     ``adaptive_kl=``: an :class:`AdaptiveKL` whose β controller the caller runs
     (``GRPOTrainer(loss_class=...)`` passes the trainer's).
     """
@@ -231,7 +231,9 @@ class AdaptiveFusedLinearGRPOLoss(nn.Module):
             ref, old = neutral_padding(mask, ref, old)
         keep = self._kl_keep(token_ids) if with_kl else None
         statistic = self.adaptive_kl.batch_statistic(ref, mask if keep is None else mask * keep) if with_kl else None
-        beta = torch.as_tensor(self.beta, dtype=torch.float32, device=mask.device)
+        # kl_placement='reward' (GRPOTrainer(loss_class=...)): the KL is computed for the metrics but weighs 0 in the loss
+        loss_beta = self.beta if self.adaptive_kl.kl_in_loss else 0.0
+        beta = torch.as_tensor(loss_beta, dtype=torch.float32, device=mask.device)
         return mask, advantages, ref, old, vllm_is_ratio, beta, statistic, normaliser_tensor(num_items_in_batch, mask.device), keep
 
     def _kl_keep(self, token_ids) -> torch.Tensor | None:

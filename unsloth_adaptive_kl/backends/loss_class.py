@@ -17,6 +17,7 @@ TRL's luspo (for our module and for Liger's own).
 from __future__ import annotations
 
 import inspect
+import math
 
 import torch
 from torch import nn
@@ -176,7 +177,8 @@ def _log_foreign(trainer, mode, liger_metrics, mask, beta) -> None:
         runtime.log_metrics(runtime.record_sums(None, training=mode == "train", beta=beta), mode)
         return
     kl = metrics.global_token_mean(liger_metrics[0], mask, runtime.reduce)
-    runtime.log_metrics({metrics.CURRENT_BETA: float(beta), metrics.RAW_KL: kl, metrics.ADAPTED_KL: kl}, mode)
+    nonfinite = float(not math.isfinite(kl))  # left out of the window's means and counted, as on every path
+    runtime.log_metrics({metrics.CURRENT_BETA: float(beta), metrics.RAW_KL: kl, metrics.ADAPTED_KL: kl, metrics.NONFINITE_KL_BATCHES: nonfinite}, mode)
     trainer._metrics[mode]["kl"].append(kl)
 
 

@@ -25,6 +25,7 @@ from .._source_patch import AnchorSet, Plan, Rewrite, check_version, is_patched,
 from ..versions import SUPPORTED, offered_loss_types
 from . import _trainer
 from . import loss_class as loss_class_path
+from . import reward_placement
 
 SUPPORTED_TRL = SUPPORTED["trl"].label  # the range lives in versions.py
 
@@ -73,10 +74,11 @@ _ADD = Rewrite(
     anchor="""        if self.beta != 0.0:
             per_token_loss = per_token_loss + self.beta * per_token_kl
 """,
-    replacement="""        if self.beta != 0.0 and not self._adaptive_kl.length_normalized:
+    replacement="""        if self.beta != 0.0 and self._adaptive_kl.kl_in_loss and not self._adaptive_kl.length_normalized:
             per_token_loss = per_token_loss + self.beta * adaptive_kl_adapted
 """,
-    why="β times the adapted KL enters the per-token loss (length_normalized adds it after aggregation)",
+    why="β times the adapted KL enters the per-token loss (length_normalized adds it after aggregation; "
+    "kl_placement='reward' subtracted it from the reward instead)",
 )
 
 
@@ -206,7 +208,7 @@ class TRLAdaptiveKL(_trainer.TrainerAdaptiveKL):
         trainer = self.trainer
         beta = trainer.beta
         kl_mask = mask if kl_mask is None else kl_mask
-        if raw is not None and self.length_normalized and beta != 0.0:
+        if raw is not None and self.length_normalized and self.kl_in_loss and beta != 0.0:
             accumulation = trainer.current_gradient_accumulation_steps if mode == "train" else 1.0
             loss = loss + self.term.length_normalized_loss(adapted, kl_mask, beta=beta, num_completions=mask.shape[0], accumulation=accumulation)
         values = self.log_metrics(self.record(raw, adapted, kl_mask, training=mode == "train", beta=beta), mode)
@@ -298,9 +300,10 @@ def patch(after_config_created=None) -> None:
         trainer_cls = classes["GRPOTrainer"]
         set_attribute(trainer_cls, "_compute_loss", _dispatch_compute_loss(built[_COMPUTE_LOSS], trainer_cls._compute_loss))
         _MONITORED.clear()
-        if _GENERATE in built:  # before the wrappers of _trainer.py, which wrap what is there
+        if _GENERATE in built:  # kl_monitor's reference forward; then the reward placement's dispatch around it
             set_attribute(trainer_cls, "_generate_and_score_completions", _dispatch_generate(built[_GENERATE], trainer_cls._generate_and_score_completions))
             _MONITORED.add(_GENERATE)
+        reward_placement.install(trainer_cls, reward_placement.TRL_PLAN, classes)  # before the wrappers below wrap it
         _trainer.patch_trainer_class(trainer_cls, TRLAdaptiveKL, loss_path=("compute_loss", "_compute_loss"))
 
 

@@ -42,10 +42,10 @@ import torch
 from .. import metrics, tail
 from .._source_patch import AnchorSet, PatchError, Plan, Rewrite, check_version, set_attribute, split_target, version_of
 from ..config import FIELD_NAMES
-from ..estimators import estimate_kl, get_estimator
 from ..kl_term import KLTerm
 from ..versions import SUPPORTED
 from . import _trainer
+from . import reward_placement
 from .unsloth_hooks import forget_accepted_config_arguments
 
 GENERATED_MODULE = "UnslothGRPOTrainer"
@@ -221,7 +221,9 @@ class FusedKLInputs(NamedTuple):
                     adapted, kl_mask, beta=self.beta, num_completions=self.num_completions, accumulation=accumulation
                 )
             # One chunk (the rewritten call passes n_chunks=1): the chunk's max and min are the micro-batch's.
-            sums = metrics.local_metric_sums(raw, adapted, kl_mask, self.tail_edges)
+            sums = metrics.local_metric_sums(
+                raw, adapted, kl_mask, self.tail_edges, count_shaping_faults=bool(self.term.user_shaping_steps)
+            )  # fmt: skip
         return loss, torch.cat([unsloth_mean_kl.reshape(1).to(torch.float64), sums])
 
 
@@ -240,13 +242,6 @@ class UnslothAdaptiveKL(_trainer.TrainerAdaptiveKL):
                 "forwards, and its fused loss computes the KL only behind the same gate, none of which this package "
                 "rewrites; allowed: kl_monitor=False, or the TRL backend (TRL's GRPOTrainer, without import unsloth)"
             )
-        if not get_estimator(self.estimator).builtin:
-            self._check_user_estimator_once()
-
-    def _check_user_estimator_once(self) -> None:
-        # Inside the compiled loss the checks cannot run (they synchronise), so probe once here.
-        logp = (-torch.rand(2, 5) * 3).requires_grad_(True)
-        estimate_kl(self.estimator, logp, logp.detach() + torch.randn(2, 5), mask=torch.ones(2, 5, dtype=torch.bool))
 
     def describe(self) -> str:
         cls = type(self.trainer)
@@ -269,7 +264,8 @@ class UnslothAdaptiveKL(_trainer.TrainerAdaptiveKL):
         torch._dynamo.mark_static(tail_edges)  # under dynamic=True its length could share a sequence length's symbol
         kwargs["adaptive_kl"] = FusedKLInputs(
             term=self.term,
-            beta=torch.tensor(beta, dtype=torch.float32, device=device),
+            # kl_placement='reward': the KL is still computed (for the metrics) but weighs 0 in the loss
+            beta=torch.tensor(beta if self.kl_in_loss else 0.0, dtype=torch.float32, device=device),
             num_completions=torch.tensor(float(completion_mask.shape[0]), dtype=torch.float32, device=device),
             statistic=None if ref_logps is None else self.batch_statistic(ref_logps, completion_mask),
             tail_edges=tail_edges,
@@ -342,6 +338,23 @@ def check_versions() -> None:
         check_version(distribution, supported.contains, supported.label)
 
 
+def _rollout_wrapper(trainer_cls):
+    """Unsloth wraps the generated ``_generate_and_score_completions`` (optimizer parking during rollouts, the
+    inference-mode restore): the function that wraps the reward placement's rewritten one the same way,
+    with Unsloth's own wrapper (None where Unsloth did not wrap it)."""
+    own = trainer_cls.__dict__.get(reward_placement.TARGET_NAME)
+    if not getattr(own, "_unsloth_restore_training_wrapped", False):
+        return None
+    from unsloth.models import rl
+
+    def wrap(function):
+        holder = type("RolloutHolder", (), {reward_placement.TARGET_NAME: function})
+        rl._wrap_grpo_generate_and_score(holder)
+        return holder.__dict__[reward_placement.TARGET_NAME]
+
+    return wrap
+
+
 def patch_generated_module(module) -> None:
     global _patched_module
     check_versions()
@@ -356,5 +369,8 @@ def patch_generated_module(module) -> None:
     for target, function in built.items():
         owner, name = split_target(target)
         set_attribute(targets[owner], name, function)
+    reward_placement.install(  # before the wrappers below wrap it
+        trainer_cls, reward_placement.UNSLOTH_PLAN, {"_UnslothGRPOTrainer": trainer_cls.__mro__[1]}, wrap=_rollout_wrapper(trainer_cls)
+    )
     _trainer.patch_trainer_class(trainer_cls, UnslothAdaptiveKL, loss_path=("compute_loss",))
     _patched_module = module

@@ -1,0 +1,114 @@
+"""MkDocs hooks (mkdocs.yml, ``hooks:``): the site's generated parts, made at build time.
+
+A page asks for one with a line ``<!-- generated: NAME -->``; the hook replaces that line with the
+text below, so nothing on the site is copied by hand:
+
+- ``shaping-table``: the README's shaping-method table (between its ``<!-- shaping-table -->``
+  markers, which tests/test_shaping.py checks against the registry);
+- ``supported-versions-table``: ``versions.supported_versions_table()`` (the README holds the same
+  text, checked by tests/test_versions.py);
+- ``guarded-versions-table``: which libraries of ``versions.SUPPORTED`` are refused outside their range;
+- ``api-reference``: one mkdocstrings block per name of ``unsloth_adaptive_kl.__all__``.
+
+An unknown NAME fails the build. ``versions.py`` is loaded from its file and ``__all__`` is read from
+``__init__.py``'s syntax tree: building the docs never imports torch or patches TRL.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "unsloth_adaptive_kl"
+MARKER = re.compile(r"^<!-- generated: ([\w-]+) -->$", re.M)
+#: Documented on the API page besides ``__all__``: the Liger drop-in, imported from its module.
+API_EXTRA = ("unsloth_adaptive_kl.backends.liger.AdaptiveFusedLinearGRPOLoss",)
+
+
+def _versions():
+    """``unsloth_adaptive_kl/versions.py`` as a module of its own (it imports only packaging)."""
+    name = "_uakl_docs_versions"
+    spec = importlib.util.spec_from_file_location(name, PACKAGE / "versions.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses resolves its string annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+def exported_names() -> list[str]:
+    """``unsloth_adaptive_kl.__all__``, read from ``__init__.py`` without importing it."""
+    tree = ast.parse((PACKAGE / "__init__.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            return list(ast.literal_eval(node.value))
+    raise RuntimeError(f"{PACKAGE / '__init__.py'} has no __all__ = [...] assignment")
+
+
+def shaping_table() -> str:
+    readme = (ROOT / "README.md").read_text()
+    parts = readme.split("<!-- shaping-table -->")
+    if len(parts) != 3:
+        raise RuntimeError(f"README.md must hold exactly one table between two <!-- shaping-table --> markers (found {len(parts) - 1} markers)")
+    return parts[1].strip()
+
+
+def supported_versions_table() -> str:
+    return _versions().supported_versions_table()
+
+
+def guarded_versions_table() -> str:
+    versions = _versions()
+    rows = ["| library | range | outside the range |", "|---|---|---|"]
+    for s in versions.SUPPORTED.values():
+        outcome = "refused: `PatchError` (unless `UNSLOTH_ADAPTIVE_KL_ALLOW_UNTESTED=1`)" if s.guarded else "reported by `doctor` only"
+        rows.append(f"| {s.distribution} | `{s.specifier}` ({s.label}) | {outcome} |")
+    return "\n".join(rows)
+
+
+def api_reference() -> str:
+    blocks = [f"::: unsloth_adaptive_kl.{name}" for name in exported_names()]
+    blocks += [f"::: {path}\n    options:\n      show_root_full_path: true" for path in API_EXTRA]
+    return "\n\n".join(blocks)
+
+
+GENERATORS = {
+    "shaping-table": shaping_table,
+    "supported-versions-table": supported_versions_table,
+    "guarded-versions-table": guarded_versions_table,
+    "api-reference": api_reference,
+}
+
+
+def render(markdown: str, where: str = "") -> str:
+    """``markdown`` with every ``<!-- generated: NAME -->`` line replaced by its generated text."""
+
+    def generate(match: re.Match) -> str:
+        name = match.group(1)
+        if name not in GENERATORS:
+            raise ValueError(f"{where}: unknown generated block {name!r} (known: {sorted(GENERATORS)})")
+        return GENERATORS[name]()
+
+    return MARKER.sub(generate, markdown)
+
+
+#: A Sphinx role the docstrings use (``:func:`~pkg.mod.name```), as Markdown renders it.
+SPHINX_ROLE = re.compile(r":(?:func|class|meth|attr|data|mod|exc|obj):<code>(~?)([^<]+)</code>")
+
+
+def plain_roles(html: str) -> str:
+    """The docstrings' Sphinx markup as a reader should see it: ``:meth:`~a.B.c``` as ``c`` in code
+    (the full path without ``~``), and a paragraph ending in ``::`` (reST's literal block) with one colon."""
+    html = SPHINX_ROLE.sub(lambda m: f"<code>{m.group(2).rsplit('.', 1)[-1] if m.group(1) else m.group(2)}</code>", html)
+    return html.replace("::</p>", ":</p>")
+
+
+def on_page_markdown(markdown, page, config, files):
+    return render(markdown, page.file.src_uri)
+
+
+def on_page_content(html, page, config, files):
+    return plain_roles(html)

@@ -1,0 +1,221 @@
+"""Mutation testing of the backends' KL lines, which mutmut does not reach (scripts/mutation.sh runs it).
+
+mutmut mutates Python code, not code held in strings: the replacement strings that ``backends/trl.py`` and
+``backends/unsloth.py`` compile into TRL's and Unsloth's loss are text to it. This mutator applies one textual
+operator at a time (an arithmetic or comparison operator, ``not``, ``and``, a variable swapped for its sibling, a
+divisor dropped) inside those strings (the added lines only, not the upstream lines an anchor repeats) and inside
+the Liger module's KL lines; each mutant runs in a copy of the package against its backend's tests.
+
+    python scripts/mutation_backends.py ROOT WORKDIR [--jobs N] [--backend trl|unsloth|liger ...] [--list]
+
+A mutant is *killed* when its tests fail (exit 1) or run past the timeout, *survives* when they pass, and is
+*invalid* (left out of the score) when it cannot even be collected (exit 2-5: a replacement that no longer
+compiles). Writes WORKDIR/backends.json and prints the score and every survivor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import concurrent.futures
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+PYTEST = ["-m", "pytest", "-x", "-q", "-p", "no:cacheprovider"]
+
+
+@dataclass(frozen=True)
+class Target:
+    backend: str
+    path: str
+    #: Top-level names (``Class.method`` for a method) whose replacement strings (``strings``) or lines (``code``) are mutated.
+    names: tuple[str, ...]
+    kind: str
+    tests: tuple[str, ...]
+    timeout: int
+
+
+TARGETS = (
+    Target(
+        "trl", "unsloth_adaptive_kl/backends/trl.py", ("_kl", "_ADD", "_after_aggregation"), "strings",
+        ("tests/backends/test_trl.py", "-k",
+         "bit_identical or kl_part_of_the_loss or metrics_match or length_normalized_changes or beta_reaching_zero"),
+        900,
+    ),
+    Target(
+        "unsloth", "unsloth_adaptive_kl/backends/unsloth.py", ("_gate", "UNSLOTH_2026_10"), "strings",
+        ("tests/backends/test_unsloth_lines.py", "tests/backends/test_unsloth.py", "-k",
+         "test_unsloth_lines or kl_part_of_the_fused or metrics_are_exact or sums_hold"),
+        1200,
+    ),
+    Target(
+        "liger", "unsloth_adaptive_kl/backends/liger.py",
+        ("AdaptiveFusedLinearGRPOLoss._loss_terms", "AdaptiveFusedLinearGRPOLoss._evaluate",
+         "AdaptiveFusedLinearGRPOLoss.kl_terms", "AdaptiveFusedLinearGRPOLoss.per_token_kl"), "code",
+        ("tests/backends/test_liger.py", "-k",
+         "matches_liger_eager or kl_part_matches or straight_through or bottom_q_threshold or beta_zero or padding_with "
+         "or loss_class_logs_trls_kl or (loss_class_matches_trl_loss_and_grads and (dapo or luspo))"),
+        900,
+    ),
+)  # fmt: skip
+
+#: (pattern, replacement): each match of each pattern in a mutated segment is one mutant.
+OPERATORS = (
+    (r"(?<=\s)\*(?=\s)", "/"), (r"(?<=\s)/(?=\s)", "*"), (r"(?<=\s)\+(?=\s)", "-"), (r"(?<=\s)-(?=\s)", "+"),
+    (r"!=", "=="), (r"==", "!="), (r"\bnot ", ""), (r"\band\b", "or"), (r" if [^\n]*? else None\b", ""),
+    (r"\badaptive_kl_adapted\b", "per_token_kl"), (r"\bper_token_kl\b", "adaptive_kl_adapted"),
+    (r"\badaptive_kl_i\b", "kl_i"), (r"\brs_keep\b", "None"), (r"\bcurrent_gradient_accumulation_steps\b", "1"),
+    (r"\bfloat64\b", "float32"), (r"\braw\b(?= *[,)*])", "adapted"), (r"\badapted\b(?= *[,)*])", "raw"), (r"\bcoef\b(?= *[,)])", "None"),
+    (r"\bstatistic\b(?= *[,)])", "None"), (r"\bkl_mask\b(?= *[,)])", "mask"), (r"\{mode\}", '"train"'), (r"\{coef\}", "None"),
+    (r"\.clamp\(min=1\.0\)", ""), (r"(?<![.\w])beta\b(?= \*)", "1.0"),
+)  # fmt: skip
+
+
+def _statement(tree: ast.Module, name: str) -> ast.AST:
+    owner, _, member = name.partition(".")
+    for node in tree.body:
+        names = [node.name] if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else [
+            t.id for t in getattr(node, "targets", []) if isinstance(t, ast.Name)
+        ]
+        if owner in names:
+            if not member:
+                return node
+            return next(n for n in node.body if isinstance(n, ast.FunctionDef) and n.name == member)
+    raise LookupError(name)
+
+
+def _rewrite_argument(call: ast.Call, index: int, keyword: str):
+    for k in call.keywords:
+        if k.arg == keyword:
+            return k.value
+    return call.args[index] if len(call.args) > index else None
+
+
+def segments(source: str, target: Target) -> list[tuple[int, int]]:
+    """Byte ranges of ``source`` to mutate: the replacement strings' literals (``strings``), or the lines of the named
+    functions that handle the KL (``code``), comments and docstrings left out."""
+    data, tree = source.encode(), ast.parse(source)
+    starts = [0]
+    for line in data.split(b"\n"):
+        starts.append(starts[-1] + len(line) + 1)
+
+    def offset(line, col):
+        return starts[line - 1] + col
+
+    out = []
+    for name in target.names:
+        node = _statement(tree, name)
+        if target.kind == "strings":
+            for call in (n for n in ast.walk(node) if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "Rewrite"):
+                anchor, replacement = _rewrite_argument(call, 2, "anchor"), _rewrite_argument(call, 3, "replacement")
+                anchors = {ast.get_source_segment(source, n) for n in ast.walk(anchor) if isinstance(n, ast.Constant)}
+                for literal in ast.walk(replacement):
+                    if isinstance(literal, (ast.Constant, ast.JoinedStr)) and isinstance(getattr(literal, "value", ""), (str, list)):
+                        if isinstance(literal, ast.Constant) and ast.get_source_segment(source, literal) in anchors:
+                            continue  # an upstream line the replacement keeps
+                        out.append((offset(literal.lineno, literal.col_offset), offset(literal.end_lineno, literal.end_col_offset)))
+        else:
+            body = node.body[1:] if isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant) else node.body
+            for line in range(body[0].lineno, node.end_lineno + 1):
+                text = data[starts[line - 1] : starts[line] - 1].decode()
+                code = text.split("#", 1)[0]
+                if re.search(r"kl|coef|beta|adapted|raw", code):
+                    out.append((starts[line - 1], starts[line - 1] + len(code.encode())))
+    # JoinedStr and its parts overlap in 3.11's positions: keep the outermost ranges only
+    out = sorted(set(out))
+    return [r for r in out if not any(o != r and o[0] <= r[0] and r[1] <= o[1] for o in out)]
+
+
+def mutants(root: str, target: Target) -> list[dict]:
+    source = open(os.path.join(root, target.path)).read()
+    data = source.encode()
+    found = []
+    for start, end in segments(source, target):
+        text = data[start:end].decode()
+        for pattern, replacement in OPERATORS:
+            for match in re.finditer(pattern, text):
+                mutated = text[: match.start()] + replacement + text[match.end() :]
+                new = data[:start] + mutated.encode() + data[end:]
+                line = data[:start].count(b"\n") + text[: match.start()].count("\n") + 1
+                found.append(dict(backend=target.backend, path=target.path, line=line, original=match.group(0), replacement=replacement,
+                                  context=new.decode().splitlines()[line - 1].strip(), source=new.decode()))  # fmt: skip
+    return found
+
+
+def run_mutant(mutant: dict, root: str, workdir: str, slot: int, target: Target) -> dict:
+    copy = os.path.join(workdir, f"slot{slot}")
+    if not os.path.isdir(copy):
+        for part in ("unsloth_adaptive_kl", "tests"):
+            shutil.copytree(os.path.join(root, part), os.path.join(copy, part))
+    pristine = open(os.path.join(root, mutant["path"])).read()
+    path = os.path.join(copy, mutant["path"])
+    with open(path, "w") as f:
+        f.write(mutant["source"])
+    env = dict(os.environ, PYTHONPATH=copy, TRITON_INTERPRET="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+    start = time.time()
+    try:
+        rc = subprocess.run([sys.executable, *PYTEST, *target.tests], cwd=copy, env=env, capture_output=True, timeout=target.timeout).returncode
+    except subprocess.TimeoutExpired:
+        rc = "timeout"
+    finally:
+        with open(path, "w") as f:
+            f.write(pristine)
+    status = {0: "survived", 1: "killed", "timeout": "killed"}.get(rc, "invalid")
+    return {k: v for k, v in mutant.items() if k != "source"} | {"status": status, "rc": rc, "seconds": round(time.time() - start)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("root")
+    parser.add_argument("workdir")
+    parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--backend", action="append", choices=[t.backend for t in TARGETS])
+    parser.add_argument("--list", action="store_true", help="list the mutants, run nothing")
+    args = parser.parse_args()
+    targets = [t for t in TARGETS if not args.backend or t.backend in args.backend]
+    work = [(m, t) for t in targets for m in mutants(args.root, t)]
+    if args.list:
+        for m, _ in work:
+            print(f"{m['backend']:8} {m['path']}:{m['line']}: {m['original']!r} -> {m['replacement']!r}   {m['context']}")
+        print(f"{len(work)} mutants")
+        return
+    os.makedirs(args.workdir, exist_ok=True)
+    results = []
+    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+        slots = {}
+        futures = []
+        for i, (m, t) in enumerate(work):
+            futures.append(pool.submit(lambda m=m, t=t, i=i: run_mutant(m, args.root, args.workdir, _slot(slots), t)))
+        for future in concurrent.futures.as_completed(futures):
+            r = future.result()
+            results.append(r)
+            print(f"{r['status']:8} {r['seconds']:4d}s {r['path']}:{r['line']}: {r['original']!r} -> {r['replacement']!r}   {r['context']}", flush=True)
+    json.dump(sorted(results, key=lambda r: (r["path"], r["line"])), open(os.path.join(args.workdir, "backends.json"), "w"), indent=1)
+    for backend in sorted({r["backend"] for r in results}):
+        mine = [r for r in results if r["backend"] == backend]
+        killed = sum(r["status"] == "killed" for r in mine)
+        scored = sum(r["status"] in ("killed", "survived") for r in mine)
+        print(f"{backend}: {killed}/{scored} killed ({len(mine) - scored} invalid)")
+    for r in sorted((r for r in results if r["status"] == "survived"), key=lambda r: (r["path"], r["line"])):
+        print(f"SURVIVED {r['path']}:{r['line']}: {r['original']!r} -> {r['replacement']!r}   {r['context']}")
+
+
+_lock = __import__("threading").Lock()
+
+
+def _slot(slots: dict) -> int:
+    """A working copy per thread (each thread runs one mutant at a time in its own copy)."""
+    import threading
+
+    with _lock:
+        return slots.setdefault(threading.get_ident(), len(slots))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""``AdaptiveKL``: what its β controller is fed, across micro-batches and optimizer steps, against float64
+references (tests/reference.py) written from the controllers' definitions."""
+
+from types import SimpleNamespace
+
+import pytest
+import reference
+import torch
+
+from unsloth_adaptive_kl import FIELDS, AdaptiveKL
+from unsloth_adaptive_kl.controllers import CONTROLLER_CLASSES
+from unsloth_adaptive_kl.shaping import SHAPING, Method, format_method, shaping_names
+
+BETA, BETA_MIN, CLIP, KL_TARGET, HORIZON = 0.2, 0.01, 0.1, 0.25, 40.0
+#: Each optimizer step's micro-batches, (rows, tokens): shapes and valid-token counts change every step.
+STEPS = [[(3, 5), (2, 7)], [(4, 4)], [(2, 6), (3, 3), (1, 5)], [(3, 8)]]
+REWARDS = [1.0, -1.0, 1.0, 1.0]
+
+
+def _adaptive(method: str) -> AdaptiveKL:
+    fields = {f.name: f.default for f in FIELDS}
+    fields.update(
+        beta=BETA, beta_min=BETA_MIN, kl_adaptation_method=method, kl_estimator="k3", kl_clip_threshold=CLIP,
+        kl_target=KL_TARGET, kl_horizon=HORIZON, dynamic_beta_decay=0.5, reward_threshold=0.0, reward_window=2,
+        beta_schedule_steps=1000,
+    )  # fmt: skip
+    return AdaptiveKL(SimpleNamespace(**fields))
+
+
+def _micro_batch(rows, tokens, seed):
+    """Log-ratios in [-1.2, 1.2] (per-token k3 around KL_TARGET, often above CLIP), variable lengths, one empty row."""
+    g = torch.Generator().manual_seed(seed)
+    logp = -torch.rand(rows, tokens, generator=g) * 3 - 0.5
+    ref = logp + (torch.rand(rows, tokens, generator=g) * 2.4 - 1.2)
+    lengths = torch.randint(1, tokens + 1, (rows,), generator=g)
+    lengths[-1] = 0 if rows > 1 else lengths[-1]
+    mask = (torch.arange(tokens) < lengths[:, None]).long()
+    return logp, ref, mask
+
+
+@pytest.mark.parametrize("shaping", shaping_names())
+@pytest.mark.parametrize("controller", sorted(CONTROLLER_CLASSES))
+def test_every_controller_steers_on_the_raw_kl_of_the_whole_step_whatever_the_shaping(controller, shaping):
+    """The controller is fed the step's token-weighted mean of the *raw* KL over all its micro-batches (the docs:
+    "the controller steers on the raw KL"), not the shaped KL that β multiplies, whatever shaping is joined with it."""
+    state = _adaptive(format_method(Method(controller, (shaping,))))
+    betas, expected, from_adapted = [], [BETA], [BETA]
+    window, seed = [], 0
+    for micro_batches, reward in zip(STEPS, REWARDS):
+        raw_sum = adapted_sum = tokens = completions = 0.0
+        for rows, length in micro_batches:
+            seed += 1
+            logp, ref, mask = _micro_batch(rows, length, seed)
+            state.record(*state.per_token(logp, ref, mask), mask, training=True, beta=state.beta)
+            raw, shaped = reference.raw_and_shaped_kl(
+                state.method_text, logp, ref, logp, mask, estimator="k3", clip_threshold=CLIP, kl_target=KL_TARGET,
+                bias_correction=False,
+            )  # fmt: skip
+            raw_sum, adapted_sum = raw_sum + raw.sum().item(), adapted_sum + shaped.sum().item()
+            tokens, completions = tokens + mask.sum().item(), completions + rows
+        state.observe_reward(reward)
+        window = (window + [reward])[-2:]
+        betas.append(state.end_step(len(betas) + 1))
+        cfg = state.controller.config
+        expected.append(reference.NEXT_BETA[controller](expected[-1], cfg, raw_sum / tokens, sum(window) / len(window), completions))
+        from_adapted.append(reference.NEXT_BETA[controller](from_adapted[-1], cfg, adapted_sum / tokens, sum(window) / len(window), completions))
+    assert betas == pytest.approx(expected[1:], rel=1e-6)  # the KL itself is float32
+    if controller == "target" and SHAPING[shaping].per_token:  # here the shaped KL would steer elsewhere: the case tells
+        assert expected[1:] != pytest.approx(from_adapted[1:], rel=1e-3)
+
+
+# -- found by mutation testing (docs/reliability.md, "Mutation testing") ---------------------------------------------
+def test_a_restarted_controller_says_what_it_did_not_restore_and_applies_the_resumed_steps_schedule(caplog):
+    saved = _adaptive("target")
+    saved.controller.beta = 0.05
+    fresh = _adaptive("dynamic")
+    fresh.controller.config = type(fresh.controller.config)(**{**fresh.controller.config.__dict__, "beta_schedule_steps": 3})
+    with caplog.at_level("WARNING", logger="unsloth_adaptive_kl"):
+        fresh.load_state_dict(saved.state_dict(), restart=True, global_step=2)
+    assert fresh.beta == BETA  # step 2 is before beta_schedule_steps=3: the configured β
+    (message,) = [r.getMessage() for r in caplog.records]
+    assert message == (
+        "unsloth_adaptive_kl: restart_beta_controller=True: the dynamic controller starts fresh from beta=0.2; the "
+        "checkpoint's controller state (kl_adaptation_method='target', beta=0.05) is not restored"
+    )
+    fresh.load_state_dict(saved.state_dict(), restart=True, global_step=3)
+    assert fresh.beta == BETA_MIN  # from beta_schedule_steps on: the floor, at once
+
+
+def test_a_checkpoint_without_its_method_text_is_named_as_a_method_in_the_resume_error():
+    state = _adaptive("none").state_dict()
+    del state["kl_adaptation_method"]  # written before the method was saved
+    with pytest.raises(ValueError, match=r"trained with a method \(no β controller\) and this run has kl_adaptation_method='target'"):
+        _adaptive("target").load_state_dict(state)
+
+
+def test_the_step_size_check_and_the_batch_statistic_reach_the_controller_and_the_estimator():
+    state = _adaptive("target")
+    with pytest.raises(ValueError, match=r"kl_horizon=40\.0 is not valid for 400 completions"):
+        state.check_step_size(400)
+    state.check_step_size(199)
+    assert state.batch_statistic(-torch.rand(2, 3), torch.ones(2, 3)) is None  # k3 has none
+    bottom = _adaptive("none")
+    bottom.term = type(bottom.term)(bottom.term.method, "bottom_q", 0.5, bottom.term.shaping_parameters)
+    ref = torch.tensor([[-1.0, -4.0, -2.0], [-3.0, -9.0, -5.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 1]])
+    assert bottom.batch_statistic(ref, mask).item() == -4.0  # the 2nd lowest of the 5 valid (-9 is masked): floor(0.5 * 5) = 2

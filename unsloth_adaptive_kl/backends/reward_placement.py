@@ -1,0 +1,229 @@
+"""``kl_placement="reward"``: β·KL subtracted from each completion's reward when the completions are
+scored, before the group normalisation of the advantages; the loss then carries no KL term.
+
+Where it hooks (TRL 1.9-1.16, and Unsloth's trainer generated from TRL 1.15's source): the
+trainer's ``_generate_and_score_completions``, rewritten by :data:`TRL_PLAN` / :data:`UNSLOTH_PLAN`:
+
+=================================================  ===========================================================
+anchor                                             replacement
+=================================================  ===========================================================
+``else: ref_per_token_logps = None`` (the end of   ``adaptive_kl_penalty = self._adaptive_kl.scoring_penalty``:
+the reference log-probs, inside TRL's no-grad      the per-token KL of the current policy against the reference
+block)                                             on the sampled tokens, each completion's penalty (local)
+``rewards[unscorable_mask] = torch.nan`` (in       ``rewards = self._adaptive_kl.penalized_rewards(...)``: the
+``sum_then_normalize``, before the group mean)     penalties gathered across processes, subtracted, logged
+=================================================  ===========================================================
+
+The policy's log-probs at scoring time are TRL's ``old_per_token_logps`` where TRL computes them
+(generation not aligned with the optimizer steps, or vLLM's importance-sampling correction);
+otherwise one more no-grad forward of the policy on the generation batch, the same call TRL makes
+for them (and for the reference model's). The rewritten function runs only for a trainer whose
+``kl_placement`` is "reward"; every other trainer runs the library's own function, unchanged.
+
+A library whose anchors do not match is not patched for the reward placement: the reason is kept
+and a trainer that asks for it is refused with it (:meth:`RewardPlacement.check_placement`); the
+loss placement is unaffected. docs/kl-placement.md is the user's page.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .. import metrics
+from .._source_patch import AnchorSet, PatchError, Plan, Rewrite, resolve, set_attribute, version_of
+
+TARGET_NAME = "_generate_and_score_completions"
+#: The locals of the library's function that the replacements read: each must be one of its locals.
+FREE_NAMES = (
+    "self", "mode", "ref_per_token_logps", "old_per_token_logps", "completion_mask", "tool_mask", "prompt_completion_ids",
+    "attention_mask", "logits_to_keep", "batch_size", "num_images", "num_tiles", "forward_kwargs", "rewards",
+)  # fmt: skip
+
+
+def _rewrites(target: str, library: str) -> tuple[Rewrite, ...]:
+    return (
+        Rewrite(
+            target,
+            library,
+            "            else:\n                ref_per_token_logps = None\n",
+            """            else:
+                ref_per_token_logps = None
+            adaptive_kl_penalty = self._adaptive_kl.scoring_penalty(
+                ref_per_token_logps,
+                old_per_token_logps,
+                completion_mask if tool_mask is None else completion_mask * tool_mask,
+                lambda: self._get_per_token_logps_and_entropies(
+                    self.model, prompt_completion_ids, attention_mask, logits_to_keep, batch_size=batch_size,
+                    num_images=num_images, num_tiles=num_tiles, **forward_kwargs,
+                )[0],
+                mode,
+            )
+""",
+            "each completion's KL penalty, from the policy's and the reference's log-probs at scoring time",
+        ),
+        Rewrite(
+            target,
+            library,
+            "            rewards[unscorable_mask] = torch.nan\n"
+            "            mean_grouped_rewards = torch.nanmean(rewards.view(-1, num_generations), dim=1)\n",
+            "            rewards[unscorable_mask] = torch.nan\n"
+            "            rewards = self._adaptive_kl.penalized_rewards(rewards, adaptive_kl_penalty, mode)\n"
+            "            mean_grouped_rewards = torch.nanmean(rewards.view(-1, num_generations), dim=1)\n",
+            "the penalty is subtracted before the group mean and std make the advantages",
+        ),
+    )
+
+
+TRL_PLAN = Plan(
+    backend="trl (kl_placement='reward')",
+    anchor_sets=(AnchorSet("trl 1.9", {"trl": ">=1.9,<1.17"}, _rewrites(f"GRPOTrainer.{TARGET_NAME}", "trl")),),
+)
+#: Unsloth 2026.10 generates its trainer from TRL 1.15's source: the generated function is
+#: ``_UnslothGRPOTrainer``'s (``UnslothGRPOTrainer``'s own is Unsloth's rollout wrapper around it). The
+#: 2026.8/2026.9 lines (TRL 0.24's source) have no ``unscorable_mask`` and are not covered: a trainer
+#: asking for "reward" is refused there.
+UNSLOTH_PLAN = Plan(
+    backend="unsloth (kl_placement='reward')",
+    anchor_sets=(
+        AnchorSet("unsloth 2026.10", {"unsloth_zoo": ">=2026.10,<2026.11"}, _rewrites(f"_UnslothGRPOTrainer.{TARGET_NAME}", "unsloth")),
+    ),
+)
+
+#: Trainer class -> why the reward placement cannot be applied to it (its anchors or locals did not match).
+_UNAVAILABLE: dict[type, str] = {}
+
+
+def _check_free_names(function, library: str) -> None:
+    """Every name the replacements read must be a local of the library's function (else the rewrite
+    would fail with a NameError at the first generation, not at patch time)."""
+    missing = [name for name in FREE_NAMES if name not in function.__code__.co_varnames]
+    if missing:
+        raise PatchError(
+            f"{library} {version_of(library)}: {function.__qualname__} has no local(s) {missing}, which the reward "
+            "placement reads; this version is not supported by kl_placement='reward'"
+        )
+
+
+def install(trainer_cls, plan: Plan, owners, wrap=None) -> None:
+    """Give ``trainer_cls`` the reward placement: its ``_generate_and_score_completions`` dispatches to the
+    rewritten one for a trainer with ``kl_placement="reward"``. Where ``plan`` cannot be built for the
+    installed version, nothing is set and the reason is kept for :meth:`RewardPlacement.check_placement`.
+    ``wrap`` (optional) wraps the rewritten function as the library wraps its own (Unsloth's rollout
+    wrapper). Call it before the trainer wrappers of ``_trainer.patch_trainer_class`` wrap the method."""
+    library_own = getattr(trainer_cls, TARGET_NAME)
+    try:
+        anchor_set = plan.select(owners)
+        (rewritten,) = plan.build(owners, anchor_set=anchor_set).values()
+        (rewrite, *_) = anchor_set.rewrites
+        _check_free_names(resolve(owners, rewrite.target), rewrite.library)
+    except PatchError as error:
+        _UNAVAILABLE[trainer_cls] = str(error)
+        return
+    _UNAVAILABLE.pop(trainer_cls, None)
+    set_attribute(trainer_cls, TARGET_NAME, _dispatch(rewritten if wrap is None else wrap(rewritten), library_own))
+
+
+def unavailable_reason(trainer_cls) -> str | None:
+    """Why ``kl_placement="reward"`` cannot be applied to ``trainer_cls`` (None: it can)."""
+    for cls in trainer_cls.__mro__:
+        if cls in _UNAVAILABLE:
+            return _UNAVAILABLE[cls]
+    return None
+
+
+def _dispatch(rewritten, library_own):
+    @functools.wraps(library_own)
+    def _generate_and_score_completions(self, *args, **kwargs):
+        runtime = getattr(self, "_adaptive_kl", None)
+        if runtime is None or runtime.kl_in_loss:
+            return library_own(self, *args, **kwargs)
+        runtime.rewards_penalized = False
+        output = rewritten(self, *args, **kwargs)
+        if not runtime.rewards_penalized:  # the sum_then_normalize branch did not run: the penalty was not applied
+            raise PatchError(
+                f"kl_placement='reward': {type(self).__qualname__}._generate_and_score_completions did not reach the "
+                "rewards' group normalisation (multi_objective_aggregation='sum_then_normalize'); the KL penalty was not applied"
+            )
+        return output
+
+    return _generate_and_score_completions
+
+
+def completions_per_update(args, num_processes: int, num_iterations: int) -> int:
+    """Under ``kl_placement="reward"``: the most completions one controller update sees, those of every
+    generation batch scored within one optimizer step (one batch when generation is less frequent)."""
+    generation_batch = args.per_device_train_batch_size * args.steps_per_generation * num_processes
+    generate_every = args.steps_per_generation * num_iterations  # in micro-steps, as TRL counts
+    return generation_batch * max(1, -(-args.gradient_accumulation_steps // generate_every))
+
+
+class RewardPlacement:
+    """What a trainer's adaptive-KL runtime (``backends/_trainer.TrainerAdaptiveKL``) does under
+    ``kl_placement="reward"``; the rewritten ``_generate_and_score_completions`` calls these."""
+
+    rewards_penalized = False
+
+    def check_placement(self) -> None:
+        """Refuse, when the trainer is created, a reward placement this trainer cannot apply."""
+        if self.kl_in_loss:
+            return
+        trainer, cls = self.trainer, type(self.trainer)
+        reason = unavailable_reason(cls)
+        if reason is not None:
+            raise PatchError(f"kl_placement='reward' cannot be applied to {cls.__module__}.{cls.__qualname__}: {reason}")
+        aggregation = getattr(trainer, "multi_objective_aggregation", "sum_then_normalize")
+        if aggregation != "sum_then_normalize":
+            raise ValueError(
+                f"kl_placement='reward' is not valid with multi_objective_aggregation={aggregation!r}: that normalises each "
+                "reward function's reward before summing them, so a penalty on the raw reward has no place there; allowed: "
+                "multi_objective_aggregation='sum_then_normalize', or kl_placement='loss'"
+            )
+        module = getattr(trainer, "_adaptive_loss_module", None)
+        if module is not None and getattr(module, "adaptive_kl", None) is not self:
+            raise ValueError(
+                f"kl_placement='reward' is not valid with loss_class={type(module).__name__}: that module adds β·KL to its "
+                "loss from a β of its own; allowed: loss_class=AdaptiveFusedLinearGRPOLoss (or a subclass), which shares "
+                "the trainer's placement, or kl_placement='loss'"
+            )
+        num_iterations = getattr(trainer, "num_iterations", 1)
+        self.check_step_size(completions_per_update(trainer.args, trainer.accelerator.num_processes, num_iterations))
+
+    def scoring_penalty(self, ref_logps, old_logps, mask, policy_logps, mode: str) -> torch.Tensor | None:
+        """Each local completion's penalty, ``(B,)`` float64 (None while β is 0: no reference log-probs).
+
+        ``old_logps``: TRL's ``old_per_token_logps`` (the policy at scoring time) or None, then
+        ``policy_logps()`` computes them. In training the generation batch's KL sums go to the β
+        controller (but not those of a batch TRL regenerated on resume: the uninterrupted run saw
+        the original's before the checkpoint)."""
+        beta = float(self.trainer.beta)
+        if ref_logps is None or beta == 0.0:
+            return None
+        logps = old_logps if old_logps is not None else policy_logps()
+        with torch.no_grad():
+            raw, adapted = self.term.per_token(logps, ref_logps, mask, None, self.term.batch_statistic(ref_logps, mask))
+            if mode == "train" and not getattr(self.trainer, "_adaptive_kl_regenerated_batch", False):
+                faults = bool(self.term.user_shaping_steps)  # a user method's NaN on a finite KL: refused by name, as in the loss
+                self.observe_scoring_sums(metrics.local_kl_sums(raw, adapted, mask, count_shaping_faults=faults))
+            return self.term.reward_penalty(adapted, mask, beta=beta)
+
+    def penalized_rewards(self, rewards: torch.Tensor, local_penalty: torch.Tensor | None, mode: str) -> torch.Tensor:
+        """``rewards`` (all processes' completions, gathered) less every completion's penalty; logs
+        ``adaptive_kl/kl_penalty``, the mean penalty over the completions that have a reward."""
+        self.rewards_penalized = True
+        if local_penalty is None:
+            return rewards
+        penalty = self.trainer.accelerator.gather(local_penalty)  # process order, as TRL gathers the rewards
+        if penalty.shape != rewards.shape:
+            raise PatchError(
+                f"trl {version_of('trl')}: the gathered KL penalties have shape {tuple(penalty.shape)} but the rewards "
+                f"{tuple(rewards.shape)}; kl_placement='reward' cannot match them"
+            )
+        subtracted = penalty[~torch.isnan(rewards)]  # an unscorable completion (NaN reward) gets advantage 0 anyway
+        if subtracted.numel():
+            self.log_metrics({metrics.KL_PENALTY: subtracted.mean().item()}, mode)
+        return (rewards.double() - penalty).to(rewards.dtype)
+
+
+__all__ = ["TRL_PLAN", "UNSLOTH_PLAN", "RewardPlacement", "completions_per_update", "install", "unavailable_reason"]
