@@ -338,7 +338,8 @@ def test_a_local_the_replacements_read_must_exist_in_the_library_function():
     reward_placement.install(Renamed, reward_placement.TRL_PLAN, {"GRPOTrainer": Renamed})
     try:
         reason = reward_placement.unavailable_reason(Renamed)
-        assert "has no local(s)" in reason and "'old_per_token_logps'" in reason and "'forward_kwargs'" in reason
+        # _source_patch's free-name check (every rewrite gets it): the first name read that the function does not define
+        assert "reads 'old_per_token_logps'" in reason and "does not define" in reason and "trl 1.15.0" in reason
     finally:
         reward_placement._UNAVAILABLE.pop(Renamed)
 

@@ -32,14 +32,9 @@ import functools
 import torch
 
 from .. import metrics
-from .._source_patch import AnchorSet, PatchError, Plan, Rewrite, resolve, set_attribute, version_of
+from .._source_patch import AnchorSet, PatchError, Plan, Rewrite, set_attribute, version_of
 
 TARGET_NAME = "_generate_and_score_completions"
-#: The locals of the library's function that the replacements read: each must be one of its locals.
-FREE_NAMES = (
-    "self", "mode", "ref_per_token_logps", "old_per_token_logps", "completion_mask", "tool_mask", "prompt_completion_ids",
-    "attention_mask", "logits_to_keep", "batch_size", "num_images", "num_tiles", "forward_kwargs", "rewards",
-)  # fmt: skip
 
 
 def _rewrites(target: str, library: str) -> tuple[Rewrite, ...]:
@@ -95,17 +90,6 @@ UNSLOTH_PLAN = Plan(
 _UNAVAILABLE: dict[type, str] = {}
 
 
-def _check_free_names(function, library: str) -> None:
-    """Every name the replacements read must be a local of the library's function (else the rewrite
-    would fail with a NameError at the first generation, not at patch time)."""
-    missing = [name for name in FREE_NAMES if name not in function.__code__.co_varnames]
-    if missing:
-        raise PatchError(
-            f"{library} {version_of(library)}: {function.__qualname__} has no local(s) {missing}, which the reward "
-            "placement reads; this version is not supported by kl_placement='reward'"
-        )
-
-
 def install(trainer_cls, plan: Plan, owners, wrap=None) -> None:
     """Give ``trainer_cls`` the reward placement: its ``_generate_and_score_completions`` dispatches to the
     rewritten one for a trainer with ``kl_placement="reward"``. Where ``plan`` cannot be built for the
@@ -116,8 +100,6 @@ def install(trainer_cls, plan: Plan, owners, wrap=None) -> None:
     try:
         anchor_set = plan.select(owners)
         (rewritten,) = plan.build(owners, anchor_set=anchor_set).values()
-        (rewrite, *_) = anchor_set.rewrites
-        _check_free_names(resolve(owners, rewrite.target), rewrite.library)
     except PatchError as error:
         _UNAVAILABLE[trainer_cls] = str(error)
         return
