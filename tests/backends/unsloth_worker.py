@@ -753,6 +753,6 @@ def scenario_unpatch():
         results["sequence"][step] = probe_config()
 
 
-{"early_config": scenario_early_config, "config": scenario_config, "unpatch": scenario_unpatch, "identity": scenario_identity, "all_masked": scenario_all_masked, "resume": scenario_resume, "kl_part": scenario_kl_part, "train": scenario_train, "compiled": scenario_compiled, "compiled_loop": scenario_compiled_loop, "reward_placement": scenario_reward_placement, "user_code": scenario_user_code, "diagnostics": scenario_diagnostics}[SCENARIO]()
+{"early_config": scenario_early_config, "config": scenario_config, "unpatch": scenario_unpatch, "identity": scenario_identity, "all_masked": scenario_all_masked, "resume": scenario_resume, "kl_part": scenario_kl_part, "train": scenario_train, "subclass": scenario_subclass, "renamed": scenario_renamed, "compiled": scenario_compiled, "compiled_loop": scenario_compiled_loop, "reward_placement": scenario_reward_placement, "user_code": scenario_user_code, "diagnostics": scenario_diagnostics}[SCENARIO]()
 with open(OUT, "w") as f:
     json.dump(results, f, default=lambda o: None if isinstance(o, float) and math.isnan(o) else str(o))
