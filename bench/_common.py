@@ -40,6 +40,12 @@ import torch
 BOOTSTRAP = 2000
 MIN_ROUNDS_FOR_PAIRED = 10  # below this, a bootstrap over rounds says little: the table marks it
 ZERO = "beta -> 0 (dynamic, beta_min=0)"
+# Issue 36's rows. The tail metrics are always on: every patched row pays for them (``none`` vs stock is the
+# package's whole cost). kl_monitor's cost, the reference forward at β = 0, is MONITOR against STOCK_BETA0.
+STOCK_BETA0 = "stock, beta=0"
+MONITOR = "kl_monitor (beta=0)"
+EXCLUDE = "none, kl_exclude_token_ids (4 ids)"
+UNPATCHED_KEYS = ("stock", "stock_beta0")
 
 
 def methods() -> list[str]:
@@ -52,7 +58,7 @@ def methods() -> list[str]:
 
 
 def row_keys() -> list[str]:
-    return ["stock", *methods(), "zero"]
+    return ["stock", *methods(), "zero", "stock_beta0", "monitor", "exclude"]
 
 
 # -- the command line and the rows ----------------------------------------------------------------------------
@@ -107,6 +113,12 @@ def row_name_and_fields(key: str, stock_name: str) -> tuple[str, dict]:
     """A row's name in the tables and the adaptive-KL fields of its config."""
     if key == "stock":
         return stock_name, {}
+    if key == "stock_beta0":
+        return STOCK_BETA0, dict(beta=0.0)
+    if key == "monitor":
+        return MONITOR, dict(kl_adaptation_method="none", beta=0.0, kl_monitor=True)
+    if key == "exclude":  # ids the fixed batch draws from (4..vocab); the cost is one comparison per id
+        return EXCLUDE, dict(kl_adaptation_method="none", kl_exclude_token_ids=[4, 5, 6, 7])
     if key == "zero":
         # beta_min=0 reached by the schedule after 1 step: the first (untimed) warm-up step; every timed step has β = 0
         return ZERO, dict(kl_adaptation_method="dynamic", reward_threshold=1e9, beta_min=0.0, beta_schedule_steps=1)
@@ -125,7 +137,7 @@ def training_step(trainer, model, optimizer, batch) -> Callable[[], None]:
         if runtime is not None:
             runtime.observe_reward(0.0)  # what generation reports (no generation here): the dynamic controller's input
         inputs = dict(batch)
-        if trainer.beta != 0.0:
+        if trainer.beta != 0.0 or (runtime is not None and runtime.computes_kl):  # kl_monitor: also at β = 0
             inputs["ref_per_token_logps"] = reference_logps(trainer, model, inputs)
         loss = trainer.compute_loss(model, inputs)
         loss.backward()
@@ -199,7 +211,18 @@ def time_mode(report, title: str, rows, trainers, stock: str, note: str, args, d
     )  # fmt: skip
     if device.type == "cuda":
         note += f"; allocated at the end {torch.cuda.memory_allocated() / 2**30:.1f} GiB, peak of the mode {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB"
+    note += monitor_note(rows)
     report.update(title, rows, stock, note + f"; rounds completed: {completed} of {args.rounds}")
+
+
+def monitor_note(rows) -> str:
+    """kl_monitor's own cost: its row against stock at β = 0 (paired, as the table's ratios), when both ran."""
+    by_name = {r.name: r for r in rows}
+    monitor, stock = by_name.get(MONITOR), by_name.get(STOCK_BETA0)
+    if monitor is None or stock is None or not monitor.times or not stock.times:
+        return ""
+    point, low, high = paired_interval(round_ratios(monitor.times, monitor.rounds, stock.times, stock.rounds))
+    return f"; {MONITOR} vs {STOCK_BETA0} (the reference forward and the logged KL): paired {point:.3f}x [{low:.3f}, {high:.3f}]"
 
 
 # -- the model ----------------------------------------------------------------------------------------------

@@ -14,8 +14,10 @@ trains on the same fixed batch (``_common.fixed_batch``: no generation). A row i
    controllers of ``dynamic``/``target`` update β there, as in training).
 
 Rows: ``stock`` (TRL with ``unsloth_adaptive_kl.unpatch()``), each ``kl_adaptation_method``
-(patched), and ``beta -> 0`` (``dynamic`` with ``beta_min=0`` reaching 0 after its first, untimed
-step: the reference forward and the KL are skipped in every timed step). Timing, interleaving,
+(patched; every patched row computes the tail metrics), ``beta -> 0`` (``dynamic`` with ``beta_min=0``
+reaching 0 after its first, untimed step: the reference forward and the KL are skipped in every timed
+step), ``stock, beta=0`` and ``kl_monitor (beta=0)`` (the monitor's cost: the report's note pairs the
+two), and ``none`` with ``kl_exclude_token_ids``. Timing, interleaving,
 statistics and tables: ``bench/_common.py`` and docs/benchmarks.md.
 
 The defaults make a step GPU-bound: 16 completions of 512-1024 tokens (17,408 tokens with the
@@ -69,13 +71,14 @@ def make_row(key, *, args, model, ref_model, optimizer, batch, tokenizer, loss_c
     if fused_head is not None:
         fields["liger_fused_head"] = fused_head
     name = name or default_name
-    patched = key != "stock"
+    patched = key not in _common.UNPATCHED_KEYS
+    beta = fields.pop("beta", args.beta)
     extra = {} if loss_class is None else {"loss_class": loss_class}
     (unsloth_adaptive_kl.patch if patched else unsloth_adaptive_kl.unpatch)()
     config = GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="bench-trl-"), report_to="none", per_device_train_batch_size=args.batch,
         num_generations=args.batch, gradient_accumulation_steps=1, max_completion_length=args.max_completion,
-        learning_rate=1e-6, beta=args.beta, bf16=not args.smoke, use_cpu=args.smoke, seed=0, save_strategy="no",
+        learning_rate=1e-6, beta=beta, bf16=not args.smoke, use_cpu=args.smoke, seed=0, save_strategy="no",
         disable_tqdm=True, logging_steps=1, **fields,
     )  # fmt: skip
     dataset = Dataset.from_list([{"prompt": "w0 w1"}] * 8)

@@ -9,8 +9,10 @@ are shared by every row, every row trains on the same fixed batch (no generation
 step is: the reference forward (``_common.reference_logps``, skipped when β = 0), then
 ``trainer.compute_loss`` + ``backward``, ``optimizer.step()``, and the ``on_step_end`` callbacks.
 
-Rows: ``stock`` (Unsloth's own functions: the package switched off), each ``kl_adaptation_method``,
-and ``beta -> 0`` (``dynamic`` with ``beta_min=0``, 0 from its second step on).
+Rows: ``stock`` (Unsloth's own functions: the package switched off), each ``kl_adaptation_method``
+(every patched row computes the tail metrics in the fused loss), ``beta -> 0`` (``dynamic`` with
+``beta_min=0``, 0 from its second step on), ``stock, beta=0`` and ``none`` with ``kl_exclude_token_ids``
+(``kl_monitor`` is refused under Unsloth's generated trainer: no row).
 
 Switching between stock and patched: ``unpatch()`` then ``patch()`` would compile the rewritten
 functions anew, and ``torch.compile`` would compile the fused loss again after every switch. So
@@ -89,7 +91,9 @@ def make_row(key, *, switch, module, args, model, ref_model, optimizer, batch, t
     from unsloth_adaptive_kl.backends.unsloth_hooks import forget_accepted_config_arguments
 
     name, fields = _common.row_name_and_fields(key, STOCK)
-    activate = switch.stock if key == "stock" else switch.patched
+    beta = fields.pop("beta", args.beta)
+    stock = key in _common.UNPATCHED_KEYS
+    activate = switch.stock if stock else switch.patched
     activate()
     # Unsloth memoises the keyword names its config accepts; patch() and unpatch() empty that memo, a
     # switch does not: empty it here, or a config made after a switch would be filtered with the other
@@ -100,18 +104,18 @@ def make_row(key, *, switch, module, args, model, ref_model, optimizer, batch, t
     config = GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="bench-unsloth-"), report_to="none", per_device_train_batch_size=args.batch,
         num_generations=args.batch, gradient_accumulation_steps=1, max_completion_length=args.max_completion,
-        learning_rate=1e-6, beta=args.beta, seed=0, save_strategy="no", disable_tqdm=True, logging_steps=1,
+        learning_rate=1e-6, beta=beta, seed=0, save_strategy="no", disable_tqdm=True, logging_steps=1,
         **(dict(use_cpu=True, bf16=False) if device.type == "cpu" else dict(bf16=True)), **fields,
     )  # fmt: skip
     dataset = Dataset.from_list([{"prompt": "w0 w1"}] * 8)
     with _common.shared_reference(module, ref_model) if ref_model is not None else contextlib.nullcontext():
         trainer = GRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=[lambda completions, **k: [0.0] * len(completions)], args=config, train_dataset=dataset)
     runtime = getattr(trainer, "_adaptive_kl", None)
-    if key != "stock" and (runtime is None or trainer.args.kl_adaptation_method != fields["kl_adaptation_method"]):
+    if not stock and (runtime is None or trainer.args.kl_adaptation_method != fields["kl_adaptation_method"]):
         raise SystemExit(f"row {name}: the trainer was built without the adaptive KL (config {trainer.args.kl_adaptation_method!r}): not a patched row")
-    if key == "stock" and runtime is not None:
+    if stock and runtime is not None:
         raise SystemExit("the stock row's trainer was built patched")
-    if ref_model is not None and trainer.ref_model is None:
+    if ref_model is not None and trainer.ref_model is None and beta != 0.0:
         raise SystemExit(f"row {name}: full fine-tuning without a reference model (beta {args.beta})")
     trainer.current_gradient_accumulation_steps = 1  # set by the training loop, which does not run here
     step = _common.training_step(trainer, model, optimizer, batch)
@@ -139,7 +143,7 @@ def run_mode(mode, args, checkpoint, module, switch, report, deadline):
         batch=args.batch, prompt_len=args.prompt, min_completion=args.min_completion, max_completion=args.max_completion, vocab=args.vocab, device=device
     )  # fmt: skip
     common = dict(switch=switch, module=module, args=args, model=model, ref_model=ref_model, optimizer=optimizer, batch=batch, tokenizer=tokenizer, device=device)
-    keys = _common.wanted_rows(args)
+    keys = [key for key in _common.wanted_rows(args) if key != "monitor"]  # kl_monitor is refused under Unsloth's trainer
     built = {key: make_row(key, **common) for key in keys}
     switch.patched()
     rows, trainers = [built[k][0] for k in keys], [built[k][1] for k in keys]

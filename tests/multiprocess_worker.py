@@ -57,15 +57,24 @@ def uneven_batches(trainer, rank):
 
 
 def record_sums(runtime, rows):
-    original = runtime.record_sums
+    original, original_record = runtime.record_sums, runtime.record
+    valid_raw = []
+
+    def record(raw, adapted, mask, **kwargs):
+        valid_raw[:] = [] if raw is None else raw.detach().double()[mask.bool()].tolist()  # this rank's per-token raw KL
+        return original_record(raw, adapted, mask, **kwargs)
 
     def record_sums(local_sums, *, training, beta):
         values = original(local_sums, training=training, beta=beta)
         if local_sums is not None:
-            rows.append({"local": local_sums.tolist(), "logged_raw": values[metrics.RAW_KL], "logged_adapted": values[metrics.ADAPTED_KL]})
+            rows.append({
+                "local": local_sums[: metrics.NUM_SUMS].tolist(), "logged_raw": values[metrics.RAW_KL],
+                "logged_adapted": values[metrics.ADAPTED_KL], "valid_raw": list(valid_raw),
+                "logged_tail": [values[name] for name in metrics.WINDOW_TAIL_METRICS],
+            })  # fmt: skip
         return values
 
-    runtime.record_sums = record_sums
+    runtime.record, runtime.record_sums = record, record_sums
 
 
 def record_penalties(runtime, penalties):
@@ -108,7 +117,10 @@ def main():
         record_penalties(trainer._adaptive_kl, penalties)
         trainer.train()
         logged = [h for h in trainer.state.log_history if metrics.CURRENT_BETA in h]
-        results[name] = {"betas": betas, "rows": rows, "logged_betas": [h[metrics.CURRENT_BETA] for h in logged], "penalties": penalties}
+        results[name] = {
+            "betas": betas, "rows": rows, "logged_betas": [h[metrics.CURRENT_BETA] for h in logged], "penalties": penalties,
+            "logged_tail": [[h.get(name) for name in metrics.WINDOW_TAIL_METRICS] for h in logged],
+        }  # fmt: skip
         torch.distributed.barrier()
     with open(os.path.join(OUT, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)

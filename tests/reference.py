@@ -89,16 +89,20 @@ def raw_and_shaped_kl(method, logp, ref, old, mask, *, estimator, clip_threshold
     return torch.where(mask, raw, torch.zeros_like(raw)), torch.where(mask, shaped, torch.zeros_like(shaped))
 
 
-def kl_part(method, logp, inputs, loss_type, *, beta, estimator, clip_threshold, kl_target, bias_correction=True, unsloth_clamps=False, ga=1, **normaliser):
-    """Float64 KL part of the loss, ``beta * agg(shaped)``, or ``beta * mean_i(mean_t shaped)`` when length-normalised."""
+def kl_part(method, logp, inputs, loss_type, *, beta, estimator, clip_threshold, kl_target, bias_correction=True, unsloth_clamps=False, ga=1,
+            excluded=None, **normaliser):  # fmt: skip
+    """Float64 KL part of the loss, ``beta * agg(shaped)``, or ``beta * mean_i(mean_t shaped)`` when length-normalised.
+    ``excluded`` (bool, like the mask): positions with no KL term (0, in the normaliser of every aggregation but
+    length normalisation's, whose mean is over the tokens that have a KL)."""
     mask = inputs["completion_mask"].bool()
+    kl_mask = mask if excluded is None else mask & ~excluded
     raw, shaped = raw_and_shaped_kl(
-        method, logp, inputs["ref_per_token_logps"], inputs["old_per_token_logps"], mask,
+        method, logp, inputs["ref_per_token_logps"], inputs["old_per_token_logps"], kl_mask,
         estimator=estimator, clip_threshold=clip_threshold, kl_target=kl_target, bias_correction=bias_correction,
         unsloth_clamps=unsloth_clamps,
     )
     if "length_normalized" in method.split("+"):
-        return beta * (shaped.sum(-1) / mask.sum(-1).clamp(min=1)).mean() / ga, raw, shaped
+        return beta * (shaped.sum(-1) / kl_mask.sum(-1).clamp(min=1)).mean() / ga, raw, shaped
     num_items = float(inputs["num_items_in_batch"])
     return beta * aggregate(shaped, mask, loss_type, num_items=num_items, ga=ga, **normaliser), raw, shaped
 

@@ -330,7 +330,9 @@ def test_unsloth_fused_kl_is_finite_and_matches_float64_with_unsloths_clamps(est
     leaf = new.clone().requires_grad_(True)
     loss, stats = unsloth_fused_kl(fused, leaf, ref, old, mask)
     loss.backward()
-    assert torch.isfinite(loss) and torch.isfinite(stats).all() and torch.isfinite(leaf.grad).all()
+    kl_stats = stats[: 1 + metrics.NUM_SUMS]  # then the tail histogram, whose max/min are -inf/+inf for no token
+    assert torch.isfinite(loss) and torch.isfinite(kl_stats).all() and torch.isfinite(leaf.grad).all()
+    assert torch.isfinite(stats[: -2]).all() and bool(torch.isfinite(stats[-2:]).all()) == bool(mask.any())
     assert (leaf.grad[mask == 0] == 0).all()
     mask64 = mask.bool()
     raw64, shaped64 = reference.raw_and_shaped_kl(

@@ -168,8 +168,9 @@ def test_the_trainer_side_state_is_the_kl_term_and_the_controller():
     state = AdaptiveKL(types.SimpleNamespace(**DEFAULTS, beta=0.1, use_bias_correction_kl=True))
     assert isinstance(state.term, KLTerm) and state.controller.beta == 0.1
     assert not hasattr(state, "use_bias_correction_kl")
-    own = set(vars(state)) - {"reduce", "_step_sums", "_warned_nonfinite"}  # the cross-process sum, the step's sums, a warn-once flag
-    assert own == {"term", "controller"}, own
+    # the cross-process sum (and this process's slot in it), the step's sums, the tail metrics' logging window, a warn-once flag
+    own = set(vars(state)) - {"reduce", "process_index", "num_processes", "_step_sums", "_tail_window", "_warned_nonfinite"}
+    assert own == {"term", "controller", "monitor"}, own  # monitor (kl_monitor): whether the KL is computed at β = 0
 
 
 def test_backends_reach_the_length_normalised_term_only_through_kl_term():

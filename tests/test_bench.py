@@ -278,3 +278,26 @@ def test_bench_fused_head_parts_smoke_times_every_part_and_the_whole_on_the_fuse
         assert f"| {part}" in out, part
     assert "measured GEMM floor (GEMMs 1-3 as cuBLAS runs them here)" in out
 
+
+
+def test_bench_trl_smoke_times_kl_monitor_against_stock_at_beta_zero_and_the_exclusions(tmp_path, monkeypatch):
+    """Issue 36's rows: stock at β = 0, kl_monitor at β = 0, and
+    method none with kl_exclude_token_ids; the note pairs the monitor with stock at β = 0."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    import _common
+    import bench_trl
+
+    import unsloth_adaptive_kl
+
+    out = tmp_path / "trl.md"
+    try:
+        assert bench_trl.main(["--smoke", "--modes", "full", "--rows", "stock_beta0,monitor,exclude", "--rounds", "2", "--out", str(out)]) == 0
+    finally:
+        unsloth_adaptive_kl.patch()  # the stock rows unpatch; leave the suite patched, as it started
+    text = out.read_text()
+    assert f"{_common.MONITOR} vs {_common.STOCK_BETA0} (the reference forward and the logged KL): paired" in text
+    (raw,) = json.loads((tmp_path / "trl.md.json").read_text()).values()
+    rows = {r["name"]: r for r in raw}
+    assert list(rows) == [_common.STOCK_BETA0, _common.MONITOR, _common.EXCLUDE]
+    assert all(r["rounds"] == [0, 1] and min(r["times_s"]) > 0 for r in rows.values())
+    assert rows[_common.MONITOR]["beta_now"] == rows[_common.STOCK_BETA0]["beta_now"] == 0.0

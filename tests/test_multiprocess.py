@@ -1,6 +1,7 @@
 """Two processes (``accelerate launch --multi_gpu --num_processes 2`` on CPU: torchrun, gloo) training GRPO with each β
 controller on the TRL backend: β is the same on every rank at every step, the logged adaptive_kl
-metrics are the global token-weighted means of both ranks' local sums, and ranks that see
+metrics are the global token-weighted means of both ranks' local sums, the tail metrics those of both
+ranks' tokens pooled (max exact, p99 and share within their bounds), and ranks that see
 different completion lengths and an all-masked row neither deadlock nor disagree. A deadlock
 fails through the subprocess timeout."""
 
@@ -75,6 +76,37 @@ def test_logged_metrics_are_global_means_of_both_ranks_local_sums(ranks, method)
             assert row["logged_raw"] == pytest.approx(expected_raw, rel=1e-12)
             assert row["logged_adapted"] == pytest.approx(expected_adapted, rel=1e-12)
         assert a["local"][metrics.COMPLETIONS] == b["local"][metrics.COMPLETIONS] == 2
+
+
+@pytest.mark.parametrize("method", ["none", "dynamic", "target"])
+def test_tail_metrics_are_those_of_both_ranks_tokens_pooled(ranks, method):
+    """One micro-batch per step and a log every step: the logged max is the exact max over both ranks' valid
+    tokens, the p99 and top-1 % share within their documented bounds of the pooled float64 references (not
+    one rank's), the same on both ranks, and what the trainer's log shows."""
+    import torch
+    from test_tail import exact_tail
+
+    from unsloth_adaptive_kl import tail
+
+    zero, one = ranks[0][method], ranks[1][method]
+    assert zero["logged_tail"] == one["logged_tail"] and len(zero["logged_tail"]) == 3
+    local_only, shares = 0, 0
+    for a, b, logged in zip(zero["rows"], one["rows"], zero["logged_tail"]):
+        assert a["logged_tail"] == b["logged_tail"]
+        # the log shows what was recorded; a share of a KL sum of 0 (step 1: policy == reference) is NaN, not logged
+        assert logged == [None if value != value else value for value in a["logged_tail"]]
+        pooled = a["valid_raw"] + b["valid_raw"]
+        maximum, p99, share = exact_tail(torch.tensor(pooled, dtype=torch.float64))
+        got_max, got_p99, got_share = a["logged_tail"]
+        assert got_max == maximum
+        assert abs(got_p99 - p99) <= tail.P99_RELATIVE_ERROR * abs(p99) + tail.ABSOLUTE_ERROR
+        if sum(pooled) > 0:
+            shares += 1
+            assert abs(got_share - share) <= tail.SHARE_RELATIVE_ERROR * share + tail.ABSOLUTE_ERROR / sum(pooled)
+        else:
+            assert got_share != got_share
+        local_only += got_max != max(a["valid_raw"]) or got_max != max(b["valid_raw"])
+    assert local_only > 0 and shares >= 2  # some step's max was on one rank only: the other rank logged it too
 
 
 def test_reward_placement_penalties_are_gathered_in_process_order_and_the_metric_is_global(ranks):

@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from . import metrics
+from . import metrics, tail
 from .config import checked_beta
 from .controllers import BetaController, ControllerConfig, ControllerMismatchError, make_controller
 from .kl_term import KLTerm
@@ -30,14 +30,19 @@ class AdaptiveKL:
 
     ``config`` is any object with the adaptive-KL fields and ``beta`` (a ``GRPOConfig``).
     ``reduce`` sums a tensor across processes (``accelerator.reduce(t, "sum")``); identity by default.
+    ``process_index`` / ``num_processes``: this process's rank and the world size (the tail metrics'
+    max and min travel in one slot per process).
     """
 
-    def __init__(self, config, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None):
+    def __init__(self, config, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, *, process_index: int = 0, num_processes: int = 1):
         self.term = KLTerm.from_config(config)
         self.term.check_user_functions()
         self.controller: BetaController = make_controller(self.term.method.controller, ControllerConfig.from_config(config))
         self.reduce = reduce or _no_reduce
+        self.process_index, self.num_processes = process_index, num_processes
+        self.monitor = bool(getattr(config, "kl_monitor", False))  # kl_monitor: the KL is computed and logged at β = 0 too
         self._step_sums: torch.Tensor | None = None
+        self._tail_window: dict[bool, tail.TailTotals | None] = {True: None, False: None}  # by training
         self._warned_nonfinite = False
 
     # -- the per-token math: the term's ---------------------------------------------------------
@@ -77,8 +82,14 @@ class AdaptiveKL:
     def batch_statistic(self, ref_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
         return self.term.batch_statistic(ref_logp, mask)
 
+    @property
+    def computes_kl(self) -> bool:
+        """Whether this step computes the KL: while β != 0, and with ``kl_monitor`` also at β = 0 (only logged then)."""
+        return self.beta != 0.0 or self.monitor
+
     def per_token(self, logp, ref_logp, mask, coef=None, statistic=None, estimator=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(raw, adapted)`` per-token KL: :meth:`KLTerm.per_token`."""
+        """``(raw, adapted)`` per-token KL: :meth:`KLTerm.per_token`. No branch on β here: compiled callers
+        (the Liger module) would guard on its value and recompile at every new β."""
         return self.term.per_token(logp, ref_logp, mask, coef, statistic, estimator)
 
     # -- statistics, metrics and β -------------------------------------------------------------
@@ -89,21 +100,27 @@ class AdaptiveKL:
         With ``raw is None`` (β is 0, no KL computed) only ``current_beta`` is reported and the
         KL metrics are NaN, which the trainer's logger shows as missing.
         """
-        sums = None if raw is None else metrics.local_kl_sums(raw, adapted, mask, count_shaping_faults=bool(self.term.user_shaping_steps))
+        sums = None if raw is None else metrics.local_metric_sums(raw, adapted, mask, count_shaping_faults=bool(self.term.user_shaping_steps))
         return self.record_sums(sums, training=training, beta=beta)
 
     def record_sums(self, local_sums: torch.Tensor | None, *, training: bool, beta: float) -> dict[str, float]:
-        """As :meth:`record`, from :func:`metrics.local_kl_sums` computed elsewhere (e.g. in a fused loss).
+        """As :meth:`record`, from :func:`metrics.local_metric_sums` computed elsewhere (e.g. in a fused loss).
 
-        The totals are read to the host once (the one host sync of the metrics, per micro-batch); the check of
-        the user shaping steps reads the same copy. A user step that made a finite KL NaN or inf is refused here,
-        on every process alike (the totals are global), before the step's optimizer update."""
-        totals = None if local_sums is None else self.reduce(local_sums)
-        read = None if totals is None else totals.tolist()
+        One reduce and one read to the host per micro-batch (the one host sync of the metrics): the tail
+        histogram rides in the same tensor, and the check of the user shaping steps reads the same copy. A user
+        step that made a finite KL NaN or inf is refused here, on every process alike (the totals are global),
+        before the step's optimizer update."""
+        totals = read = reduced_tail = None
+        if local_sums is not None:
+            spread_tail = tail.spread(local_sums[metrics.NUM_SUMS :], self.process_index, self.num_processes)
+            totals = self.reduce(torch.cat([local_sums[: metrics.NUM_SUMS], spread_tail]))
+            host = totals.cpu()
+            read, reduced_tail = host[: metrics.NUM_SUMS].tolist(), host[metrics.NUM_SUMS :]
         if read is not None and read[metrics.SHAPING_FAULTS] > 0:
             raise self._shaping_fault(int(read[metrics.SHAPING_FAULTS]))
         if training and totals is not None and self.kl_in_loss:  # under "reward" the controller sees the scoring-time KL
-            self._step_sums = totals if self._step_sums is None else self._step_sums + totals
+            sums = totals[: metrics.NUM_SUMS]
+            self._step_sums = sums if self._step_sums is None else self._step_sums + sums
         values = metrics.metric_values(read, length_normalized=self.length_normalized)
         if values.get(metrics.NONFINITE_KL_BATCHES) and not self._warned_nonfinite:
             self._warned_nonfinite = True
@@ -113,7 +130,20 @@ class AdaptiveKL:
                 "logging window counts such micro-batches in %s (this warning is shown once)",
                 values[metrics.RAW_KL], values[metrics.ADAPTED_KL], metrics.NONFINITE_KL_BATCHES,
             )
+        if reduced_tail is not None:
+            values.update(self._tail_values(reduced_tail, training))
         return {metrics.CURRENT_BETA: float(beta), **values}
+
+    def _tail_values(self, reduced_tail: torch.Tensor, training: bool) -> dict[str, float]:
+        """Add this micro-batch's histogram to the logging window's; the window's tail statistics (NaN: no token)."""
+        totals = tail.TailTotals.from_reduced(reduced_tail)
+        window = self._tail_window[training]
+        window = self._tail_window[training] = totals if window is None else window + totals
+        return metrics.tail_values(tail.statistics(window))
+
+    def restart_tail_window(self, training: bool) -> None:
+        """Start a new logging window for the tail metrics (the trainer's log flushed the last one)."""
+        self._tail_window[training] = None
 
     def _shaping_fault(self, tokens: int) -> ValueError:
         names = self.term.user_shaping_steps

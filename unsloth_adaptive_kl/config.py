@@ -103,6 +103,22 @@ FIELDS: tuple[FieldSpec, ...] = (
         "the KL (scaled by 1 / kl_bottom_q, so at most 100x).",
     ),
     FieldSpec(
+        "kl_monitor",
+        bool,
+        False,
+        "With beta = 0 (set, or reached by a β controller), still run the reference forward and compute and log "
+        "the KL (adaptive_kl/* and TRL's kl), while the loss stays exactly TRL's beta = 0 loss. Costs the reference "
+        "forward. TRL backend and GRPOTrainer(loss_class=...); refused under Unsloth's generated trainer.",
+    ),
+    FieldSpec(
+        "kl_exclude_token_ids",
+        list[int] | None,
+        None,
+        "Token ids (a list of non-negative integers) whose completion positions get no KL term, in the loss and in "
+        "the KL metrics; the policy term is untouched. E.g. [tokenizer.eos_token_id]: EOS and chat-template tokens "
+        "carry far more KL than content tokens.",
+    ),
+    FieldSpec(
         "liger_fused_head",
         str,
         "auto",
@@ -125,7 +141,7 @@ FIELD_NAMES = tuple(f.name for f in FIELDS)
 #: The built-in shaping methods' parameters: each is a field; a registered method's are in ``kl_shaping_kwargs``.
 SHAPING_FIELDS = tuple(p.name for p in shaping_parameters(builtin=True))
 #: The fields a KL term (``kl_term.KLTerm``) reads; the rest configure the β controller.
-TERM_FIELD_NAMES = ("kl_adaptation_method", "kl_estimator", *SHAPING_FIELDS, "kl_shaping_kwargs", "kl_bottom_q")
+TERM_FIELD_NAMES = ("kl_adaptation_method", "kl_estimator", *SHAPING_FIELDS, "kl_shaping_kwargs", "kl_bottom_q", "kl_exclude_token_ids")
 #: Each field's default, declared once (above): the controllers, the Liger module and the docs read it here.
 DEFAULTS = {f.name: f.default for f in FIELDS}
 
@@ -205,6 +221,16 @@ def _check_parameter(parameter: Parameter, label: str, value):
     return value
 
 
+def excluded_token_ids(value, name: str = "kl_exclude_token_ids") -> tuple[int, ...]:
+    """``kl_exclude_token_ids`` as a sorted tuple without repeats (None: empty); ValueError naming the field,
+    the value and what is allowed for anything but a list (or tuple) of non-negative ints."""
+    if value is None:
+        return ()
+    valid = isinstance(value, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value)
+    _require(valid, name, value, "a list of non-negative integer token ids, e.g. [tokenizer.eos_token_id], or None")
+    return tuple(sorted(set(value)))
+
+
 def shaping_kwargs(config) -> dict:
     """``config.kl_shaping_kwargs`` as a dict (None: empty; a string: its JSON), its keys checked."""
     value = getattr(config, "kl_shaping_kwargs", None)
@@ -255,6 +281,8 @@ def validate(config) -> Method:
     method = parse_method(config.kl_adaptation_method)
     get_estimator(config.kl_estimator)
     _require(isinstance(config.restart_beta_controller, bool), "restart_beta_controller", config.restart_beta_controller, "true or false")
+    _require(isinstance(config.kl_monitor, bool), "kl_monitor", config.kl_monitor, "true or false")
+    excluded_token_ids(config.kl_exclude_token_ids)
     beta = checked_beta(config.beta)
     shaping_values(config, method)
     horizon = _number(config, "kl_horizon")
@@ -271,11 +299,11 @@ def validate(config) -> Method:
     fused_head_setting(config.liger_fused_head)
     beta_min = _number(config, "beta_min")
     _require(0 <= beta_min <= beta, "beta_min", beta_min, f"a number in [0, beta={beta}]")
-    if method.is_none and beta == 0 and get_estimator(config.kl_estimator).name != DEFAULTS["kl_estimator"]:
+    if method.is_none and beta == 0 and not config.kl_monitor and get_estimator(config.kl_estimator).name != DEFAULTS["kl_estimator"]:
         raise ValueError(
             f"kl_estimator={config.kl_estimator!r} is not valid with beta=0.0: beta=0 removes the KL term (and TRL's "
-            f"default beta is 0.0), so the estimator would never act; allowed: beta > 0, or kl_estimator="
-            f"{DEFAULTS['kl_estimator']!r}"
+            f"default beta is 0.0), so the estimator would never act; allowed: beta > 0, kl_monitor=True (the KL is "
+            f"logged), or kl_estimator={DEFAULTS['kl_estimator']!r}"
         )
     if not method.is_none and beta == 0:
         raise ValueError(
@@ -283,6 +311,11 @@ def validate(config) -> Method:
             "the KL term, which beta=0 removes; allowed: beta > 0, or kl_adaptation_method='none'"
         )
     check_placement(config.kl_placement, method, beta)
+    if config.kl_monitor and config.kl_placement != "loss":
+        raise ValueError(
+            f"kl_monitor=True is not valid with kl_placement={config.kl_placement!r}: it watches the KL at beta = 0 of the "
+            "loss placement; allowed: kl_monitor=False, or kl_placement='loss'"
+        )
     return method
 
 

@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from .config import shaping_values, validate
+from .config import excluded_token_ids, shaping_values, validate
 from .estimators import check_user_estimator, estimate_kl, get_estimator
 from .shaping import Method, check_user_steps, length_normalized_term, sequence_mean, shape_per_token, user_steps
 
@@ -28,6 +28,8 @@ class KLTerm:
     bottom_q: float
     #: The method's shaping parameters, ``((name, value), ...)``: hashable, a constant for compilation.
     shaping_parameters: tuple[tuple[str, object], ...] = ()
+    #: ``kl_exclude_token_ids``: the token ids whose positions get no KL term (sorted; a constant for compilation).
+    exclude_token_ids: tuple[int, ...] = ()
     #: ``kl_placement``: "loss" (β·KL in the loss) or "reward" (β·KL subtracted from each reward at scoring time).
     placement: str = "loss"
 
@@ -40,6 +42,7 @@ class KLTerm:
             estimator=get_estimator(config.kl_estimator).name,
             bottom_q=float(config.kl_bottom_q),
             shaping_parameters=tuple(shaping_values(config, method).items()),
+            exclude_token_ids=excluded_token_ids(getattr(config, "kl_exclude_token_ids", None)),
             placement=config.kl_placement,
         )
 
@@ -77,6 +80,27 @@ class KLTerm:
         """The configured estimator per token (0 on masked positions); ``check=False`` inside a compiled region."""
         return estimate_kl(self.estimator, logp, ref_logp, mask=mask, statistic=statistic, bottom_q=self.bottom_q, check=check)
 
+    def excluded(self, token_ids: torch.Tensor) -> torch.Tensor | None:
+        """Where ``token_ids`` is one of :attr:`exclude_token_ids` (bool, same shape); None when none is excluded.
+        One comparison per excluded id: no tensor is made from the list, so no copy to the device and no
+        graph input (the list is short: EOS, chat-template tokens)."""
+        if not self.exclude_token_ids:
+            return None
+        hit = token_ids == self.exclude_token_ids[0]
+        for token_id in self.exclude_token_ids[1:]:
+            hit = hit | (token_ids == token_id)
+        return hit
+
+    def kl_mask(self, mask: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        """The positions the KL term applies to: ``mask`` without the excluded tokens' (``mask`` itself when none is)."""
+        excluded = self.excluded(token_ids)
+        return mask if excluded is None else torch.where(excluded, torch.zeros_like(mask), mask)
+
+    def without_excluded(self, kl: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        """``kl`` with 0 at the excluded tokens' positions (``kl`` itself when none is)."""
+        excluded = self.excluded(token_ids)
+        return kl if excluded is None else torch.where(excluded, 0.0, kl)
+
     def shape(self, kl: torch.Tensor) -> torch.Tensor:
         """The per-token shaping steps of the method, in their order."""
         return shape_per_token(kl, self.method, dict(self.shaping_parameters))
@@ -103,7 +127,11 @@ class KLTerm:
             raw = estimator(logp, ref_logp, mask=mask, statistic=statistic)
         if coef is not None:
             raw = raw * coef
-        return raw, self.shape(raw)
+        adapted = self.shape(raw)
+        if self.exclude_token_ids:  # ``mask`` is then kl_mask's: an excluded token has no KL term (shape(0) may not be 0)
+            valid = mask.bool()
+            raw, adapted = torch.where(valid, raw, 0.0), torch.where(valid, adapted, 0.0)
+        return raw, adapted
 
     @staticmethod
     def length_normalized_loss(adapted, mask, *, beta, num_completions, accumulation=1) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 A backend computes :func:`local_kl_sums` on its shard of the batch, sums them across processes
 (one ``reduce`` of one small tensor), and turns the totals into metric values with
-:func:`metric_values`. Token-weighted means over all processes, like TRL's own ``kl``.
+:func:`metric_values`. Token-weighted means over all processes, like TRL's own ``kl``; the tail of
+the raw KL (max, p99, top-1 % share) rides in the same tensor as a histogram (:mod:`.tail`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import math
 
 import torch
 
+from . import tail
 from .shaping import sequence_mean
 
 RAW_KL = "adaptive_kl/raw_kl"
@@ -21,7 +23,13 @@ SKIPPED_UPDATES = "adaptive_kl/skipped_updates"
 #: are left out of both ``raw_kl`` and ``adapted_kl`` (TRL's ``log()`` drops a NaN from a window's mean), so
 #: the window says how many, and the first one is warned about.
 NONFINITE_KL_BATCHES = "adaptive_kl/nonfinite_kl_batches"
-METRIC_NAMES = (RAW_KL, ADAPTED_KL, CURRENT_BETA, SKIPPED_UPDATES, NONFINITE_KL_BATCHES)
+TOKEN_KL_MAX = "adaptive_kl/token_kl_max"
+TOKEN_KL_P99 = "adaptive_kl/token_kl_p99"
+TOKEN_KL_TOP1PCT_SHARE = "adaptive_kl/token_kl_top1pct_share"
+METRIC_NAMES = (RAW_KL, ADAPTED_KL, CURRENT_BETA, SKIPPED_UPDATES, NONFINITE_KL_BATCHES, TOKEN_KL_MAX, TOKEN_KL_P99, TOKEN_KL_TOP1PCT_SHARE)
+#: Statistics of every token of the logging window pooled (over its micro-batches, steps and processes),
+#: logged as their latest value: the max over the window, the p99 and top-1 % share of the window's tokens.
+WINDOW_TAIL_METRICS = (TOKEN_KL_MAX, TOKEN_KL_P99, TOKEN_KL_TOP1PCT_SHARE)
 #: Under ``kl_placement="reward"``: the mean over the generation batch's completions (all processes) of
 #: β · (each completion's KL) subtracted from its reward; logged once per generation batch.
 KL_PENALTY = "adaptive_kl/kl_penalty"
@@ -34,6 +42,17 @@ WINDOW_SUM_METRICS = (NONFINITE_KL_BATCHES,)
 # Layout of the sums tensor.
 RAW_SUM, ADAPTED_SUM, TOKENS, ADAPTED_SEQ_MEAN_SUM, COMPLETIONS, SHAPING_FAULTS = range(6)
 NUM_SUMS = 6
+#: Length of :func:`local_metric_sums`: the sums, then this shard's :func:`tail.local_tail`.
+SUMS_SIZE = NUM_SUMS + tail.LOCAL_SIZE
+
+
+def local_metric_sums(
+    raw: torch.Tensor, adapted: torch.Tensor, mask: torch.Tensor, tail_edges: torch.Tensor | None = None, *, count_shaping_faults: bool = False
+) -> torch.Tensor:
+    """What a backend reduces once per micro-batch: :func:`local_kl_sums`, then the histogram of the raw
+    KL for the tail metrics (:func:`tail.local_tail`; ``tail_edges``: its edges on the device)."""
+    sums = local_kl_sums(raw, adapted, mask, count_shaping_faults=count_shaping_faults)
+    return torch.cat([sums, tail.local_tail(raw, mask, tail_edges)])
 
 
 def local_kl_sums(raw: torch.Tensor, adapted: torch.Tensor, mask: torch.Tensor, *, count_shaping_faults: bool = False) -> torch.Tensor:
@@ -111,3 +130,10 @@ def metric_values(totals: torch.Tensor | list[float] | None, *, length_normalize
     if tokens == 0:
         return values
     return {**values, NONFINITE_KL_BATCHES: float(not (math.isfinite(values[RAW_KL]) and math.isfinite(adapted)))}
+
+
+def tail_values(statistics: "tail.TailStatistics | None") -> dict[str, float]:
+    """The three tail metrics from :func:`tail.statistics` (NaN each when no token was observed)."""
+    if statistics is None:
+        return {name: math.nan for name in WINDOW_TAIL_METRICS}
+    return {TOKEN_KL_MAX: statistics.maximum, TOKEN_KL_P99: statistics.p99, TOKEN_KL_TOP1PCT_SHARE: statistics.top_share}

@@ -14,6 +14,7 @@ COLUMNS = [  # (header, key in a run's summary, format)
     ("length start", "length_start", ".1f"),
     ("length end", "length_end", ".1f"),
     ("raw KL end", "raw_kl_end", ".4f"),
+    ("token KL max final", "token_kl_max_final", ".4g"),
     ("adapted KL end", "adapted_kl_end", ".4f"),
     ("final β", "final_beta", ".4g"),
     ("median step (s)", "median_step_s", ".2f"),
@@ -23,6 +24,11 @@ COLUMNS = [  # (header, key in a run's summary, format)
 def _mean(values) -> float:
     values = [v for v in values if v is not None and not math.isnan(v)]
     return sum(values) / len(values) if values else math.nan
+
+
+def _last(values) -> float:
+    values = [v for v in values if v is not None and not math.isnan(v)]
+    return values[-1] if values else math.nan
 
 
 def summarize_run(rows: list[dict], window: float) -> dict:
@@ -36,6 +42,7 @@ def summarize_run(rows: list[dict], window: float) -> dict:
         "length_start": _mean(r["completions/mean_length"] for r in head),
         "length_end": _mean(r["completions/mean_length"] for r in tail),
         "raw_kl_end": _mean(r.get("adaptive_kl/raw_kl") for r in tail),
+        "token_kl_max_final": _last(r.get("adaptive_kl/token_kl_max") for r in rows),  # the tail beside the mean
         "adapted_kl_end": _mean(r.get("adaptive_kl/adapted_kl") for r in tail),
         "final_beta": rows[-1]["adaptive_kl/current_beta"],
         "median_step_s": statistics.median(r["step_time"] for r in rows),
@@ -73,7 +80,8 @@ def table_notes(seeds: list[int], steps: int, window: float) -> str:
     spread = f"mean ± std over {len(seeds)} seeds ({', '.join(map(str, seeds))})" if len(seeds) > 1 else f"seed {seeds[0]}"
     return (f"{spread}. start / end / final: mean over the first / last {k} of {steps} steps; peak: the best "
             "step. Length in tokens (TRL's completions/mean_length). KL: adaptive_kl/raw_kl and adapted_kl "
-            "(— once β reached 0: no KL is computed). Step time: median wall time of an optimizer step, "
+            "(— once β reached 0: no KL is computed); token KL max final: the last logged adaptive_kl/token_kl_max "
+            "(the largest per-token raw KL of that logging window, docs/metrics-tail.md). Step time: median wall time of an optimizer step, "
             "generation included.")
 
 

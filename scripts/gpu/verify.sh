@@ -25,6 +25,9 @@
 # perf3 (issue 22, one GPU, <= 560 s): bench_fused_head_parts.py (the fused head's GEMMs and passes alone, interleaved
 # with the whole; a kernel profile), bench_unsloth.py with stock, none and length_normalized only (budget 240 s), and
 # the bf16 fused-vs-kernel GPU cases of the combined method.
+# kl-diagnostics (issue 36, one GPU, <= 580 s): bench_trl.py (LoRA and full FT, 16 completions) and bench_unsloth.py
+# (LoRA, 16 completions) with the rows stock, none (tail metrics on), stock beta=0, kl_monitor (TRL only) and
+# kl_exclude_token_ids; writes bench-trl-kl-diagnostics.md and bench-unsloth-kl-diagnostics.md (+ .json, .log).
 # study33-probe (issue 33, one GPU, <= 560 s): the long task's warm start and GRPO step time before its study
 # (scripts/gpu/study33_probe.py: one run alone, then eight at once, 8 steps each, each invocation warm-starting
 # seed 0); writes study33-probe.md, study33-probe.json, study33-probe-k1-stream.jsonl, study33-probe-k8-stream.jsonl
@@ -127,6 +130,15 @@ for stage in "$@"; do
         --rows stock,none,clip,soft_clip,sigmoid,length_normalized,dynamic,target,dynamic+length_normalized \
         --out "$OUT/bench-unsloth.md" > "$OUT/bench-unsloth.log" 2>&1
       echo "bench_unsloth exit status $?"; cat "$OUT/bench-unsloth.md" 2>/dev/null || tail -30 "$OUT/bench-unsloth.log" ;;
+    kl-diagnostics)  # issue 36 (one GPU, <= 580 s): what the tail metrics, kl_monitor and kl_exclude_token_ids cost.
+      # The tail metrics are on in every patched row, so none vs stock is the package's whole cost with them (aim
+      # <= 1.005x); kl_monitor (beta=0) vs stock, beta=0 is the monitor's cost (the report's note pairs them).
+      timeout 290 python bench/bench_trl.py --modes lora,full --batch 16 --rounds 200 --budget 270 \
+        --rows stock,none,stock_beta0,monitor,exclude --out "$OUT/bench-trl-kl-diagnostics.md" > "$OUT/bench-trl-kl-diagnostics.log" 2>&1
+      echo "bench_trl exit status $?"; cat "$OUT/bench-trl-kl-diagnostics.md" 2>/dev/null || tail -30 "$OUT/bench-trl-kl-diagnostics.log"
+      timeout 280 python bench/bench_unsloth.py --modes lora --batch 16 --rounds 200 --budget 260 \
+        --rows stock,none,stock_beta0,exclude --out "$OUT/bench-unsloth-kl-diagnostics.md" > "$OUT/bench-unsloth-kl-diagnostics.log" 2>&1
+      echo "bench_unsloth exit status $?"; cat "$OUT/bench-unsloth-kl-diagnostics.md" 2>/dev/null || tail -30 "$OUT/bench-unsloth-kl-diagnostics.log" ;;
     liger-conformance)  # Liger's own GRPO test file, stock vs the drop-in, 8 shards each; then loss_class= vs TRL
       timeout 200 python scripts/gpu/liger_loss_class_check.py --steps 4 > "$OUT/liger-loss-class.log" 2>&1 &
       bash scripts/liger_conformance.sh --shards 8 --timeout 500 --out /tmp/liger-conformance 2>&1 | tee "$OUT/liger-conformance.log"

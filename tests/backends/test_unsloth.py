@@ -112,6 +112,23 @@ def test_metrics_are_exact_against_float64_on_the_same_logps(loss_type, tmp_path
         assert c["logged_beta"] == [0.3]
 
 
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_tail_metrics_from_the_compiled_fused_loss_match_float64(loss_type, tmp_path_factory):
+    """The histogram made inside the fused loss (the mean_kl slot) gives the exact max and a p99 and top-1 % share
+    within their bounds of the float64 references sorted from the same per-token raw KL (float32 in the loss)."""
+    import torch
+    from test_tail import exact_tail
+
+    from unsloth_adaptive_kl import tail
+
+    for c in [c for c in _kl_cases(tmp_path_factory) if c["loss_type"] == loss_type]:
+        maximum, p99, share = exact_tail(torch.tensor(c["valid_raw"], dtype=torch.float64))
+        (got_max,), (got_p99,), (got_share,) = c["logged_tail"]
+        assert got_max == pytest.approx(maximum, rel=1e-6), c
+        assert abs(got_p99 - p99) <= tail.P99_RELATIVE_ERROR * abs(p99) * 1.0001 + tail.ABSOLUTE_ERROR, c
+        assert abs(got_share - share) <= tail.SHARE_RELATIVE_ERROR * share * 1.0001 + 1e-6, c
+
+
 @pytest.mark.parametrize("method", reference.METHODS)
 def test_unsloth_grpo_trains_with_each_method(method, tmp_path_factory):
     run = run_worker("ours-first", "train", tmp_path_factory)["train"][method]
@@ -126,6 +143,8 @@ def test_unsloth_grpo_trains_with_each_method(method, tmp_path_factory):
     assert betas == pytest.approx(reference.expected_betas(method, logs), rel=1e-9)
     for h in logs:
         assert h["adaptive_kl/raw_kl"] is not None and h["adaptive_kl/adapted_kl"] is not None
+        assert h["adaptive_kl/token_kl_max"] >= h["adaptive_kl/token_kl_p99"] >= 0  # k3: no negative token
+    assert all(0 < h["adaptive_kl/token_kl_top1pct_share"] <= 1 for h in logs[1:])
     moved = [h for h in logs if h["adaptive_kl/raw_kl"] > 0.06]
     if method in ("clip", "soft_clip", "sigmoid"):
         assert all(h["adaptive_kl/adapted_kl"] < h["adaptive_kl/raw_kl"] for h in moved)
@@ -197,6 +216,29 @@ def test_a_micro_batch_with_no_valid_token_logs_stock_unsloths_kl_and_no_adaptiv
         assert logged["kl"] == [0.0] and run["loss"] == 0.0 and run["grads_finite"], (method, run)
         assert "adaptive_kl/raw_kl" not in logged and "adaptive_kl/adapted_kl" not in logged, (method, logged)
         assert logged["adaptive_kl/current_beta"] == [0.04], (method, logged)
+
+
+def test_excluded_tokens_leave_the_fused_kl_term_and_metrics_and_not_the_policy_term(tmp_path_factory):
+    import torch
+    from test_tail import exact_tail
+
+    cases = run_worker("unsloth-first", "diagnostics", tmp_path_factory)["diagnostics"]
+    assert len(cases) == 6
+    for c in cases:
+        excluded, every = c["excluded"], c["all"]
+        assert c["excluded_count"] > 0 and excluded["policy"] == every["policy"], c  # the policy term is untouched
+        assert excluded["kl_part"] == pytest.approx(c["expected"], rel=2e-4, abs=1e-7), c
+        assert abs(excluded["kl_part"] - every["kl_part"]) > 1e-6, c
+        logged = excluded["logged"]
+        assert logged["adaptive_kl/raw_kl"] == [pytest.approx(c["raw_ref"], rel=1e-5)], c
+        maximum, _, _ = exact_tail(torch.tensor(c["valid_raw"], dtype=torch.float64))
+        assert logged["adaptive_kl/token_kl_max"] == [pytest.approx(maximum, rel=1e-6)], c
+
+
+def test_kl_monitor_is_refused_naming_unsloth_and_why(tmp_path_factory):
+    error = run_worker("unsloth-first", "diagnostics", tmp_path_factory)["monitor_error"]
+    assert error is not None and error.startswith("kl_monitor=True is not valid with Unsloth's generated trainer (unsloth 20"), error
+    assert "only while beta != 0" in error and "allowed: kl_monitor=False" in error
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)

@@ -49,7 +49,7 @@ def test_the_fused_loss_reports_the_raw_and_the_clipped_kl_in_their_own_slots(me
     from unsloth_adaptive_kl import metrics
 
     stats, expected = measured["clip_stats"][1:], measured["clip_sums_reference"]
-    assert len(stats) == metrics.NUM_SUMS
+    assert len(stats) == metrics.SUMS_SIZE  # the KL sums, then the tail histogram (metrics.local_metric_sums)
     assert stats[metrics.RAW_SUM] == pytest.approx(expected["raw"], rel=1e-5)
     assert stats[metrics.ADAPTED_SUM] == pytest.approx(expected["adapted"], rel=1e-5)
     assert stats[metrics.TOKENS] == expected["tokens"]

@@ -77,7 +77,7 @@ import trl  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 import reference  # noqa: E402
-from unsloth_adaptive_kl import toy, versions  # noqa: E402
+from unsloth_adaptive_kl import metrics, toy, versions  # noqa: E402
 
 generated = sys.modules["UnslothGRPOTrainer"]
 CHECKPOINT = toy.build_checkpoint(tempfile.mkdtemp(prefix="tiny-"), hidden_size=32)
@@ -142,7 +142,7 @@ def spy_on_fused_loss():
     seen = {}
 
     def spy(ctx, new, old, ref, sampling, lm_head, input_ids, mask, advantages, beta, scaler=None, n_chunks=1, extra_kwargs=None, upstream_scale=None):
-        seen.update(new=new.detach().clone(), ref=ref.clone(), old=old.clone(), mask=mask.clone())
+        seen.update(new=new.detach().clone(), ref=ref.clone(), old=old.clone(), mask=mask.clone(), input_ids=input_ids.clone())
         seen.update({k: extra_kwargs.get(k) for k in ("num_items_in_batch", "current_gradient_accumulation_steps", "steps_per_generation", "max_completion_length", "num_processes")})
         return inner(ctx, new, old, ref, sampling, lm_head, input_ids, mask, advantages, beta, scaler, n_chunks, extra_kwargs, upstream_scale)
 
@@ -301,11 +301,13 @@ def scenario_kl_part():
                 kl_target=kl_target, **normaliser,
             )
             raw_mean, adapted_mean = reference.metric_reference(method, raw, shaped, seen["mask"])
+            valid_raw = raw.double()[seen["mask"].bool()]
             out.append(
                 dict(
                     loss_type=loss_type, method=method, estimator=estimator, got=with_kl - without_kl, expected=expected.item(),
                     unshaped=unshaped.item(), logged_raw=logged["adaptive_kl/raw_kl"], logged_adapted=logged["adaptive_kl/adapted_kl"],
                     logged_beta=logged["adaptive_kl/current_beta"], raw_ref=raw_mean, adapted_ref=adapted_mean,
+                    logged_tail=[logged.get(name) for name in metrics.WINDOW_TAIL_METRICS], valid_raw=valid_raw.tolist(),
                 )
             )
     results["kl_part"] = out
@@ -340,6 +342,46 @@ def kl_part_under_accumulation(t, seen, beta, clip_threshold, kl_target, accumul
                 accumulation=seen["current_gradient_accumulation_steps"],
             ))  # fmt: skip
     return out
+
+
+def scenario_diagnostics():
+    """kl_exclude_token_ids in the fused loss (eager, as every scenario but compiled*): the KL part and the metrics against float64 with
+    the excluded positions masked, the β = 0 loss with and without the exclusion; and kl_monitor's refusal."""
+    t = trainer()
+    t.model.train()
+    seen = spy_on_fused_loss()
+    beta, out = 0.3, []
+    for loss_type in ("dapo", "grpo"):
+        for method in ("none", "clip", "sigmoid+length_normalized"):
+            inputs = hand_made_inputs(t, seed=5)
+            ids = sorted(set(inputs["completion_ids"][0, :2].tolist()))
+            case = dict(loss_type=loss_type, method=method, ids=ids)
+            for exclude in (None, ids):
+                set_method(t, method, loss_type, beta=beta, kl_clip_threshold=0.2, kl_target=0.1, kl_exclude_token_ids=exclude)
+                t._metrics["train"].clear()
+                with torch.no_grad():
+                    with_kl = t.compute_loss(t.model, inputs).double().item()
+                    logged = {k: list(v) for k, v in t._metrics["train"].items() if k.startswith("adaptive_kl/")}
+                    t.beta = 0.0
+                    policy = t.compute_loss(t.model, inputs).double().item()
+                key = "all" if exclude is None else "excluded"
+                case[key] = dict(kl_part=with_kl - policy, policy=policy, logged=logged)
+            excluded = torch.zeros_like(seen["mask"], dtype=torch.bool)
+            for i in ids:
+                excluded |= seen["input_ids"] == i
+            excluded &= seen["mask"].bool()
+            seen_inputs = {"ref_per_token_logps": seen["ref"], "old_per_token_logps": seen["old"], "completion_mask": seen["mask"], "num_items_in_batch": seen["num_items_in_batch"]}
+            normaliser = dict(unsloth_clamps=True, max_completion=seen["max_completion_length"], ga=seen["current_gradient_accumulation_steps"], spg=seen["steps_per_generation"] or 1, nproc=seen["num_processes"])
+            expected, raw, _ = reference.kl_part(method, seen["new"], seen_inputs, loss_type, beta=beta, estimator="k3", clip_threshold=0.2, kl_target=0.1, excluded=excluded, **normaliser)
+            kl_mask = seen["mask"].bool() & ~excluded
+            case.update(expected=expected.item(), excluded_count=int(excluded.sum()), raw_ref=(raw.sum() / kl_mask.sum()).item(), valid_raw=raw[kl_mask].tolist())
+            out.append(case)
+    results["diagnostics"] = out
+    try:
+        set_method(t, "none", "dapo", beta=0.0, kl_monitor=True)
+        results["monitor_error"] = None
+    except ValueError as error:
+        results["monitor_error"] = str(error)
 
 
 METHODS = reference.METHODS
@@ -711,6 +753,6 @@ def scenario_unpatch():
         results["sequence"][step] = probe_config()
 
 
-{"early_config": scenario_early_config, "config": scenario_config, "unpatch": scenario_unpatch, "identity": scenario_identity, "all_masked": scenario_all_masked, "resume": scenario_resume, "kl_part": scenario_kl_part, "train": scenario_train, "subclass": scenario_subclass, "renamed": scenario_renamed, "compiled": scenario_compiled, "compiled_loop": scenario_compiled_loop, "reward_placement": scenario_reward_placement, "user_code": scenario_user_code}[SCENARIO]()
+{"early_config": scenario_early_config, "config": scenario_config, "unpatch": scenario_unpatch, "identity": scenario_identity, "all_masked": scenario_all_masked, "resume": scenario_resume, "kl_part": scenario_kl_part, "train": scenario_train, "subclass": scenario_subclass, "renamed": scenario_renamed, "compiled": scenario_compiled, "compiled_loop": scenario_compiled_loop, "reward_placement": scenario_reward_placement, "user_code": scenario_user_code, "diagnostics": scenario_diagnostics}[SCENARIO]()
 with open(OUT, "w") as f:
     json.dump(results, f, default=lambda o: None if isinstance(o, float) and math.isnan(o) else str(o))

@@ -108,13 +108,15 @@ def check_liger_configuration(loss_type, importance_sampling_level, max_completi
 
 
 class LossTerms(NamedTuple):
-    """What one call computes. ``raw_kl``/``adapted_kl`` are detached ``(B, T)`` tensors, None when β is 0."""
+    """What one call computes. ``raw_kl``/``adapted_kl`` are detached ``(B, T)`` tensors, None when β is 0;
+    ``kl_mask`` the tokens they are the KL of (the attention mask without ``kl_exclude_token_ids``'), for the metrics."""
 
     loss: torch.Tensor
     raw_kl: torch.Tensor | None
     adapted_kl: torch.Tensor | None
     kl_mean: torch.Tensor | None
     clip_ratio: torch.Tensor
+    kl_mask: torch.Tensor | None = None
 
     def liger_output(self):
         """Liger's return structure: ``(loss, (kl_mean, clip_ratio))``, or ``(loss, (clip_ratio,))`` when β is 0."""

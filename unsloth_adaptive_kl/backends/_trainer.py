@@ -10,6 +10,7 @@ goes through the ledger of :mod:`unsloth_adaptive_kl._source_patch`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import functools
@@ -64,15 +65,39 @@ class TrainerAdaptiveKL(RewardPlacement, AdaptiveKL):
 
     def __init__(self, trainer):
         accelerator = trainer.accelerator
-        super().__init__(trainer.args, reduce=lambda t: accelerator.reduce(t, reduction="sum"))
+        super().__init__(
+            trainer.args, reduce=lambda t: accelerator.reduce(t, reduction="sum"),
+            process_index=accelerator.process_index, num_processes=accelerator.num_processes,
+        )  # fmt: skip
         self.trainer = trainer
         #: Micro-batches whose loss went through the patched loss (each reports its metrics once):
         #: how a subclass's override of the loss is seen to reach it (:func:`_guard_loss_path`).
         self.losses_reported = 0
 
+    def record_sums(self, local_sums, *, training: bool, beta: float) -> dict[str, float]:
+        # The trainer's log() empties its metrics: no tail metric there means the last window was logged
+        # (Unsloth pools its rollout metrics over the window the same way).
+        if metrics.TOKEN_KL_MAX not in self.trainer._metrics["train" if training else "eval"]:
+            self.restart_tail_window(training)
+        return super().record_sums(local_sums, training=training, beta=beta)
+
     def describe(self) -> str:
         """Which loss computes this trainer's KL, in words (logged once when the trainer is created)."""
         raise NotImplementedError
+
+    @classmethod
+    def building(cls, config):
+        """A context the library's ``__init__`` runs in (``config``: its args); a backend may need one (kl_monitor)."""
+        return contextlib.nullcontext()
+
+    def log_library_kl(self, values: dict[str, float], raw, mask, mode: str) -> None:
+        """Log the library's own ``kl`` where it does not (β = 0 under kl_monitor): its global masked mean of the
+        raw KL over ``mask``, which is ``values``' raw_kl unless that is NaN (TRL logs 0 for no token) or tokens
+        are excluded (TRL's mean counts them, at 0)."""
+        kl = values[metrics.RAW_KL]
+        if kl != kl or self.term.exclude_token_ids:
+            kl = metrics.global_masked_mean(raw, mask, self.reduce)
+        self.trainer._metrics[mode]["kl"].append(kl)
 
     def still_patched(self) -> bool:
         """Whether the trainer's class is still patched (false after ``unpatch()``)."""
@@ -89,7 +114,9 @@ class TrainerAdaptiveKL(RewardPlacement, AdaptiveKL):
         window. A KL value that was not observed (NaN: β is 0, or no valid token) is not appended: TRL's
         ``log()`` would turn a window of only NaN into ``None``, which TensorBoard and other loggers refuse
         with a warning at every logged step. A micro-batch whose raw or adapted KL is NaN or inf appends
-        neither (both means stay over the same micro-batches) and is counted in ``nonfinite_kl_batches``."""
+        neither (both means stay over the same micro-batches) and is counted in ``nonfinite_kl_batches``.
+        The tail metrics (``metrics.WINDOW_TAIL_METRICS``) are statistics of the window's tokens pooled so
+        far (NaN tokens left out): each keeps its latest value, so the log shows the whole window's."""
         self.losses_reported += 1
         window = self.trainer._metrics[mode]
         left_out = values.get(metrics.NONFINITE_KL_BATCHES, 0.0) > 0
@@ -98,6 +125,9 @@ class TrainerAdaptiveKL(RewardPlacement, AdaptiveKL):
                 window[name][:] = [value]
             elif name in metrics.WINDOW_SUM_METRICS:
                 window[name][:] = [sum(window[name]) + value]
+            elif name in metrics.WINDOW_TAIL_METRICS:
+                if value == value:
+                    window[name][:] = [value]
             elif not (value != value or left_out):
                 window[name].append(value)
         return values
@@ -220,7 +250,8 @@ def _wrap_init(original, runtime_cls):
         config = _config_argument(args, kwargs)
         if config is not None:
             fill_missing_fields(config)
-        original(self, *args, **kwargs)
+        with runtime_cls.building(config):
+            original(self, *args, **kwargs)
         attach(self, loss_class=None if loss_class is OWN_LOSS else loss_class, runtime_cls=runtime_cls)
 
     __init__.__signature__ = _signature_with_loss_class(original)  # shown by help() and inspect.signature

@@ -165,7 +165,7 @@ class AdaptiveFusedLinearGRPOLoss(nn.Module):
         head = (_input, lin_weight, bias)
         if self._takes_fused_head(with_kl, advantages, ref_per_token_logps, old_per_token_logps, vllm_is_ratio, num_items_in_batch, head):
             ref = self._reference_logps(None, selected_token_ids, rows, ref_per_token_logps, ref_input, ref_weight, ref_bias) if with_kl else None
-            inputs = self._elementwise_inputs(attention_mask, advantages, ref, old_per_token_logps, vllm_is_ratio, num_items_in_batch)
+            inputs = self._elementwise_inputs(attention_mask, advantages, ref, old_per_token_logps, vllm_is_ratio, num_items_in_batch, selected_token_ids)
             evaluate = functools.partial(self._evaluate, inputs=inputs)
             return fused_loss(_input, lin_weight, bias, selected_token_ids, rows, self.temperature, self.fused_chunk_tokens, evaluate)
         logps = selected_token_logps(_input, lin_weight, bias, selected_token_ids, rows, self.temperature)
@@ -174,7 +174,7 @@ class AdaptiveFusedLinearGRPOLoss(nn.Module):
             ref = self._reference_logps(logps, selected_token_ids, rows, ref_per_token_logps, ref_input, ref_weight, ref_bias)
         return self.loss_from_logps(
             logps, attention_mask, advantages, ref_per_token_logps=ref, old_per_token_logps=old_per_token_logps,
-            vllm_is_ratio=vllm_is_ratio, num_items_in_batch=num_items_in_batch,
+            vllm_is_ratio=vllm_is_ratio, num_items_in_batch=num_items_in_batch, selected_token_ids=selected_token_ids,
         )  # fmt: skip
 
     def forward(self, *args, **kwargs):
@@ -205,17 +205,21 @@ class AdaptiveFusedLinearGRPOLoss(nn.Module):
         old_per_token_logps=None,
         vllm_is_ratio=None,
         num_items_in_batch=None,
+        selected_token_ids=None,
     ) -> LossTerms:
         """The loss this module computes, from per-token log-probs ``(B, T)`` of the whole batch.
 
         ``ref_per_token_logps=None`` means no KL term (as β = 0). β is ``self.beta``. This is the
-        entry point for comparing backends on identical log-probs.
+        entry point for comparing backends on identical log-probs. ``selected_token_ids`` (the
+        completion tokens, ``(B, T)``) are needed only with ``kl_exclude_token_ids``.
         """
         self._check_configuration()
-        inputs = self._elementwise_inputs(attention_mask, advantages, ref_per_token_logps, old_per_token_logps, vllm_is_ratio, num_items_in_batch)
+        inputs = self._elementwise_inputs(
+            attention_mask, advantages, ref_per_token_logps, old_per_token_logps, vllm_is_ratio, num_items_in_batch, selected_token_ids
+        )  # fmt: skip
         return self._evaluate(per_token_logps, inputs)
 
-    def _elementwise_inputs(self, mask, advantages, ref, old, vllm_is_ratio, num_items_in_batch) -> tuple:
+    def _elementwise_inputs(self, mask, advantages, ref, old, vllm_is_ratio, num_items_in_batch, token_ids=None) -> tuple:
         """What the elementwise loss takes besides the log-probs, padding made neutral and batch-level quantities
         computed from the whole batch, before anything else: ``_loss_terms``'s arguments after ``logps``."""
         if vllm_is_ratio is not None and vllm_is_ratio.dim() == 1:
@@ -225,11 +229,23 @@ class AdaptiveFusedLinearGRPOLoss(nn.Module):
         old = old.float() if old is not None else None
         if self.loss_type != "luspo":
             ref, old = neutral_padding(mask, ref, old)
-        statistic = self.adaptive_kl.batch_statistic(ref, mask) if with_kl else None
+        keep = self._kl_keep(token_ids) if with_kl else None
+        statistic = self.adaptive_kl.batch_statistic(ref, mask if keep is None else mask * keep) if with_kl else None
         # kl_placement='reward' (GRPOTrainer(loss_class=...)): the KL is computed for the metrics but weighs 0 in the loss
         loss_beta = self.beta if self.adaptive_kl.kl_in_loss else 0.0
         beta = torch.as_tensor(loss_beta, dtype=torch.float32, device=mask.device)
-        return mask, advantages, ref, old, vllm_is_ratio, beta, statistic, normaliser_tensor(num_items_in_batch, mask.device)
+        return mask, advantages, ref, old, vllm_is_ratio, beta, statistic, normaliser_tensor(num_items_in_batch, mask.device), keep
+
+    def _kl_keep(self, token_ids) -> torch.Tensor | None:
+        """Where the KL term applies apart from padding: not at ``kl_exclude_token_ids`` (None: everywhere)."""
+        term = self.adaptive_kl.term
+        if not term.exclude_token_ids:
+            return None
+        if token_ids is None:
+            raise ValueError(
+                f"kl_exclude_token_ids={list(term.exclude_token_ids)} needs the completion tokens: pass selected_token_ids= to loss_from_logps"
+            )
+        return ~term.excluded(token_ids)
 
     def _evaluate(self, logps, inputs) -> LossTerms:
         mask = inputs[0]
@@ -241,7 +257,8 @@ class AdaptiveFusedLinearGRPOLoss(nn.Module):
             return LossTerms(loss, None, None, None, clip_ratio.detach())
         raw, adapted = raw.detach(), adapted.detach()
         kl_mean = (raw * mask).sum() / mask.sum().clamp(min=1.0)  # Liger's kl metric
-        return LossTerms(loss, raw, adapted, kl_mean.float(), clip_ratio.detach())
+        keep = inputs[-1]
+        return LossTerms(loss, raw, adapted, kl_mean.float(), clip_ratio.detach(), mask if keep is None else mask * keep)
 
     # -- the fused head (backends/_fused_head.py) ----------------------------------------------------------
     def _takes_fused_head(self, with_kl, advantages, ref, old, vllm_is_ratio, num_items_in_batch, head) -> bool:
@@ -267,7 +284,7 @@ class AdaptiveFusedLinearGRPOLoss(nn.Module):
             self._compiled_terms = torch.compile(self._loss_terms)
         return self._compiled_terms
 
-    def _loss_terms(self, logps, mask, advantages, ref, old, vllm_is_ratio, beta, statistic, num_items_in_batch):
+    def _loss_terms(self, logps, mask, advantages, ref, old, vllm_is_ratio, beta, statistic, num_items_in_batch, keep):
         """The elementwise part (compiled when ``compiled=True``): Liger's policy loss plus β × the adapted KL."""
         from liger_kernel.chunked_loss.grpo_loss import LigerFusedLinearGRPOFunction
 
@@ -288,9 +305,12 @@ class AdaptiveFusedLinearGRPOLoss(nn.Module):
         # Liger's luspo weighs padded positions too (module docstring), so its KL is taken there as well;
         # every other loss type's KL is 0 on padding (estimate_kl zeroes masked positions).
         kl_mask = torch.ones_like(mask) if self.loss_type == "luspo" else mask
+        if keep is not None:  # kl_exclude_token_ids: no KL term there (KLTerm.per_token zeroes what kl_mask leaves out)
+            kl_mask = kl_mask * keep
         raw, adapted = self.kl_terms(logps, ref, kl_mask, coef, statistic)
         if self.adaptive_kl.length_normalized:  # accumulation=1: the caller scales the whole loss
-            kl_loss = self.adaptive_kl.term.length_normalized_loss(adapted, mask, beta=beta, num_completions=mask.shape[0])
+            kl_tokens = mask if keep is None else mask * keep
+            kl_loss = self.adaptive_kl.term.length_normalized_loss(adapted, kl_tokens, beta=beta, num_completions=mask.shape[0])
         else:
             kl_loss = beta * aggregate(
                 adapted, mask, self.loss_type, max_completion_length=self.max_completion_length, num_items_in_batch=num_items_in_batch

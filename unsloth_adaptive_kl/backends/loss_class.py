@@ -85,6 +85,11 @@ def make_loss_module(trainer, loss_class):
             "allowed: kl_adaptation_method='none' with kl_estimator='k3', or loss_class=AdaptiveFusedLinearGRPOLoss (or a subclass)"
         )
     _check_trainer_supported(trainer)
+    if trainer._adaptive_kl.monitor:
+        raise ValueError(
+            "GRPOTrainer(loss_class=...) does not support kl_monitor=True (the module computes no KL at beta = 0); "
+            "allowed: kl_monitor=False, or the TRL backend (no loss_class)"
+        )
     arguments = module_arguments(trainer, loss_class)
     if adaptive:  # the trainer's state: its controller sets β (a standalone module refuses one)
         arguments["adaptive_kl"] = trainer._adaptive_kl
@@ -155,7 +160,8 @@ def compute_loss(trainer, model, inputs):
 
 def _log_adaptive(trainer, mode, terms: LossTerms, mask, beta) -> None:
     runtime = trainer._adaptive_kl
-    values = runtime.log_metrics(runtime.record(terms.raw_kl, terms.adapted_kl, mask, training=mode == "train", beta=beta), mode)
+    kl_mask = mask if terms.kl_mask is None else terms.kl_mask  # without the kl_exclude_token_ids positions
+    values = runtime.log_metrics(runtime.record(terms.raw_kl, terms.adapted_kl, kl_mask, training=mode == "train", beta=beta), mode)
     if terms.raw_kl is not None:  # TRL's kl: the unshaped KL
         kl = values[metrics.RAW_KL]
         if kl != kl:  # NaN: no valid token on any process, or a NaN KL. Stock TRL logs 0 for the first, NaN for

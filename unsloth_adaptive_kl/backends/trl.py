@@ -15,6 +15,7 @@ What is patched, each undone by ``unpatch()``:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 
@@ -54,14 +55,16 @@ def _kl(anchor: str, mask: str, coef: str, tail: str = "") -> Rewrite:
         target=_COMPUTE_LOSS,
         library="trl",
         anchor=anchor + tail,
-        replacement=f"""        adaptive_kl_adapted = None
-        if self.beta != 0.0:
+        replacement=f"""        adaptive_kl_adapted = adaptive_kl_mask = None
+        if self._adaptive_kl.computes_kl:
             ref_per_token_logps = self._adaptive_kl.reference_logps(inputs)
+            adaptive_kl_mask = self._adaptive_kl.term.kl_mask({mask}, inputs["completion_ids"])
             per_token_kl, adaptive_kl_adapted = self._adaptive_kl.per_token(
-                per_token_logps, ref_per_token_logps, {mask}, {coef}
+                per_token_logps, ref_per_token_logps, adaptive_kl_mask, {coef}
             )
 {tail}""",
-        why="the per-token KL (raw, for TRL's kl metric) and its adapted form come from the KL term",
+        why="the per-token KL (raw, for TRL's kl metric) and its adapted form come from the KL term, without the "
+        "excluded tokens; also at β = 0 under kl_monitor",
     )
 
 
@@ -85,13 +88,39 @@ def _after_aggregation(anchor: str, mask: str, mode: str) -> Rewrite:
         library="trl",
         anchor=anchor,
         replacement=f"""        loss = self._adaptive_kl.after_aggregation(
-            loss, per_token_kl if self.beta != 0.0 else None, adaptive_kl_adapted, {mask}, {mode}
+            loss, per_token_kl if self._adaptive_kl.computes_kl else None, adaptive_kl_adapted, {mask}, {mode}, adaptive_kl_mask
         )
 """ + anchor,
         why="after aggregation: the length-normalised term, and the adaptive_kl/* metrics",
     )
 
 
+_GENERATE = "GRPOTrainer._generate_and_score_completions"
+_REFERENCE_WHILE_MONITORED = Rewrite(
+    target=_GENERATE,
+    library="trl",
+    anchor="            # Compute the per-token log probabilities for the reference model\n            if self.beta != 0.0:\n",
+    replacement="            # Compute the per-token log probabilities for the reference model\n"
+    "            if self._adaptive_kl.computes_kl:\n",
+    why="kl_monitor: the reference forward also runs at β = 0 (checked on trl 1.8, 1.11, 1.14, 1.15, 1.16)",
+)
+
+
+def _explicit_super(line: str) -> Rewrite:
+    return Rewrite(
+        target=_GENERATE,
+        library="trl",
+        anchor=line,
+        replacement=line.replace("super()", "super(GRPOTrainer, self)"),
+        why="a function compiled from its source outside its class has no __class__ cell: zero-argument super() would fail",
+    )
+
+
+_GENERATE_REWRITES = (
+    _REFERENCE_WHILE_MONITORED,
+    _explicit_super("            image_inputs = super()._prepare_inputs(image_inputs)\n"),
+    _explicit_super("            prompt_inputs = super()._prepare_inputs(prompt_inputs)\n"),
+)
 TRL_1_8 = AnchorSet(
     family="trl 1.8",
     versions={"trl": ">=1.8,<1.17"},
@@ -99,6 +128,7 @@ TRL_1_8 = AnchorSet(
         _kl(_KL_BLOCK + _BIAS_CORRECTION, "mask", _CORRECTED),
         _ADD,
         _after_aggregation("        if self._entropy_bonus_enabled:\n", "mask", "mode"),
+        *_GENERATE_REWRITES,
     ),
 )
 TRL_0_27 = AnchorSet(
@@ -129,8 +159,32 @@ def _trl_supported(version: str) -> bool:
     return SUPPORTED["trl"].contains(version)
 
 
+_MONITORED: set[str] = set()  # the patched targets kl_monitor needs that this TRL's family has (patch() fills it)
+
+
 class TRLAdaptiveKL(_trainer.TrainerAdaptiveKL):
     """The :class:`AdaptiveKL` of one TRL ``GRPOTrainer``; the rewritten loss calls into it."""
+
+    def __init__(self, trainer):
+        super().__init__(trainer)
+        if self.monitor:
+            trainer.__dict__["beta"] = float(trainer.args.beta)  # TRL's __init__ stored the β it was shown (building)
+
+    @classmethod
+    @contextlib.contextmanager
+    def building(cls, config):
+        """kl_monitor with beta = 0: TRL's ``__init__`` makes the reference (a model, or under PEFT the frozen
+        "ref" copy of a pretrained adapter) only when ``args.beta != 0``, so it is shown β = 1.0 while it
+        builds the trainer; the config's β is put back before anything trains (and before attach reads it)."""
+        monitored = getattr(config, "kl_monitor", False) is True and getattr(config, "beta", None) == 0
+        if not monitored:
+            yield
+            return
+        configured, config.beta = config.beta, 1.0
+        try:
+            yield
+        finally:
+            config.beta = configured
 
     def reference_logps(self, inputs) -> torch.Tensor:
         if "ref_per_token_logps" not in inputs:
@@ -140,14 +194,26 @@ class TRLAdaptiveKL(_trainer.TrainerAdaptiveKL):
             )
         return inputs["ref_per_token_logps"]
 
-    def after_aggregation(self, loss, raw, adapted, mask, mode):
-        """Add the length-normalised KL term (if any) and log this micro-batch's metrics."""
+    def per_token(self, logp, ref_logp, mask, coef=None, statistic=None, estimator=None):
+        """As :meth:`AdaptiveKL.per_token`; at β = 0 (``kl_monitor``) without an autograd graph: the KL only
+        reaches the metrics then (TRL's loss is eager, so this branch costs no recompilation)."""
+        if self.beta == 0.0:
+            with torch.no_grad():
+                return super().per_token(logp, ref_logp, mask, coef, statistic, estimator)
+        return super().per_token(logp, ref_logp, mask, coef, statistic, estimator)
+
+    def after_aggregation(self, loss, raw, adapted, mask, mode, kl_mask=None):
+        """Add the length-normalised KL term (if any) and log this micro-batch's metrics (over ``kl_mask``:
+        the valid tokens that are not excluded). At β = 0 (``kl_monitor``) the loss is left as it is."""
         trainer = self.trainer
         beta = trainer.beta
-        if raw is not None and self.length_normalized and self.kl_in_loss:
+        kl_mask = mask if kl_mask is None else kl_mask
+        if raw is not None and self.length_normalized and self.kl_in_loss and beta != 0.0:
             accumulation = trainer.current_gradient_accumulation_steps if mode == "train" else 1.0
-            loss = loss + self.term.length_normalized_loss(adapted, mask, beta=beta, num_completions=mask.shape[0], accumulation=accumulation)
-        self.log_metrics(self.record(raw, adapted, mask, training=mode == "train", beta=beta), mode)
+            loss = loss + self.term.length_normalized_loss(adapted, kl_mask, beta=beta, num_completions=mask.shape[0], accumulation=accumulation)
+        values = self.log_metrics(self.record(raw, adapted, kl_mask, training=mode == "train", beta=beta), mode)
+        if raw is not None and beta == 0.0:  # kl_monitor: TRL logs its own kl only while β != 0
+            self.log_library_kl(values, raw, mask, mode)
         return loss
 
     def describe(self) -> str:
@@ -160,6 +226,11 @@ class TRLAdaptiveKL(_trainer.TrainerAdaptiveKL):
             allowed = ", ".join(name for name, why in offered.items() if why is None)
             why = offered.get(loss_type) or "a newer TRL has it"
             raise ValueError(f"loss_type={loss_type!r} is not offered with the installed trl {version} ({why}); allowed: {allowed}")
+        if self.monitor and _GENERATE not in _MONITORED:
+            raise ValueError(
+                f"kl_monitor=True is not valid with the installed trl {version}: the reference forward at beta = 0 is "
+                "patched into TRL >= 1.8 only; allowed: kl_monitor=False, or trl >= 1.8"
+            )
         if "unsloth" in sys.modules and loss_class is None:
             _trainer.logger.warning(
                 "unsloth_adaptive_kl: unsloth is imported, but this trainer is TRL's own %s (Unsloth did not patch TRL's "
@@ -178,6 +249,18 @@ def _dispatch_compute_loss(rewritten, library_own):
         return rewritten(self, model, inputs)
 
     return _compute_loss
+
+
+def _dispatch_generate(rewritten, library_own):
+    """TRL's own generation for a trainer without our state (created before the import), ours otherwise
+    (the unattached case is decided by the wrapper of ``_trainer.py`` around this)."""
+
+    @functools.wraps(rewritten)
+    def _generate_and_score_completions(self, *args, **kwargs):
+        own = self.__dict__.get("_adaptive_kl") is None
+        return (library_own if own else rewritten)(self, *args, **kwargs)
+
+    return _generate_and_score_completions
 
 
 def is_unsloth_generated(cls) -> bool:
@@ -216,6 +299,10 @@ def patch(after_config_created=None) -> None:
     if eager_trl:
         trainer_cls = classes["GRPOTrainer"]
         set_attribute(trainer_cls, "_compute_loss", _dispatch_compute_loss(built[_COMPUTE_LOSS], trainer_cls._compute_loss))
+        _MONITORED.clear()
+        if _GENERATE in built:  # kl_monitor's reference forward; then the reward placement's dispatch around it
+            set_attribute(trainer_cls, "_generate_and_score_completions", _dispatch_generate(built[_GENERATE], trainer_cls._generate_and_score_completions))
+            _MONITORED.add(_GENERATE)
         reward_placement.install(trainer_cls, reward_placement.TRL_PLAN, classes)  # before the wrappers below wrap it
         _trainer.patch_trainer_class(trainer_cls, TRLAdaptiveKL, loss_path=("compute_loss", "_compute_loss"))
 

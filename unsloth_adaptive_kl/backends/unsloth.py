@@ -39,7 +39,7 @@ from typing import NamedTuple
 
 import torch
 
-from .. import metrics
+from .. import metrics, tail
 from .._source_patch import AnchorSet, PatchError, Plan, Rewrite, check_version, set_attribute, split_target, version_of
 from ..config import FIELD_NAMES
 from ..kl_term import KLTerm
@@ -49,9 +49,13 @@ from . import reward_placement
 from .unsloth_hooks import forget_accepted_config_arguments
 
 GENERATED_MODULE = "UnslothGRPOTrainer"
-STATS_SIZE = 1 + metrics.NUM_SUMS  # Unsloth's mean_kl, then metrics.local_kl_sums
+STATS_SIZE = 1 + metrics.SUMS_SIZE  # Unsloth's mean_kl, then metrics.local_metric_sums (the KL sums, the tail histogram)
 
 # -- the plan --------------------------------------------------------------------------------------------
+# After the shaping, in every line: the excluded tokens' positions lose their KL (kl_i: Unsloth's kl and our raw).
+_EXCLUDE = '        kl_i, adaptive_kl_i = kwargs["adaptive_kl"].exclude(kl_i, adaptive_kl_i, input_ids)\n'
+
+
 def _gate(indent: str) -> Rewrite:
     """``trainer.beta`` in the call of ``UnslothEfficientGRPO.apply`` (indented ``indent``, which
     differs between unsloth_zoo lines) becomes the constant gate, with β put in the kwargs."""
@@ -82,8 +86,8 @@ UNSLOTH_2026_10 = AnchorSet(
             "unsloth_zoo",
             "        kl_i = torch.clamp(kl_i, min = -10.0, max = 10.0)\n",
             "        kl_i = torch.clamp(kl_i, min = -10.0, max = 10.0)\n"
-            '        adaptive_kl_i = kwargs["adaptive_kl"].term.shape(kl_i)\n',
-            "the shaping, after Unsloth's bias correction and clamp",
+            '        adaptive_kl_i = kwargs["adaptive_kl"].term.shape(kl_i)\n' + _EXCLUDE,
+            "the shaping, after Unsloth's bias correction and clamp; no KL at kl_exclude_token_ids",
         ),
         Rewrite(
             "grpo_compute_loss",
@@ -99,7 +103,8 @@ UNSLOTH_2026_10 = AnchorSet(
             "    completion_length, mean_kl = masked_batch_mean(kl_metric)\n",
             "    completion_length, mean_kl = masked_batch_mean(kl_metric)\n"
             '    loss, mean_kl = kwargs["adaptive_kl"].finish(\n'
-            "        loss, mean_kl, kl_metric, adaptive_kl_i if beta != 0.0 else None, mask, rs_keep, current_gradient_accumulation_steps\n"
+            "        loss, mean_kl, kl_metric, adaptive_kl_i if beta != 0.0 else None, mask, rs_keep, current_gradient_accumulation_steps,\n"
+            "        input_ids,\n"
             "    )\n",
             "the length-normalised term, and the local metric sums in the mean_kl slot",
         ),
@@ -131,7 +136,7 @@ _FINISH_BEFORE_2026_10 = Rewrite(
     "    completion_length, mean_kl = masked_batch_mean(kl_i)\n",
     "    completion_length, mean_kl = masked_batch_mean(kl_i)\n"
     '    loss, mean_kl = kwargs["adaptive_kl"].finish(\n'
-    "        loss, mean_kl, kl_i, adaptive_kl_i if beta != 0.0 else None, mask, None, current_gradient_accumulation_steps\n"
+    "        loss, mean_kl, kl_i, adaptive_kl_i if beta != 0.0 else None, mask, None, current_gradient_accumulation_steps, input_ids\n"
     "    )\n",
     _FINISH.why,
 )
@@ -152,8 +157,8 @@ UNSLOTH_2026_9 = AnchorSet(
             "unsloth_zoo",
             "        if use_bias_correction_kl:\n            kl_i = kl_i * coef_1\n",
             "        if use_bias_correction_kl:\n            kl_i = kl_i * coef_1\n"
-            '        adaptive_kl_i = kwargs["adaptive_kl"].term.shape(kl_i)\n',
-            "the shaping, after Unsloth's bias correction",
+            '        adaptive_kl_i = kwargs["adaptive_kl"].term.shape(kl_i)\n' + _EXCLUDE,
+            "the shaping, after Unsloth's bias correction; no KL at kl_exclude_token_ids",
         ),
         _ADD, _FINISH_BEFORE_2026_10, _FORWARD, _GATE, _TRAINER_KL,
     ),
@@ -168,8 +173,8 @@ UNSLOTH_2026_8 = AnchorSet(
             "        kl_i = torch.exp(ref - new) - (ref - new) - 1.0\n",
             "        kl_i = torch.exp(ref - new) - (ref - new) - 1.0\n"
             '        kl_i = kwargs["adaptive_kl"].estimate(kl_i, new, ref, ref - new, mask)\n'
-            '        adaptive_kl_i = kwargs["adaptive_kl"].term.shape(kl_i)\n',
-            "the configured estimator (this Unsloth's k3 is unclamped, with no bias correction) and the shaping",
+            '        adaptive_kl_i = kwargs["adaptive_kl"].term.shape(kl_i)\n' + _EXCLUDE,
+            "the configured estimator (this Unsloth's k3 is unclamped, with no bias correction), the shaping, the exclusions",
         ),
         _ADD, _FINISH_BEFORE_2026_10, _FORWARD, _gate(" " * 12), _TRAINER_KL,
     ),
@@ -184,6 +189,7 @@ class FusedKLInputs(NamedTuple):
     beta: torch.Tensor | None  # 0-dim; None while β is 0
     num_completions: torch.Tensor | None  # 0-dim; completions in the whole batch (chunks see a slice)
     statistic: torch.Tensor | None  # the estimator's batch statistic (bottom_q's threshold)
+    tail_edges: torch.Tensor | None = None  # tail.edges_on(device): the tail histogram's edges, an input of the graph
 
     def estimate(self, unsloth_k3, new, ref, clamped_log_ratio, mask):
         """Unsloth's own (clamped) k3, or the configured estimator on the same clamped log-ratio."""
@@ -194,18 +200,30 @@ class FusedKLInputs(NamedTuple):
         clamped_ref = torch.where(clamped_log_ratio == ref - new, ref, new + clamped_log_ratio)
         return self.term.estimate(new, clamped_ref, mask, self.statistic, check=False)
 
-    def finish(self, loss, unsloth_mean_kl, raw, adapted, mask, rs_keep, accumulation):
-        """Add the length-normalised term; return the loss and ``[unsloth_kl, local sums...]``."""
+    def exclude(self, raw, adapted, token_ids):
+        """``raw`` and ``adapted`` with no KL at the ``kl_exclude_token_ids`` positions (unchanged when none).
+        ``token_ids``: the loss's ``input_ids``, the completion tokens aligned with its mask (``(B, T, 1)`` there)."""
+        token_ids = token_ids.reshape(raw.shape)
+        return self.term.without_excluded(raw, token_ids), self.term.without_excluded(adapted, token_ids)
+
+    def finish(self, loss, unsloth_mean_kl, raw, adapted, mask, rs_keep, accumulation, token_ids=None):
+        """Add the length-normalised term; return the loss and ``[unsloth_kl, local sums...]`` (the metric
+        sums over the valid tokens that are not excluded)."""
         if adapted is None:  # β is 0: no KL was computed
             sums = torch.zeros(STATS_SIZE - 1, dtype=torch.float64, device=mask.device)
         else:
             if rs_keep is not None:  # tokens Unsloth's rollout rejection drops leave the KL too
                 adapted = torch.where(rs_keep, adapted, 0.0)
+            # the valid tokens that are not excluded (token_ids: the loss's input_ids, None from a direct caller)
+            kl_mask = mask if token_ids is None else self.term.kl_mask(mask, token_ids.reshape(mask.shape))
             if self.term.length_normalized:
                 loss = loss + self.term.length_normalized_loss(
-                    adapted, mask, beta=self.beta, num_completions=self.num_completions, accumulation=accumulation
+                    adapted, kl_mask, beta=self.beta, num_completions=self.num_completions, accumulation=accumulation
                 )
-            sums = metrics.local_kl_sums(raw, adapted, mask, count_shaping_faults=bool(self.term.user_shaping_steps))
+            # One chunk (the rewritten call passes n_chunks=1): the chunk's max and min are the micro-batch's.
+            sums = metrics.local_metric_sums(
+                raw, adapted, kl_mask, self.tail_edges, count_shaping_faults=bool(self.term.user_shaping_steps)
+            )  # fmt: skip
         return loss, torch.cat([unsloth_mean_kl.reshape(1).to(torch.float64), sums])
 
 
@@ -213,6 +231,17 @@ class UnslothAdaptiveKL(_trainer.TrainerAdaptiveKL):
     """The trainer-side state for Unsloth's generated trainer."""
 
     stock_when_unattached = False  # its loss is rewritten in place: method none is stock Unsloth
+
+    def __init__(self, trainer):
+        super().__init__(trainer)
+        if self.monitor:
+            raise ValueError(
+                f"kl_monitor=True is not valid with Unsloth's generated trainer (unsloth {version_of('unsloth')}, unsloth_zoo "
+                f"{version_of('unsloth_zoo')}): it makes and scores its reference model only while beta != 0 in its own "
+                "generated __init__ and generation, its kept-set scoring check and the precision latch of its unscored "
+                "forwards, and its fused loss computes the KL only behind the same gate, none of which this package "
+                "rewrites; allowed: kl_monitor=False, or the TRL backend (TRL's GRPOTrainer, without import unsloth)"
+            )
 
     def describe(self) -> str:
         cls = type(self.trainer)
@@ -231,17 +260,20 @@ class UnslothAdaptiveKL(_trainer.TrainerAdaptiveKL):
                 "sample weights (sample_weight): both replace the loss normaliser"
             )
         device = completion_mask.device
+        tail_edges = tail.edges_on(device)
+        torch._dynamo.mark_static(tail_edges)  # under dynamic=True its length could share a sequence length's symbol
         kwargs["adaptive_kl"] = FusedKLInputs(
             term=self.term,
             # kl_placement='reward': the KL is still computed (for the metrics) but weighs 0 in the loss
             beta=torch.tensor(beta if self.kl_in_loss else 0.0, dtype=torch.float32, device=device),
             num_completions=torch.tensor(float(completion_mask.shape[0]), dtype=torch.float32, device=device),
             statistic=None if ref_logps is None else self.batch_statistic(ref_logps, completion_mask),
+            tail_edges=tail_edges,
         )
         return 1.0
 
     def record_fused(self, stats, mode: str) -> float:
-        """Log the adaptive_kl metrics from the fused loss's 6-vector; return Unsloth's own kl."""
+        """Log the adaptive_kl metrics from the fused loss's statistics (``STATS_SIZE``); return Unsloth's own kl."""
         if not torch.is_tensor(stats) or stats.shape != (STATS_SIZE,):
             raise PatchError(
                 f"unsloth {version_of('unsloth')} / unsloth_zoo {version_of('unsloth_zoo')}: the GRPO loss returned "
