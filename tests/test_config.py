@@ -13,7 +13,7 @@ import unsloth_adaptive_kl  # noqa: F401  (patches TRL)
 from trl import GRPOConfig
 from transformers import HfArgumentParser
 
-from unsloth_adaptive_kl.shaping import parse_method
+from unsloth_adaptive_kl.method import parse_method
 
 CPU = dict(output_dir="/tmp/uakl-config-test", use_cpu=True, bf16=False, report_to="none")
 
