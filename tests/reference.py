@@ -20,6 +20,7 @@ SHAPING64 = {
     "sigmoid": lambda kl, c, t: torch.sigmoid(kl - t) * kl,
 }
 BUILTIN_SHAPING = [name for name in shaping_names() if SHAPING[name].builtin]
+PER_TOKEN_SHAPING = [name for name in BUILTIN_SHAPING if SHAPING[name].per_token]
 BUILTIN_CONTROLLERS = [name for name in controller_names() if CONTROLLERS[name].builtin]
 #: The methods the backend tests train with: every built-in alone, each built-in β controller, one composition.
 METHODS = ["none", *BUILTIN_SHAPING, *BUILTIN_CONTROLLERS, f"{BUILTIN_CONTROLLERS[0]}+length_normalized"]
@@ -132,6 +133,10 @@ TRAINING_SETTINGS = dict(
     beta_schedule="cosine", beta_schedule_steps=2,  # schedule: cosine to the floor at step 2 (dynamic: the floor there)
     reward_beta_midpoint=0.5, reward_beta_width=0.25,  # reward_conditioned
 )
+
+
+#: The controller settings of the resume tests (5 optimizer steps, checkpoint at 2): every controller moves β.
+RESUME_SETTINGS = dict(beta_min=0.001, reward_threshold=0.1, reward_window=3, kl_target=0.01, kl_horizon=20.0)
 
 
 def training_settings() -> dict:
