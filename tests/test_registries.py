@@ -32,7 +32,7 @@ def registries() -> dict[str, set[str]]:
 
 def hand_lists(source: str, names: dict[str, set[str]]) -> list[tuple[int, str, list[str]]]:
     """The literal lists, tuples and sets of strings in ``source`` that spell out a registry by hand: three or more
-    of its names, or all of its built-ins (two β controllers were the hand list ``("dynamic", "target")``)."""
+    of its names, or two β controllers (the hand list was ``("dynamic", "target")``)."""
     found = []
     for node in ast.walk(ast.parse(source)):
         if not isinstance(node, (ast.List, ast.Tuple, ast.Set)) or len(node.elts) < 2:
@@ -41,7 +41,7 @@ def hand_lists(source: str, names: dict[str, set[str]]) -> list[tuple[int, str, 
             continue
         values = [e.value for e in node.elts]
         for kind, registered in names.items():
-            if set(values) <= registered and (len(values) >= 3 or set(values) == registered):
+            if set(values) <= registered and (len(values) >= 3 or (kind == "β controllers" and len(set(values)) >= 2)):
                 found.append((node.lineno, kind, values))
                 break
     return found
