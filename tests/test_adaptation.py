@@ -61,10 +61,11 @@ def test_every_controller_steers_on_the_raw_kl_of_the_whole_step_whatever_the_sh
             tokens, completions = tokens + mask.sum().item(), completions + rows
         state.observe_reward(reward)
         window = (window + [reward])[-2:]
-        betas.append(state.end_step(len(betas) + 1))
-        cfg = state.controller.config
-        expected.append(reference.NEXT_BETA[controller](expected[-1], cfg, raw_sum / tokens, sum(window) / len(window), completions))
-        from_adapted.append(reference.NEXT_BETA[controller](from_adapted[-1], cfg, adapted_sum / tokens, sum(window) / len(window), completions))
+        step = len(betas) + 1
+        betas.append(state.end_step(step))
+        cfg, trailing = state.controller.config, sum(window) / len(window)
+        expected.append(reference.NEXT_BETA[controller](expected[-1], cfg, raw_sum / tokens, trailing, completions, step=step, latest=reward))
+        from_adapted.append(reference.NEXT_BETA[controller](from_adapted[-1], cfg, adapted_sum / tokens, trailing, completions, step=step, latest=reward))
     assert betas == pytest.approx(expected[1:], rel=1e-6)  # the KL itself is float32
     if controller == "target" and SHAPING[shaping].per_token:  # here the shaped KL would steer elsewhere: the case tells
         assert expected[1:] != pytest.approx(from_adapted[1:], rel=1e-3)
