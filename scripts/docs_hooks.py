@@ -14,6 +14,10 @@ text below, so nothing on the site is copied by hand:
   declarations of :mod:`unsloth_adaptive_kl.declarations`): a controller, estimator or parameter added to its
   registry is on the site with no page edited.
 
+The README, which GitHub shows as it is, holds the controller table as text between two
+``<!-- controller-table -->`` markers: ``python scripts/docs_hooks.py readme`` rewrites it from the registry,
+and tests/test_docs.py fails while it differs.
+
 An unknown NAME fails the build. ``versions.py`` is loaded from its file and ``__all__`` is read from
 ``__init__.py``'s syntax tree. The registry tables import the package's core (torch, no TRL): its modules are
 loaded under a bare package, so building the docs never patches TRL.
@@ -191,3 +195,24 @@ def on_page_markdown(markdown, page, config, files):
 
 def on_page_content(html, page, config, files):
     return plain_roles(html)
+
+
+README_BLOCKS = {"controller-table": controller_table}
+
+
+def readme_with_generated_blocks(readme: str) -> str:
+    """``readme`` with the text between each pair of ``<!-- NAME -->`` markers of :data:`README_BLOCKS` made anew."""
+    for name, generator in README_BLOCKS.items():
+        marker = f"<!-- {name} -->"
+        parts = readme.split(marker)
+        if len(parts) != 3:
+            raise RuntimeError(f"README.md must hold exactly two {marker} markers (found {len(parts) - 1})")
+        readme = f"{parts[0]}{marker}\n{generator()}\n{marker}{parts[2]}"
+    return readme
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["readme"]:
+        sys.exit("usage: python scripts/docs_hooks.py readme   (rewrites README.md's generated tables from the registries)")
+    path = ROOT / "README.md"
+    path.write_text(readme_with_generated_blocks(path.read_text()))
