@@ -287,16 +287,17 @@ def test_a_bad_kl_placement_is_refused_naming_the_field_the_value_and_what_is_al
 
 def test_a_shaping_step_that_acts_on_the_aggregation_is_refused_by_name_in_the_reward(monkeypatch):
     from unsloth_adaptive_kl import config, shaping
+    from unsloth_adaptive_kl.method import Method
 
     fake = shaping.ShapingMethod(**{**shaping.SHAPING["length_normalized"].__dict__, "name": "per_loss_type_mean"})
     monkeypatch.setitem(shaping.SHAPING, "per_loss_type_mean", fake)
-    method = shaping.Method("fixed", ("per_loss_type_mean",))
+    method = Method("fixed", ("per_loss_type_mean",))
     with pytest.raises(ValueError, match=r"kl_placement='reward' is not valid with the shaping method 'per_loss_type_mean'"):
         config.check_placement("reward", method, 0.1)
     assert config.check_placement("loss", method, 0.1) == "loss"
     for name in shaping.SHAPING:  # every registered method applies in the reward
         if name != "per_loss_type_mean":
-            assert config.check_placement("reward", shaping.Method("fixed", (name,)), 0.1) == "reward"
+            assert config.check_placement("reward", Method("fixed", (name,)), 0.1) == "reward"
 
 
 def test_normalize_then_sum_is_refused_under_reward_placement(tiny_checkpoint, tmp_path):

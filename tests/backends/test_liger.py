@@ -369,7 +369,7 @@ def loss_and_grads(trainer, inputs):
 @pytest.mark.parametrize("method", [*reference.ACCUMULATION_METHODS, "clip+sigmoid+length_normalized"])
 def test_loss_class_matches_trl_loss_and_grads(loss_class_trainer, monkeypatch, loss_type, method):
     trainer = loss_class_trainer
-    configure(trainer, loss_type, method, beta=0.3, kl_clip_threshold=0.4, kl_target=0.2, use_bias_correction_kl=True, epsilon_high=5.0 if loss_type == "cispo" else None)
+    configure(trainer, loss_type, method, beta=0.3, beta_min=0.01, kl_clip_threshold=0.4, kl_target=0.2, use_bias_correction_kl=True, epsilon_high=5.0 if loss_type == "cispo" else None)
     trainer.current_gradient_accumulation_steps = 2
     monkeypatch.setattr(trainer.args, "steps_per_generation", 2)
     inputs = loss_inputs(trainer, seed=1)

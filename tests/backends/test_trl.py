@@ -517,7 +517,7 @@ def test_kl_part_of_the_loss_under_gradient_accumulation_matches_float64_referen
     """With 3 accumulation steps (and 3 steps per generation) the KL part is divided as TRL divides its loss, for
     every method: length_normalized's term, added after TRL's aggregation, divided by the accumulation steps too."""
     beta, clip_threshold, kl_target, accumulation = 0.3, 0.4, 0.2, 3
-    set_method(trainer, method, loss_type, kl_estimator="k3", beta=beta, kl_clip_threshold=clip_threshold, kl_target=kl_target, use_bias_correction_kl=BIAS_CORRECTION)
+    set_method(trainer, method, loss_type, kl_estimator="k3", beta=beta, beta_min=0.01, kl_clip_threshold=clip_threshold, kl_target=kl_target, use_bias_correction_kl=BIAS_CORRECTION)
     monkeypatch.setattr(trainer, "current_gradient_accumulation_steps", accumulation)
     monkeypatch.setattr(trainer.args, "steps_per_generation", accumulation)
     inputs = loss_inputs(trainer, seed=4)
