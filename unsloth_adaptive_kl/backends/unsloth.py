@@ -27,8 +27,9 @@ recompiles the fused loss (a float would: 6.7x slower steps, measured); a tensor
 would break ``fullgraph=True``. Under ``kl_monitor`` the gate stays 1.0 at β = 0 too (the KL is computed, so
 β reaching 0 compiles nothing new) and a 0-dim flag keeps the KL out of the loss and its gradient
 (:meth:`FusedKLInputs.kl_inputs`, :meth:`FusedKLInputs.in_loss`); :data:`MONITOR_PLAN` runs the reference forward
-at β = 0 in the generation (2026.10 only: the older lines refuse kl_monitor). The ``mean_kl`` slot carries ``[unsloth_kl, local sums...]``: it is
-the only output of Unsloth's autograd function a statistic can leave through.
+at β = 0 in the generation (2026.10 only: the older lines refuse kl_monitor). The ``mean_kl`` slot
+carries ``[unsloth_kl, local sums...]``: it is the only output of Unsloth's autograd function a
+statistic can leave through.
 
 It also grafts the config fields onto ``UnslothGRPOConfig`` (so no field is printed as
 "IGNORED") and gives the trainer the wrappers of ``_trainer.py``. Import order does not matter:
