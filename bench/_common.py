@@ -52,7 +52,7 @@ def methods() -> list[str]:
     """Every registered method alone (none, the shaping methods, the controllers) and one composition.
 
     Imported when called: bench_unsloth must import Unsloth before this package."""
-    from unsloth_adaptive_kl.shaping import method_names
+    from unsloth_adaptive_kl.method import method_names
 
     return [*method_names(), "dynamic+length_normalized"]
 

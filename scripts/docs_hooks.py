@@ -8,18 +8,29 @@ text below, so nothing on the site is copied by hand:
 - ``supported-versions-table``: ``versions.supported_versions_table()`` (the README holds the same
   text, checked by tests/test_versions.py);
 - ``guarded-versions-table``: which libraries of ``versions.SUPPORTED`` are refused outside their range;
-- ``api-reference``: one mkdocstrings block per name of ``unsloth_adaptive_kl.__all__``.
+- ``api-reference``: one mkdocstrings block per name of ``unsloth_adaptive_kl.__all__``;
+- ``fields-table``, ``controller-table``, ``estimator-table``: the ``GRPOConfig`` fields, the built-in β
+  controllers and the built-in KL estimators, read from the registries (``config.FIELDS`` and the
+  declarations of :mod:`unsloth_adaptive_kl.declarations`): a controller, estimator or parameter added to its
+  registry is on the site with no page edited.
+
+The README, which GitHub shows as it is, holds the controller table as text between two
+``<!-- controller-table -->`` markers: ``python scripts/docs_hooks.py readme`` rewrites it from the registry,
+and tests/test_docs.py fails while it differs.
 
 An unknown NAME fails the build. ``versions.py`` is loaded from its file and ``__all__`` is read from
-``__init__.py``'s syntax tree: building the docs never imports torch or patches TRL.
+``__init__.py``'s syntax tree. The registry tables import the package's core (torch, no TRL): its modules are
+loaded under a bare package, so building the docs never patches TRL.
 """
 
 from __future__ import annotations
 
 import ast
+import importlib
 import importlib.util
 import re
 import sys
+import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,6 +48,75 @@ def _versions():
     sys.modules[name] = module  # dataclasses resolves its string annotations through sys.modules
     spec.loader.exec_module(module)
     return module
+
+
+def _core(module: str):
+    """``unsloth_adaptive_kl.<module>`` (a core module: torch only). Where the package is not imported yet, its
+    modules load under a bare package, without ``__init__.py`` (which imports TRL and patches it)."""
+    if "unsloth_adaptive_kl" not in sys.modules:
+        package = types.ModuleType("unsloth_adaptive_kl")
+        package.__path__ = [str(PACKAGE)]
+        sys.modules["unsloth_adaptive_kl"] = package
+    return importlib.import_module(f"unsloth_adaptive_kl.{module}")
+
+
+def _cell(text: str) -> str:
+    """``text`` for a Markdown table cell: reST's ``code`` and :role:`name` as Markdown code, pipes escaped."""
+    text = re.sub(r":\w+:`~?([^`]+)`", lambda m: f"`{m.group(1).rsplit('.', 1)[-1]}`", str(text))
+    return text.replace("``", "`").replace("|", "\\|").replace("\n", " ")
+
+
+def _readers() -> dict[str, list[str]]:
+    """Each built-in parameter's readers, in words: the shaping methods, β controllers and estimators that read it."""
+    shaping, controllers, estimators = _core("shaping"), _core("controllers"), _core("estimators")
+    readers: dict[str, list[str]] = {}
+    owners = [
+        *((f"`{n}`", m.parameters) for n, m in shaping.SHAPING.items() if m.builtin),
+        *((f"`{n}` (β controller)", c.parameters) for n, c in controllers.CONTROLLERS.items() if c.builtin),
+        *((f"`{n}` (estimator)", e.parameters) for n, e in estimators.ESTIMATORS.items() if e.builtin),
+    ]
+    for owner, parameters in owners:
+        for parameter in parameters:
+            readers.setdefault(parameter.name, []).append(owner)
+    return readers
+
+
+def fields_table() -> str:
+    """Every field ``trl.GRPOConfig`` gains (``config.FIELDS``): default, who reads it, what is allowed, its help."""
+    config = _core("config")
+    declared = {p.name: p for p in config.registered_parameters(builtin=True)}
+    readers = _readers()
+    rows = ["| field | default | read by | allowed, and what it does |", "|---|---|---|---|"]
+    for field in config.FIELDS:
+        parameter = declared.get(field.name)
+        allowed = ""
+        if parameter is not None:
+            allowed = parameter.allowed + (f", ≤ `{parameter.at_most}`" if parameter.at_most else "") + ". "
+        default = "`None`" if field.default is None else f"`{field.default!r}`".replace("'", '"')
+        rows.append(f"| `{field.name}` | {default} | {', '.join(readers.get(field.name, [])) or '—'} | {_cell(allowed + field.help)} |")
+    return "\n".join(rows)
+
+
+def controller_table() -> str:
+    """The built-in β controllers of ``controllers.CONTROLLERS``, with their parameters."""
+    controllers = _core("controllers")
+    rows = ["| β controller | parameters | what it does |", "|---|---|---|"]
+    for name in controllers.controller_names():
+        spec = controllers.CONTROLLERS[name]
+        if spec.builtin:
+            rows.append(f"| `{name}` | {', '.join(f'`{p.name}`' for p in spec.parameters)} | {_cell(spec.summary)} |")
+    return "\n".join(rows)
+
+
+def estimator_table() -> str:
+    """The built-in KL estimators of ``estimators.ESTIMATORS``, with their aliases and parameters."""
+    estimators = _core("estimators")
+    rows = ["| estimator | also | parameters | what it is |", "|---|---|---|---|"]
+    for name in estimators.builtin_estimator_names():
+        spec = estimators.ESTIMATORS[name]
+        also = ", ".join(f"`{a}`" for a in estimators.estimator_aliases(name))
+        rows.append(f"| `{name}` | {also} | {', '.join(f'`{p.name}`' for p in spec.parameters)} | {_cell(spec.summary)} |")
+    return "\n".join(rows)
 
 
 def exported_names() -> list[str]:
@@ -80,6 +160,9 @@ GENERATORS = {
     "supported-versions-table": supported_versions_table,
     "guarded-versions-table": guarded_versions_table,
     "api-reference": api_reference,
+    "fields-table": fields_table,
+    "controller-table": controller_table,
+    "estimator-table": estimator_table,
 }
 
 
@@ -112,3 +195,24 @@ def on_page_markdown(markdown, page, config, files):
 
 def on_page_content(html, page, config, files):
     return plain_roles(html)
+
+
+README_BLOCKS = {"controller-table": controller_table}
+
+
+def readme_with_generated_blocks(readme: str) -> str:
+    """``readme`` with the text between each pair of ``<!-- NAME -->`` markers of :data:`README_BLOCKS` made anew."""
+    for name, generator in README_BLOCKS.items():
+        marker = f"<!-- {name} -->"
+        parts = readme.split(marker)
+        if len(parts) != 3:
+            raise RuntimeError(f"README.md must hold exactly two {marker} markers (found {len(parts) - 1})")
+        readme = f"{parts[0]}{marker}\n{generator()}\n{marker}{parts[2]}"
+    return readme
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["readme"]:
+        sys.exit("usage: python scripts/docs_hooks.py readme   (rewrites README.md's generated tables from the registries)")
+    path = ROOT / "README.md"
+    path.write_text(readme_with_generated_blocks(path.read_text()))

@@ -2,7 +2,8 @@
 
     multiprocess_worker.py CHECKPOINT OUT_DIR
 
-For each β controller it trains a few GRPO steps with the TRL backend and writes, per rank, what
+For each registered β controller, and ``halve``, a controller registered here as a user would (every
+process runs this script, so every process registers it), it trains a few GRPO steps with the TRL backend and writes, per rank, what
 it measured to OUT_DIR/rank{R}.json: β at every step, and for every micro-batch the local KL sums
 (before the cross-process reduce) and the global values logged. Rank 1 masks out its first
 completion entirely and truncates the others, so the ranks see different completion lengths and
@@ -20,14 +21,28 @@ import torch  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
+import reference  # noqa: E402
 import unsloth_adaptive_kl  # noqa: E402,F401
-from unsloth_adaptive_kl import metrics, toy  # noqa: E402
+from unsloth_adaptive_kl import BetaController, metrics, register_controller, toy  # noqa: E402
+from unsloth_adaptive_kl.controllers import controller_names  # noqa: E402
+
+
+@register_controller("halve")
+class Halve(BetaController):
+    adapts_beta = True
+
+    def update(self, *, global_step, kl, num_completions):
+        self.beta = self.beta * 0.5
+        return self.beta
+
 
 CHECKPOINT, OUT = sys.argv[1:3]
+#: Every controller with the settings of the backend tests (dynamic decays every step), but no step-indexed floor.
+SETTINGS = {**reference.training_settings(), "beta_schedule_steps": 1000}
 METHODS = {
     "none": dict(kl_adaptation_method="none"),
-    "dynamic": dict(kl_adaptation_method="dynamic", reward_threshold=-1.0),  # decays every step
-    "target": dict(kl_adaptation_method="target", kl_target=0.01, kl_horizon=20.0),
+    **{name: dict(kl_adaptation_method=name, **SETTINGS) for name in controller_names()},  # halve among them
+    "halve+clip": dict(kl_adaptation_method="halve+clip", kl_clip_threshold=0.05),
     "target-reward": dict(kl_adaptation_method="target", kl_target=0.01, kl_horizon=20.0, kl_placement="reward"),
 }
 

@@ -1,9 +1,14 @@
 """Shared test material: a hand-made GRPO batch and float64 references written from the
 definitions (Schulman's estimators, the shaping formulas, TRL 1.15's per-loss-type aggregation)."""
 
+import math
+
 import torch
 
-from unsloth_adaptive_kl.shaping import CONTROLLERS, SHAPING, method_names, shaping_names
+from unsloth_adaptive_kl.config import FIELD_NAMES
+from unsloth_adaptive_kl.controllers import CONTROLLERS, ControllerConfig, controller_names
+from unsloth_adaptive_kl.method import method_names
+from unsloth_adaptive_kl.shaping import SHAPING, shaping_names
 
 MAX_COMPLETION = 6
 
@@ -15,12 +20,14 @@ SHAPING64 = {
     "sigmoid": lambda kl, c, t: torch.sigmoid(kl - t) * kl,
 }
 BUILTIN_SHAPING = [name for name in shaping_names() if SHAPING[name].builtin]
-#: The methods the backend tests train with: every built-in alone, each controller, one composition.
-METHODS = ["none", *BUILTIN_SHAPING, "dynamic", "target", "dynamic+length_normalized"]
+PER_TOKEN_SHAPING = [name for name in BUILTIN_SHAPING if SHAPING[name].per_token]
+BUILTIN_CONTROLLERS = [name for name in controller_names() if CONTROLLERS[name].builtin]
+#: The methods the backend tests train with: every built-in alone, each built-in β controller, one composition.
+METHODS = ["none", *BUILTIN_SHAPING, *BUILTIN_CONTROLLERS, f"{BUILTIN_CONTROLLERS[0]}+length_normalized"]
 #: Every name ``kl_adaptation_method`` takes alone, and each β controller joined with ``length_normalized``
 #: (the one term a backend adds itself, so the one whose gradient-accumulation divisor is the backend's to apply):
 #: the methods the gradient-accumulation tests run on every backend.
-ACCUMULATION_METHODS = [*method_names(), *(f"{controller}+length_normalized" for controller in CONTROLLERS)]
+ACCUMULATION_METHODS = [*method_names(), *(f"{controller}+length_normalized" for controller in controller_names())]
 
 
 def shaped64(kl, method, clip_threshold, kl_target):
@@ -118,43 +125,85 @@ def metric_reference(method, raw, shaped, mask):
     return raw_mean.item(), adapted.item()
 
 
-def expected_betas(method, logs, *, beta=0.04, decay=0.9, kl_target=0.02, kl_horizon=40.0, completions=4):
-    """The β each logged step should have used, written from the controllers' definitions, for
-    the end-to-end runs of the backend tests (reward always above the threshold; one micro-batch
-    per step, so the logged raw_kl is the step's mean KL)."""
-    controller = next((p for p in method.split("+") if p in ("dynamic", "target")), "fixed")
-    betas = [beta]
-    for h in logs[:-1]:
-        if controller == "dynamic":
-            betas.append(betas[-1] * decay)
-        elif controller == "target":
-            error = min(max(h["adaptive_kl/raw_kl"] / kl_target - 1, -0.2), 0.2)
-            betas.append(betas[-1] * (1 + error * completions / kl_horizon))
-        else:
-            betas.append(betas[-1])
+#: The controller settings of the backends' end-to-end runs (3 optimizer steps of 4 completions): each controller
+#: moves β at every step and β stays > 0 (the KL is logged at every step). Settings of controllers not registered
+#: are left out (:func:`training_settings`).
+TRAINING_SETTINGS = dict(
+    beta_min=0.01, reward_threshold=-1.0, kl_target=0.02, kl_horizon=40.0,  # dynamic decays at every step
+    beta_schedule="cosine", beta_schedule_steps=2,  # schedule: cosine to the floor at step 2 (dynamic: the floor there)
+    reward_beta_midpoint=0.5, reward_beta_width=0.25,  # reward_conditioned
+)
+
+
+#: The controller settings of the resume tests (5 optimizer steps, checkpoint at 2): every controller moves β.
+RESUME_SETTINGS = dict(beta_min=0.001, reward_threshold=0.1, reward_window=3, kl_target=0.01, kl_horizon=20.0)
+
+
+def training_settings() -> dict:
+    """:data:`TRAINING_SETTINGS` for the registered controllers' fields."""
+    return {name: value for name, value in TRAINING_SETTINGS.items() if name in FIELD_NAMES}
+
+
+def controller_config(beta, **settings) -> ControllerConfig:
+    """A ``ControllerConfig`` of ``beta`` and those of ``settings`` a registered controller declares."""
+    return ControllerConfig(beta, **{name: value for name, value in settings.items() if name in vars(ControllerConfig(beta))})
+
+
+def expected_betas(method, logs, *, beta=0.04, completions=4):
+    """The β each logged step should have used, from :data:`NEXT_BETA` with :func:`training_settings`, for the
+    end-to-end runs of the backend tests (one micro-batch and one generation batch per step, so the logged raw_kl
+    is the step's mean KL and the logged reward its reward)."""
+    controller = next((p for p in method.split("+") if p in CONTROLLERS), "fixed")
+    settings = controller_config(beta, **TRAINING_SETTINGS)
+    betas, rewards = [beta], []
+    for step, h in enumerate(logs[:-1], start=1):
+        rewards.append(h.get("reward"))
+        trailing = sum(rewards) / len(rewards) if None not in rewards else None
+        betas.append(NEXT_BETA[controller](betas[-1], settings, h["adaptive_kl/raw_kl"], trailing, completions, step=step, latest=rewards[-1]))
     return betas
 
 
 #: β after one optimizer step, per controller, written from each controller's definition (``c``: the
 #: ControllerConfig's fields; ``kl``: the step's token-weighted mean *raw* KL, None when nothing was observed;
-#: ``reward``: the trailing mean reward, None without one; ``n``: completions in the step). Step-indexed schedules
-#: (``dynamic``'s ``beta_schedule_steps``) are left to the callers. ``test_controllers`` checks every registered
-#: controller has one.
-def _dynamic_step(beta, c, kl, reward, n):
+#: ``reward``: the trailing mean reward (``reward_window`` covering every reward so far), None without one;
+#: ``latest``: the step's own reward; ``n``: completions in the step; ``step``: the index of the optimizer step
+#: about to start; None: no step-indexed schedule applies). ``test_controllers``
+#: checks every registered controller has one.
+def _dynamic_step(beta, c, kl, reward, n, *, step=None, latest=None):
+    if step is not None and step >= c.beta_schedule_steps:
+        return c.beta_min
     return max(c.beta_min, beta * c.dynamic_beta_decay) if reward is not None and reward > c.reward_threshold else beta
 
 
-def _target_step(beta, c, kl, reward, n):
+def _target_step(beta, c, kl, reward, n, *, step=None, latest=None):
     if kl is None:
         return beta
     error = min(max(kl / c.kl_target - 1.0, -0.2), 0.2)
     return max(c.beta_min, beta * (1.0 + error * n / c.kl_horizon))
 
 
+def _schedule_step(beta, c, kl, reward, n, *, step, latest=None):
+    """β at ``step`` of the linear or cosine schedule from the configured β (``c.beta``) to ``beta_min`` over
+    ``beta_schedule_steps`` optimizer steps, then ``beta_min``."""
+    done = min(step / c.beta_schedule_steps, 1.0) if c.beta_schedule_steps else 1.0
+    left = 1.0 - done if c.beta_schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * done))
+    return c.beta_min + (c.beta - c.beta_min) * left
+
+
+def _reward_conditioned_step(beta, c, kl, reward, n, *, step=None, latest):
+    """FG-ExPO's accuracy-conditioned β (arXiv 2605.11403), as the package documents its smooth function: the
+    logistic of the step's mean reward, ``beta_min + (beta - beta_min) / (1 + exp(-(r - midpoint) / width))``."""
+    if latest is None or not math.isfinite(latest):
+        return beta
+    return c.beta_min + (c.beta - c.beta_min) / (1.0 + math.exp(-(latest - c.reward_beta_midpoint) / c.reward_beta_width))
+
+
 NEXT_BETA = {
-    "fixed": lambda beta, c, kl, reward, n: beta,
+    "fixed": lambda beta, c, kl, reward, n, *, step=None, latest=None: beta,
     "dynamic": _dynamic_step,
     "target": _target_step,
+    "schedule": _schedule_step,
+    "reward_conditioned": _reward_conditioned_step,
 }
 
 

@@ -8,8 +8,9 @@ import reference
 import torch
 
 from unsloth_adaptive_kl import FIELDS, AdaptiveKL
-from unsloth_adaptive_kl.controllers import CONTROLLER_CLASSES
-from unsloth_adaptive_kl.shaping import SHAPING, Method, format_method, shaping_names
+from unsloth_adaptive_kl.controllers import controller_names
+from unsloth_adaptive_kl.method import Method, format_method
+from unsloth_adaptive_kl.shaping import SHAPING, shaping_names
 
 BETA, BETA_MIN, CLIP, KL_TARGET, HORIZON = 0.2, 0.01, 0.1, 0.25, 40.0
 #: Each optimizer step's micro-batches, (rows, tokens): shapes and valid-token counts change every step.
@@ -39,7 +40,7 @@ def _micro_batch(rows, tokens, seed):
 
 
 @pytest.mark.parametrize("shaping", shaping_names())
-@pytest.mark.parametrize("controller", sorted(CONTROLLER_CLASSES))
+@pytest.mark.parametrize("controller", controller_names())
 def test_every_controller_steers_on_the_raw_kl_of_the_whole_step_whatever_the_shaping(controller, shaping):
     """The controller is fed the step's token-weighted mean of the *raw* KL over all its micro-batches (the docs:
     "the controller steers on the raw KL"), not the shaped KL that β multiplies, whatever shaping is joined with it."""
@@ -60,10 +61,11 @@ def test_every_controller_steers_on_the_raw_kl_of_the_whole_step_whatever_the_sh
             tokens, completions = tokens + mask.sum().item(), completions + rows
         state.observe_reward(reward)
         window = (window + [reward])[-2:]
-        betas.append(state.end_step(len(betas) + 1))
-        cfg = state.controller.config
-        expected.append(reference.NEXT_BETA[controller](expected[-1], cfg, raw_sum / tokens, sum(window) / len(window), completions))
-        from_adapted.append(reference.NEXT_BETA[controller](from_adapted[-1], cfg, adapted_sum / tokens, sum(window) / len(window), completions))
+        step = len(betas) + 1
+        betas.append(state.end_step(step))
+        cfg, trailing = state.controller.config, sum(window) / len(window)
+        expected.append(reference.NEXT_BETA[controller](expected[-1], cfg, raw_sum / tokens, trailing, completions, step=step, latest=reward))
+        from_adapted.append(reference.NEXT_BETA[controller](from_adapted[-1], cfg, adapted_sum / tokens, trailing, completions, step=step, latest=reward))
     assert betas == pytest.approx(expected[1:], rel=1e-6)  # the KL itself is float32
     if controller == "target" and SHAPING[shaping].per_token:  # here the shaped KL would steer elsewhere: the case tells
         assert expected[1:] != pytest.approx(from_adapted[1:], rel=1e-3)
@@ -101,7 +103,7 @@ def test_the_step_size_check_and_the_batch_statistic_reach_the_controller_and_th
     state.check_step_size(199)
     assert state.batch_statistic(-torch.rand(2, 3), torch.ones(2, 3)) is None  # k3 has none
     bottom = _adaptive("none")
-    bottom.term = type(bottom.term)(bottom.term.method, "bottom_q", 0.5, bottom.term.shaping_parameters)
+    bottom.term = type(bottom.term)(bottom.term.method, "bottom_q", (("kl_bottom_q", 0.5),), bottom.term.shaping_parameters)
     ref = torch.tensor([[-1.0, -4.0, -2.0], [-3.0, -9.0, -5.0]])
     mask = torch.tensor([[1, 1, 1], [1, 0, 1]])
     assert bottom.batch_statistic(ref, mask).item() == -4.0  # the 2nd lowest of the 5 valid (-9 is masked): floor(0.5 * 5) = 2

@@ -184,3 +184,27 @@ def test_backends_reach_the_length_normalised_term_only_through_kl_term():
         if source == f"{NAME}.shaping" and names and "length_normalized_term" in names
     ]
     assert offenders == []
+
+
+def documented_modules() -> set[str]:
+    """The modules docs/architecture.md lists in its tree under "## The modules", as paths in the package."""
+    text = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    block = text.split("## The modules", 1)[1].split("```", 2)[1]
+    listed, folder = set(), ""
+    for line in block.splitlines():
+        indent = len(line) - len(line.lstrip(" "))
+        name = line.strip().split(" ")[0] if line.strip() else ""
+        if indent == 2 and name.endswith("/"):
+            folder = name
+        elif indent == 2 and name.endswith(".py"):
+            listed.add(name)
+        elif indent == 4 and name.endswith(".py"):
+            listed.add(folder + name)
+    return listed
+
+
+def test_the_architecture_page_lists_every_module_and_no_other():
+    modules = {str(path.relative_to(PACKAGE)) for path in PACKAGE.rglob("*.py")}
+    listed = documented_modules()
+    assert modules - listed == set(), f"docs/architecture.md does not list {sorted(modules - listed)}"
+    assert listed - modules == set(), f"docs/architecture.md lists modules that do not exist: {sorted(listed - modules)}"

@@ -29,6 +29,14 @@ def _github_anchor(heading: str) -> str:
     return text.replace(" ", "-")
 
 
+def test_the_readmes_controller_table_is_the_registrys():
+    hooks = _hooks()
+    assert hooks.readme_with_generated_blocks(README) == README, (
+        "README.md's table between the <!-- controller-table --> markers is not the registry's: run "
+        "`python scripts/docs_hooks.py readme`"
+    )
+
+
 def test_the_readme_is_at_most_12_kb():
     assert len(README.encode()) <= 12 * 1024, f"README.md is {len(README.encode())} bytes: move detail into docs/"
 

@@ -14,6 +14,8 @@ import sys
 
 import pytest
 
+from unsloth_adaptive_kl.controllers import controller_names
+
 WORKER = os.path.join(os.path.dirname(__file__), "multiprocess_worker.py")
 ACCELERATE = shutil.which("accelerate", path=os.path.dirname(sys.executable)) or shutil.which("accelerate")
 TIMEOUT_S = 240
@@ -48,7 +50,11 @@ def ranks(tiny_checkpoint, tmp_path_factory):
     return results
 
 
-@pytest.mark.parametrize("method", ["none", "dynamic", "target"])
+#: Every registered controller, and the user controller ``halve`` the worker registers (as each process does).
+METHODS = ["none", *sorted({*controller_names(), "halve"}), "halve+clip"]
+
+
+@pytest.mark.parametrize("method", METHODS)
 def test_beta_is_identical_on_every_rank_at_every_step(ranks, method):
     zero, one = ranks[0][method], ranks[1][method]
     assert len(zero["betas"]) == 4  # initial + 3 optimizer steps
@@ -57,11 +63,13 @@ def test_beta_is_identical_on_every_rank_at_every_step(ranks, method):
         assert zero["betas"] == [0.04] * 4
     elif method == "dynamic":
         assert zero["betas"] == pytest.approx([0.04, 0.036, 0.0324, 0.02916])
+    elif method.startswith("halve"):
+        assert zero["betas"] == [0.04, 0.02, 0.01, 0.005]  # the user controller, joined with shaping or not
     else:
-        assert len(set(zero["betas"])) > 1  # the target controller moved, from global statistics
+        assert len(set(zero["betas"])) > 1  # the controller moved, from global statistics
 
 
-@pytest.mark.parametrize("method", ["none", "dynamic", "target"])
+@pytest.mark.parametrize("method", METHODS)
 def test_logged_metrics_are_global_means_of_both_ranks_local_sums(ranks, method):
     from unsloth_adaptive_kl import metrics
 
@@ -78,7 +86,7 @@ def test_logged_metrics_are_global_means_of_both_ranks_local_sums(ranks, method)
         assert a["local"][metrics.COMPLETIONS] == b["local"][metrics.COMPLETIONS] == 2
 
 
-@pytest.mark.parametrize("method", ["none", "dynamic", "target"])
+@pytest.mark.parametrize("method", METHODS)
 def test_tail_metrics_are_those_of_both_ranks_tokens_pooled(ranks, method):
     """One micro-batch per step and a log every step: the logged max is the exact max over both ranks' valid
     tokens, the p99 and top-1 % share within their documented bounds of the pooled float64 references (not

@@ -14,6 +14,7 @@ from trl import GRPOConfig, GRPOTrainer
 import reference
 import unsloth_adaptive_kl
 from unsloth_adaptive_kl import toy
+from unsloth_adaptive_kl.controllers import controller_names
 from unsloth_adaptive_kl.backends.liger import AdaptiveFusedLinearGRPOLoss
 
 STEPS, SAVED_AT = 5, 2
@@ -145,10 +146,10 @@ def test_a_dynamic_run_resumed_past_its_schedule_with_a_changed_beta_trains_at_t
     assert _resumed(resumed) == {3: 0.01, 4: 0.01}  # before the fix: {3: 0.1, 4: 0.01}
 
 
-@pytest.mark.parametrize("method", ["dynamic", "target"])
+@pytest.mark.parametrize("method", controller_names())
 def test_changing_the_controller_on_resume_names_both_methods_and_the_option_that_allows_it(tiny_checkpoint, none_checkpoint, tmp_path, method):
     # Before the fix: "rewards=None is not valid" (dynamic), "cannot load β-controller state of 'fixed'" (target).
-    fields = dict(kl_adaptation_method=method, reward_threshold=-1.0, dynamic_beta_decay=0.5, max_steps=EDITED_STEPS, beta=0.08)
+    fields = dict(kl_adaptation_method=method, reward_threshold=-1.0, dynamic_beta_decay=0.5, beta_min=0.001, max_steps=EDITED_STEPS, beta=0.08)
     with pytest.raises(ValueError) as error:
         train(tiny_checkpoint, tmp_path / "refused", resume_from=none_checkpoint, **fields)
     message = str(error.value)

@@ -13,7 +13,8 @@ import torch
 import unsloth_adaptive_kl
 from unsloth_adaptive_kl import FIELDS, AdaptiveKL, metrics
 from unsloth_adaptive_kl.estimators import register_estimator, unregister_estimator
-from unsloth_adaptive_kl.shaping import parse_method, shape_per_token, shaping_names
+from unsloth_adaptive_kl.method import parse_method
+from unsloth_adaptive_kl.shaping import shape_per_token, shaping_names
 
 
 def adaptive(method, estimator="k3", **fields):

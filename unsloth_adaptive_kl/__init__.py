@@ -12,11 +12,13 @@ import sys
 
 from .adaptation import AdaptiveKL
 from .config import FIELDS, validate
-from .controllers import BetaController, DynamicBeta, FixedBeta, TargetKLBeta
+from .controllers import BetaController, DynamicBeta, FixedBeta, TargetKLBeta, controller_names, register_controller, unregister_controller
+from .declarations import Parameter
 from .kl_term import KLTerm
 from .estimators import estimate_kl, estimator_names, get_estimator, register_estimator, unregister_estimator
+from .method import format_method, parse_method
 from .metrics import ADAPTED_KL, CURRENT_BETA, RAW_KL
-from .shaping import Parameter, parse_method, register_shaping, shaping_names, unregister_shaping
+from .shaping import register_shaping, shaping_names, unregister_shaping
 from ._source_patch import PatchError
 
 __version__ = "0.1.0"
@@ -86,15 +88,19 @@ __all__ = [
     "PatchError",
     "RAW_KL",
     "TargetKLBeta",
+    "controller_names",
     "estimate_kl",
     "estimator_names",
+    "format_method",
     "get_estimator",
     "parse_method",
     "patch",
+    "register_controller",
     "register_estimator",
     "register_shaping",
     "shaping_names",
     "unpatch",
+    "unregister_controller",
     "unregister_estimator",
     "unregister_shaping",
     "validate",

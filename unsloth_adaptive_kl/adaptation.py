@@ -13,10 +13,10 @@ from typing import Callable
 import torch
 
 from . import metrics, tail
-from .config import checked_beta
-from .controllers import BetaController, ControllerConfig, ControllerMismatchError, make_controller
+from .config import checked_beta, controller_config
+from .controllers import BetaController, ControllerMismatchError, make_controller
 from .kl_term import KLTerm
-from .shaping import format_method
+from .method import format_method
 
 logger = logging.getLogger("unsloth_adaptive_kl")
 
@@ -37,7 +37,7 @@ class AdaptiveKL:
     def __init__(self, config, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, *, process_index: int = 0, num_processes: int = 1):
         self.term = KLTerm.from_config(config)
         self.term.check_user_functions()
-        self.controller: BetaController = make_controller(self.term.method.controller, ControllerConfig.from_config(config))
+        self.controller: BetaController = make_controller(self.term.method.controller, controller_config(config, self.term.method))
         self.reduce = reduce or _no_reduce
         self.process_index, self.num_processes = process_index, num_processes
         self.monitor = bool(getattr(config, "kl_monitor", False))  # kl_monitor: the KL is computed and logged at β = 0 too
@@ -197,7 +197,7 @@ class AdaptiveKL:
 
     @property
     def method_text(self) -> str:
-        """The method as ``kl_adaptation_method`` writes it (:func:`~unsloth_adaptive_kl.shaping.format_method`)."""
+        """The method as ``kl_adaptation_method`` writes it (:func:`~unsloth_adaptive_kl.method.format_method`)."""
         return format_method(self.term.method)
 
     def load_state_dict(self, state: dict, *, restart: bool = False, global_step: int = 0) -> None:

@@ -10,8 +10,11 @@ import json
 import math
 from dataclasses import dataclass
 
-from .estimators import get_estimator
-from .shaping import CONTROLLERS, SHAPING, Method, Parameter, parse_method, shaping_names, shaping_parameters
+from .controllers import CONTROLLERS, ControllerConfig, controller_names, controller_parameters
+from .declarations import Parameter, check_parameter, checked_beta, checked_number, yaml_hint  # noqa: F401  (checked_beta: a name of this module's API)
+from .estimators import builtin_estimator_names, estimator_aliases, estimator_parameters, get_estimator
+from .method import Method, parse_method
+from .shaping import SHAPING, shaping_names, shaping_parameters
 
 
 @dataclass(frozen=True)
@@ -22,70 +25,47 @@ class FieldSpec:
     help: str
 
 
+def registered_parameters(builtin: bool | None = None) -> tuple[Parameter, ...]:
+    """Every parameter the three registries declare, once: the estimators', the shaping methods', the β controllers'
+    (``builtin``: only the built-ins', which are ``GRPOConfig`` fields, or only those registered later)."""
+    seen: dict[str, Parameter] = {}
+    for parameter in (*estimator_parameters(builtin), *shaping_parameters(builtin), *controller_parameters(builtin)):
+        seen.setdefault(parameter.name, parameter)
+    return tuple(seen.values())
+
+
+def _estimator_words() -> str:
+    return ", ".join(
+        name + (f" ({', '.join(aliases)})" if (aliases := estimator_aliases(name)) else "") for name in builtin_estimator_names()
+    )
+
+
 FIELDS: tuple[FieldSpec, ...] = (
     FieldSpec(
         "kl_adaptation_method",
         str,
         "none",
         f"How the KL term is adapted: 'none', one of {list(shaping_names())} (shaping, applied in that order), "
-        f"{list(CONTROLLERS)} (β controllers), or a '+'-joined combination of at most one β controller and any "
+        f"{list(controller_names())} (β controllers), or a '+'-joined combination of at most one β controller and any "
         "shaping methods, e.g. 'dynamic+length_normalized'; or a method registered with "
-        "unsloth_adaptive_kl.register_shaping.",
+        "unsloth_adaptive_kl.register_shaping or unsloth_adaptive_kl.register_controller.",
     ),
     FieldSpec(
         "kl_estimator",
         str,
         "k3",
-        "Per-token KL estimator, by registered name: k1, k2 (mse, squared), k3 (low_var_kl), abs, k1+, k3+, "
-        "bottom_q, or one registered with unsloth_adaptive_kl.register_estimator.",
+        f"Per-token KL estimator, by registered name: {_estimator_words()}, or one registered with "
+        "unsloth_adaptive_kl.register_estimator.",
     ),
-    *(FieldSpec(p.name, p.type, p.default, p.help) for p in shaping_parameters(builtin=True)),
+    # the built-in estimators', shaping methods' and β controllers' parameters, as their registries declare them
+    *(FieldSpec(p.name, p.type, p.default, p.help) for p in registered_parameters(builtin=True)),
     FieldSpec(
         "kl_shaping_kwargs",
         dict | str | None,
         None,
-        "The parameters of shaping methods registered with unsloth_adaptive_kl.register_shaping, by name: a dict "
+        "The parameters of the shaping methods, β controllers and estimators registered with "
+        "unsloth_adaptive_kl.register_shaping, register_controller or register_estimator, by name: a dict "
         "(a mapping in YAML, JSON on the command line), e.g. {\"huber_delta\": 0.5}; unset ones take their defaults.",
-    ),
-    FieldSpec(
-        "dynamic_beta_decay",
-        float,
-        0.9,
-        "'dynamic': beta is multiplied by this (in (0, 1]) once per new generation batch's reward (at the end of "
-        "the optimizer step that received it) while the trailing mean reward exceeds reward_threshold.",
-    ),
-    FieldSpec(
-        "reward_threshold",
-        float,
-        0.8,
-        "'dynamic': the trailing mean of the raw reward (TRL's logged `reward`) above which beta decays.",
-    ),
-    FieldSpec(
-        "reward_window",
-        int,
-        10,
-        "'dynamic': how many of the most recent generation batches' mean rewards form the trailing mean (>= 1).",
-    ),
-    FieldSpec(
-        "beta_min",
-        float,
-        0.0,
-        "Floor for beta under 'dynamic' and 'target' (0 <= beta_min <= beta). 'dynamic' sets beta to it from "
-        "beta_schedule_steps on; at 0 the reference model and KL are no longer computed.",
-    ),
-    FieldSpec(
-        "beta_schedule_steps",
-        int,
-        1000,
-        "'dynamic': from this optimizer step on (global_step >= beta_schedule_steps), beta = beta_min, whatever the "
-        "reward (logged once); set it above max_steps for no cut-off (>= 0).",
-    ),
-    FieldSpec(
-        "kl_horizon",
-        float,
-        10000.0,
-        "'target': the horizon of Ziegler et al.'s controller, in completions: "
-        "beta *= 1 + clip(kl / kl_target - 1, -0.2, 0.2) * n / kl_horizon (> 0).",
     ),
     FieldSpec(
         "restart_beta_controller",
@@ -96,19 +76,12 @@ FIELDS: tuple[FieldSpec, ...] = (
         "(e.g. 'none' -> 'dynamic').",
     ),
     FieldSpec(
-        "kl_bottom_q",
-        float,
-        0.2,
-        "'bottom_q' estimator: the fraction [0.01, 1] of valid tokens, lowest reference log-prob first, that get "
-        "the KL (scaled by 1 / kl_bottom_q, so at most 100x).",
-    ),
-    FieldSpec(
         "kl_monitor",
         bool,
         False,
         "With beta = 0 (set, or reached by a β controller), still run the reference forward and compute and log "
-        "the KL (adaptive_kl/* and TRL's kl), while the loss stays exactly TRL's beta = 0 loss. Costs the reference "
-        "forward. TRL backend and GRPOTrainer(loss_class=...); refused under Unsloth's generated trainer.",
+        "the KL (adaptive_kl/* and TRL's kl), while the loss stays exactly the backend's beta = 0 loss. Costs the reference "
+        "forward. TRL (>= 1.8) and Unsloth 2026.10; refused on Unsloth 2026.8/2026.9 and with GRPOTrainer(loss_class=...).",
     ),
     FieldSpec(
         "kl_exclude_token_ids",
@@ -138,58 +111,17 @@ FIELDS: tuple[FieldSpec, ...] = (
 )
 
 FIELD_NAMES = tuple(f.name for f in FIELDS)
-#: The built-in shaping methods' parameters: each is a field; a registered method's are in ``kl_shaping_kwargs``.
+#: The built-in registries' parameters: each is a field; a registered function's are in ``kl_shaping_kwargs``.
+PARAMETER_FIELDS = tuple(p.name for p in registered_parameters(builtin=True))
+#: The built-in shaping methods' parameters (fields).
 SHAPING_FIELDS = tuple(p.name for p in shaping_parameters(builtin=True))
 #: The fields a KL term (``kl_term.KLTerm``) reads; the rest configure the β controller.
-TERM_FIELD_NAMES = ("kl_adaptation_method", "kl_estimator", *SHAPING_FIELDS, "kl_shaping_kwargs", "kl_bottom_q", "kl_exclude_token_ids")
+TERM_FIELD_NAMES = (
+    "kl_adaptation_method", "kl_estimator", *SHAPING_FIELDS, *(p.name for p in estimator_parameters(builtin=True)),
+    "kl_shaping_kwargs", "kl_exclude_token_ids",
+)  # fmt: skip
 #: Each field's default, declared once (above): the controllers, the Liger module and the docs read it here.
 DEFAULTS = {f.name: f.default for f in FIELDS}
-
-
-#: The smallest ``kl_bottom_q``: ``bottom_q`` scales the selected tokens' KL by 1 / q, at most 100x.
-MIN_BOTTOM_Q = 0.01
-
-
-def _yaml_hint(value) -> str:
-    """The hint for a number that YAML left a string. PyYAML (YAML 1.1) reads exponent form as a float only
-    with a dot in the mantissa and a sign in the exponent (``1.0e-3``, ``1.0e+3``): ``1e-3`` and ``1.0e3``
-    stay strings. Only such a string gets the hint, with the spelling YAML reads as the same number."""
-    if not isinstance(value, str):
-        return ""
-    mantissa, exponent_mark, exponent = value.strip().lower().partition("e")
-    try:
-        number = float(value)
-    except ValueError:
-        return ""
-    signed = exponent[:1] in ("+", "-")
-    if not exponent_mark or not math.isfinite(number) or ("." in mantissa and signed):
-        return ""  # not exponent form, or a spelling YAML reads as a float: this string did not come from YAML
-    written = f"{mantissa if '.' in mantissa else mantissa + '.0'}e{exponent if signed else '+' + exponent}"
-    return (
-        f" (it is the string {value!r}: YAML reads a number in exponent form as a string unless its mantissa has a "
-        f"dot and its exponent a sign; write it as {written})"
-    )
-
-
-def _number(config, name: str, *, integer: bool = False) -> float:
-    return _checked_number(name, getattr(config, name), integer=integer)
-
-
-def _checked_number(name: str, value, *, integer: bool = False) -> float:
-    ok_types = (int,) if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, ok_types) or (not integer and not math.isfinite(value)):
-        kind = "an integer" if integer else "a finite number"
-        raise ValueError(f"{name}={value!r} is not valid; allowed: {kind}{_yaml_hint(value)}")
-    return value
-
-
-def checked_beta(value, name: str = "beta", *, source: str = ""):
-    """``value`` if it is a valid β: a finite number >= 0 (an int or a float, not a bool). Otherwise
-    ValueError naming ``name``, the value and what is allowed; ``source`` starts the message (where
-    the value was read, e.g. a checkpoint's controller state). The one check of a β, wherever it enters."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"{source}{name}={value!r} is not valid; allowed: a finite number >= 0{_yaml_hint(value)}")
-    return value
 
 
 def _require(condition: bool, name: str, value, allowed: str) -> None:
@@ -212,15 +144,6 @@ def fused_head_setting(value, name: str = "liger_fused_head", *, text: bool = Tr
     )
 
 
-def _check_parameter(parameter: Parameter, label: str, value):
-    if parameter.type in (int, float):
-        value = _checked_number(label, value, integer=parameter.type is int)
-    elif not isinstance(value, parameter.type):
-        raise ValueError(f"{label}={value!r} is not valid; allowed: a {parameter.type.__name__}")
-    _require(parameter.check is None or parameter.check(value), label, value, parameter.allowed)
-    return value
-
-
 def excluded_token_ids(value, name: str = "kl_exclude_token_ids") -> tuple[int, ...]:
     """``kl_exclude_token_ids`` as a sorted tuple without repeats (None: empty); ValueError naming the field,
     the value and what is allowed for anything but a list (or tuple) of non-negative ints."""
@@ -232,7 +155,8 @@ def excluded_token_ids(value, name: str = "kl_exclude_token_ids") -> tuple[int, 
 
 
 def shaping_kwargs(config) -> dict:
-    """``config.kl_shaping_kwargs`` as a dict (None: empty; a string: its JSON), its keys checked."""
+    """``config.kl_shaping_kwargs`` as a dict (None: empty; a string: its JSON), its keys checked: the parameters of
+    the functions registered after import (those of the built-ins are fields)."""
     value = getattr(config, "kl_shaping_kwargs", None)
     if value is None:
         return {}
@@ -242,32 +166,54 @@ def shaping_kwargs(config) -> dict:
         except json.JSONDecodeError as error:
             raise ValueError(f"kl_shaping_kwargs={value!r} is not valid; allowed: a dict, or its JSON ({error})") from None
     if not isinstance(value, dict):
-        raise ValueError(f"kl_shaping_kwargs={value!r} is not valid; allowed: a dict of parameters of registered shaping methods")
-    registered = [p.name for p in shaping_parameters() if p.name not in SHAPING_FIELDS]
+        raise ValueError(f"kl_shaping_kwargs={value!r} is not valid; allowed: a dict of parameters of registered functions")
+    registered = [p.name for p in registered_parameters() if p.name not in PARAMETER_FIELDS]
     unknown = [key for key in value if key not in registered]
     if unknown:
-        fields = [key for key in unknown if key in SHAPING_FIELDS]
+        fields = [key for key in unknown if key in PARAMETER_FIELDS]
         hint = f" ({fields}: set as fields of GRPOConfig)" if fields else ""
-        raise ValueError(f"kl_shaping_kwargs has unknown key(s) {unknown}{hint}; allowed: the parameters of registered shaping methods {registered}")
+        raise ValueError(f"kl_shaping_kwargs has unknown key(s) {unknown}{hint}; allowed: the parameters of registered functions {registered}")
     return value
 
 
-def shaping_values(config, method: Method) -> dict[str, object]:
-    """The value of every parameter of ``method``'s shaping steps (checked), and of every built-in
-    one (they are fields, checked whatever the method): name -> value."""
+def parameter_values(config, parameters: tuple[Parameter, ...]) -> dict[str, object]:
+    """The value of each of ``parameters`` (checked): a built-in's from its field, a registered function's from
+    ``kl_shaping_kwargs`` (its default when not set there). Name -> value."""
     given = shaping_kwargs(config)
+    bounds = {"beta": getattr(config, "beta", None)}
     values = {}
-    for parameter in shaping_parameters():
-        if parameter.name in SHAPING_FIELDS:
-            values[parameter.name] = _check_parameter(parameter, parameter.name, getattr(config, parameter.name))
-        elif parameter.name in given or parameter in method.parameters:
-            value = given.get(parameter.name, parameter.default)
-            values[parameter.name] = _check_parameter(parameter, f"kl_shaping_kwargs[{parameter.name!r}]", value)
-    return {p.name: values[p.name] for p in method.parameters}
+    for parameter in parameters:
+        if parameter.name in PARAMETER_FIELDS:
+            values[parameter.name] = check_parameter(parameter, getattr(config, parameter.name), bounds=bounds)
+        else:
+            label = f"kl_shaping_kwargs[{parameter.name!r}]"
+            values[parameter.name] = check_parameter(parameter, given.get(parameter.name, parameter.default), label=label, bounds=bounds)
+    return values
+
+
+def shaping_values(config, method: Method) -> dict[str, object]:
+    """The value of every parameter of ``method``'s shaping steps (checked): name -> value."""
+    return parameter_values(config, method.parameters)
+
+
+def estimator_values(config) -> dict[str, object]:
+    """The value of every parameter of ``config.kl_estimator`` (checked): name -> value."""
+    return parameter_values(config, get_estimator(config.kl_estimator).parameters)
+
+
+def controller_config(config, method: Method) -> ControllerConfig:
+    """β and the β controllers' settings of ``config``: every built-in controller parameter (fields), and the
+    registered ones of ``method``'s controller or set in ``kl_shaping_kwargs``."""
+    given = shaping_kwargs(config)
+    wanted = {p.name: p for p in controller_parameters(builtin=True)}
+    wanted.update({p.name: p for p in method.controller_parameters})
+    wanted.update({p.name: p for p in controller_parameters(builtin=False) if p.name in given})
+    return ControllerConfig(beta=config.beta, **parameter_values(config, tuple(wanted.values())))
 
 
 def validate(config) -> Method:
-    """Check the adaptive-KL fields of ``config`` (any object with them as attributes).
+    """Check the adaptive-KL fields of ``config`` (any object with them as attributes): the grammar of the method, and
+    every parameter against its registry's declaration.
 
     Returns the parsed method. Raises ValueError naming the field, the value and what is allowed.
     """
@@ -284,21 +230,13 @@ def validate(config) -> Method:
     _require(isinstance(config.kl_monitor, bool), "kl_monitor", config.kl_monitor, "true or false")
     excluded_token_ids(config.kl_exclude_token_ids)
     beta = checked_beta(config.beta)
-    shaping_values(config, method)
-    horizon = _number(config, "kl_horizon")
-    _require(horizon > 0, "kl_horizon", horizon, "a number > 0")
-    decay = _number(config, "dynamic_beta_decay")
-    _require(0 < decay <= 1, "dynamic_beta_decay", decay, "a number in (0, 1]")
-    _number(config, "reward_threshold")
-    window = _number(config, "reward_window", integer=True)
-    _require(window >= 1, "reward_window", window, "an integer >= 1")
-    steps = _number(config, "beta_schedule_steps", integer=True)
-    _require(steps >= 0, "beta_schedule_steps", steps, "an integer >= 0")
-    q = _number(config, "kl_bottom_q")
-    _require(MIN_BOTTOM_Q <= q <= 1, "kl_bottom_q", q, f"a number in [{MIN_BOTTOM_Q}, 1] (bottom_q scales the KL by 1 / q)")
+    given = shaping_kwargs(config)
+    # every built-in parameter (a field) whatever the method; a registered one where the method reads it, or set
+    read = (*method.parameters, *method.controller_parameters, *get_estimator(config.kl_estimator).parameters)
+    parameter_values(config, tuple(p for p in registered_parameters() if p.name in PARAMETER_FIELDS or p.name in given or p in read))
+    if method.controller in CONTROLLERS:
+        CONTROLLERS[method.controller].cls.check_settings(controller_config(config, method))
     fused_head_setting(config.liger_fused_head)
-    beta_min = _number(config, "beta_min")
-    _require(0 <= beta_min <= beta, "beta_min", beta_min, f"a number in [0, beta={beta}]")
     if method.is_none and beta == 0 and not config.kl_monitor and get_estimator(config.kl_estimator).name != DEFAULTS["kl_estimator"]:
         raise ValueError(
             f"kl_estimator={config.kl_estimator!r} is not valid with beta=0.0: beta=0 removes the KL term (and TRL's "

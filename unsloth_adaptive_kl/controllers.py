@@ -1,4 +1,19 @@
-"""β controllers: how the KL coefficient changes from one optimizer step to the next.
+"""β controllers: how the KL coefficient changes from one optimizer step to the next, and their registry.
+
+A controller is registered with :func:`register_controller`, which declares its name and its parameters
+(:class:`~unsloth_adaptive_kl.declarations.Parameter`, the declaration shaping methods and estimators use)::
+
+    @register_controller("halve")
+    class Halve(BetaController):
+        adapts_beta = True
+
+        def update(self, *, global_step, kl, num_completions):
+            self.beta = self.beta * 0.5
+            return self.beta
+
+Everything that lists controllers or their parameters (``kl_adaptation_method``'s grammar, the
+``GRPOConfig`` fields, the docs' tables, the tests) reads this registry. A controller reads its
+parameters as ``self.config.<name>``.
 
 A controller is plain Python: it holds β and whatever history it needs, is told the step's
 global statistics once per optimizer step (:meth:`BetaController.update`), and round-trips its
@@ -22,8 +37,19 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-from .config import DEFAULTS, checked_beta
+from .declarations import (
+    Parameter,
+    check_parameter,
+    checked_beta,
+    claim_method_name,
+    declare,
+    finite_positive,
+    release_method_name,
+    undeclare,
+)
+from .shaping import KL_TARGET
 
+KIND = "β controller"
 logger = logging.getLogger("unsloth_adaptive_kl")
 
 
@@ -48,41 +74,43 @@ class ControllerMismatchError(ValueError):
         return type(self), (self.saved, self.name)
 
 
-@dataclass(frozen=True)
 class ControllerConfig:
-    beta: float
-    beta_min: float = DEFAULTS["beta_min"]
-    dynamic_beta_decay: float = DEFAULTS["dynamic_beta_decay"]
-    reward_threshold: float = DEFAULTS["reward_threshold"]
-    reward_window: int = DEFAULTS["reward_window"]
-    beta_schedule_steps: int = DEFAULTS["beta_schedule_steps"]
-    kl_target: float = DEFAULTS["kl_target"]
-    kl_horizon: float = DEFAULTS["kl_horizon"]
+    """β and the value of every registered controller parameter (``config.<name>``), each checked against its
+    declaration; a parameter not given takes its declared default. Immutable."""
 
-    @classmethod
-    def from_config(cls, config) -> "ControllerConfig":
-        """From any object with ``beta`` and the controller fields (a ``GRPOConfig``)."""
-        return cls(
-            beta=float(config.beta),
-            beta_min=float(config.beta_min),
-            dynamic_beta_decay=float(config.dynamic_beta_decay),
-            reward_threshold=float(config.reward_threshold),
-            reward_window=int(config.reward_window),
-            beta_schedule_steps=int(config.beta_schedule_steps),
-            kl_target=float(config.kl_target),
-            kl_horizon=float(config.kl_horizon),
-        )
+    def __init__(self, beta, **values):
+        object.__setattr__(self, "beta", float(checked_beta(beta)))
+        declared = {p.name: p for p in controller_parameters()}
+        unknown = sorted(set(values) - set(declared))
+        if unknown:
+            raise ValueError(f"unknown β-controller setting(s) {unknown}; allowed: the registered controllers' parameters {sorted(declared)}")
+        for name, parameter in declared.items():
+            value = values.get(name, parameter.default)
+            if value is not None:
+                value = check_parameter(parameter, value, bounds={"beta": self.beta})
+                value = float(value) if parameter.type is float else value
+            object.__setattr__(self, name, value)
 
-    def __post_init__(self):
-        checked_beta(self.beta)
-        if not (_finite(self.beta_min) and 0 <= self.beta_min <= self.beta):
-            raise ValueError(f"beta_min={self.beta_min!r} is not valid; allowed: a number in [0, beta={self.beta!r}]")
+    def __setattr__(self, name, value):
+        raise AttributeError(f"ControllerConfig is immutable (setting {name!r})")
+
+    def __repr__(self) -> str:
+        return f"ControllerConfig({', '.join(f'{k}={v!r}' for k, v in vars(self).items())})"
 
 
 class BetaController:
-    """Base class: a constant β (used for "none" and for pure shaping)."""
+    """Base class of the β controllers: a constant β (used for "none" and for pure shaping).
+
+    A controller registered with :func:`register_controller` overrides :meth:`update` (and sets
+    ``adapts_beta = True``), and, if it keeps a history, :meth:`state_dict` / :meth:`checked_own_state`
+    so that a resumed run goes on exactly; :meth:`observe_reward` gets each generation batch's mean reward.
+    """
 
     name = "fixed"
+
+    @classmethod
+    def check_settings(cls, config: "ControllerConfig") -> None:
+        """Refuse, when the config is validated, settings this controller cannot work with (ValueError naming them)."""
 
     def __init__(self, config: ControllerConfig):
         self.config = config
@@ -181,6 +209,145 @@ class FixedBeta(BetaController):
     name = "fixed"
 
 
+# -- the registry --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ControllerSpec:
+    """A registered β controller: its class, the parameters it reads, one line for the docs' table."""
+
+    name: str
+    cls: type
+    parameters: tuple[Parameter, ...]
+    summary: str
+    builtin: bool
+
+
+CONTROLLERS: dict[str, ControllerSpec] = {}
+
+
+def register_controller(name: str, *, parameters: tuple[Parameter, ...] = (), summary: str = "", _builtin: bool = False):
+    """Class decorator: register the :class:`BetaController` subclass as the β controller ``name`` of
+    ``kl_adaptation_method`` (alone, or joined with shaping methods: ``"name+clip"``).
+
+    ``parameters``: its :class:`~unsloth_adaptive_kl.declarations.Parameter` s, read as ``self.config.<name>``
+    (a parameter already declared, e.g. ``beta_min``, may be reused with the same declaration); a registered
+    controller's are set in ``kl_shaping_kwargs``, a built-in's are ``GRPOConfig`` fields. ``summary``: one line
+    for the docs' table (the docstring's first line when empty). Every process feeds the controller the same
+    global statistics, so β is the same on every rank; its :meth:`~BetaController.state_dict` goes into the checkpoint.
+    """
+
+    def decorator(cls):
+        if not (isinstance(cls, type) and issubclass(cls, BetaController)):
+            raise ValueError(f"β controller {name!r}: {cls!r} is not valid; allowed: a subclass of unsloth_adaptive_kl.BetaController")
+        claim_method_name(KIND, name)
+        try:
+            declare(KIND, name, tuple(parameters))
+        except ValueError:
+            release_method_name(name)
+            raise
+        cls.name = name
+        summary_line = summary or (cls.__doc__ or "").strip().split("\n")[0]
+        CONTROLLERS[name] = ControllerSpec(name, cls, tuple(parameters), summary_line, _builtin)
+        return cls
+
+    return decorator
+
+
+def unregister_controller(name: str) -> None:
+    """Remove a controller registered with :func:`register_controller` (built-ins cannot be removed)."""
+    spec = CONTROLLERS.get(name)
+    if spec is None or spec.builtin:
+        raise ValueError(f"β controller {name!r} is not a registered user controller; allowed: {list(user_controller_names())}")
+    del CONTROLLERS[name]
+    release_method_name(name)
+    undeclare(KIND, name)
+
+
+def controller_names() -> tuple[str, ...]:
+    """The registered β controllers, in alphabetical order (the same in every process)."""
+    return tuple(sorted(CONTROLLERS))
+
+
+def user_controller_names() -> tuple[str, ...]:
+    return tuple(name for name in controller_names() if not CONTROLLERS[name].builtin)
+
+
+def controller_parameters(builtin: bool | None = None) -> tuple[Parameter, ...]:
+    """Every registered controller parameter once, in controller order (``builtin``: only the built-ins' or only the users')."""
+    seen: dict[str, Parameter] = {}
+    for name in controller_names():
+        spec = CONTROLLERS[name]
+        if builtin is None or spec.builtin == builtin:
+            for parameter in spec.parameters:
+                seen.setdefault(parameter.name, parameter)
+    return tuple(seen.values())
+
+
+def make_controller(name: str, config: ControllerConfig) -> BetaController:
+    """The controller ``name`` (``"fixed"``: none, β constant) with ``config``."""
+    if name == FixedBeta.name:
+        return FixedBeta(config)
+    if name not in CONTROLLERS:
+        raise ValueError(f"β controller {name!r} is unknown; allowed: {list(controller_names())}")
+    return CONTROLLERS[name].cls(config)
+
+
+# -- the built-in controllers ----------------------------------------------------------------------------
+BETA_MIN = Parameter(
+    "beta_min",
+    default=0.0,
+    check=lambda value: value >= 0,
+    allowed="a number >= 0",
+    at_most="beta",
+    help="The floor of beta under the β controllers that read it (0 <= beta_min <= beta). At 0 (reached) the "
+    "reference model and the KL are no longer computed.",
+)
+DYNAMIC_BETA_DECAY = Parameter(
+    "dynamic_beta_decay",
+    default=0.9,
+    check=lambda value: 0 < value <= 1,
+    allowed="a number in (0, 1]",
+    help="'dynamic': beta is multiplied by this (in (0, 1]) once per new generation batch's reward (at the end of "
+    "the optimizer step that received it) while the trailing mean reward exceeds reward_threshold.",
+)
+REWARD_THRESHOLD = Parameter(
+    "reward_threshold",
+    default=0.8,
+    help="'dynamic': the trailing mean of the raw reward (TRL's logged `reward`) above which beta decays.",
+)
+REWARD_WINDOW = Parameter(
+    "reward_window",
+    type=int,
+    default=10,
+    check=lambda value: value >= 1,
+    allowed="an integer >= 1",
+    help="'dynamic': how many of the most recent generation batches' mean rewards form the trailing mean (>= 1).",
+)
+BETA_SCHEDULE_STEPS = Parameter(
+    "beta_schedule_steps",
+    type=int,
+    default=1000,
+    check=lambda value: value >= 0,
+    allowed="an integer >= 0",
+    help="'dynamic': from this optimizer step on (global_step >= beta_schedule_steps), beta = beta_min, whatever the "
+    "reward (logged once); set it above max_steps for no cut-off (>= 0).",
+)
+KL_HORIZON = Parameter(
+    "kl_horizon",
+    default=10000.0,
+    check=finite_positive,
+    allowed="a number > 0",
+    help="'target': the horizon of Ziegler et al.'s controller, in completions: "
+    "beta *= 1 + clip(kl / kl_target - 1, -0.2, 0.2) * n / kl_horizon (> 0).",
+)
+
+
+@register_controller(
+    "dynamic",
+    parameters=(BETA_MIN, DYNAMIC_BETA_DECAY, REWARD_THRESHOLD, REWARD_WINDOW, BETA_SCHEDULE_STEPS),
+    summary="β decays by dynamic_beta_decay while the trailing mean reward exceeds reward_threshold; β = beta_min from "
+    "beta_schedule_steps on.",
+    _builtin=True,
+)
 class DynamicBeta(BetaController):
     """Decay β while the reward is high; drop to the floor after a fixed number of steps.
 
@@ -198,7 +365,6 @@ class DynamicBeta(BetaController):
     A NaN reward (every reward function returned None) is no observation; ±inf is skipped and counted.
     """
 
-    name = "dynamic"
     adapts_beta = True
 
     def __init__(self, config: ControllerConfig):
@@ -268,6 +434,13 @@ class DynamicBeta(BetaController):
         return {"rewards": deque((float(r) for r in rewards), maxlen=self.config.reward_window), "new_reward": new_reward}
 
 
+@register_controller(
+    "target",
+    parameters=(BETA_MIN, KL_TARGET, KL_HORIZON),
+    summary="Ziegler et al.'s adaptive KL controller: β grows while the step's KL is above kl_target and shrinks "
+    "below it (kl_horizon sets the rate).",
+    _builtin=True,
+)
 class TargetKLBeta(BetaController):
     """The adaptive KL controller of Ziegler et al. 2019, "Fine-Tuning Language Models from
     Human Preferences" (arXiv:1909.08593, section 2.2).
@@ -283,7 +456,6 @@ class TargetKLBeta(BetaController):
     ``kl_horizon > 0.2 * n`` keeps the factor positive (:meth:`check_step_size`).
     """
 
-    name = "target"
     adapts_beta = True
 
     def check_step_size(self, num_completions: int) -> None:
@@ -312,12 +484,133 @@ class TargetKLBeta(BetaController):
         return self.beta
 
 
-CONTROLLER_CLASSES: dict[str, type[BetaController]] = {
-    cls.name: cls for cls in (FixedBeta, DynamicBeta, TargetKLBeta)
-}
+BETA_SCHEDULE = Parameter(
+    "beta_schedule",
+    type=str,
+    default="linear",
+    check=lambda value: value in ("linear", "cosine"),
+    allowed="'linear' or 'cosine'",
+    help="'schedule': the shape of beta's way from beta (step 0) to beta_min (step beta_schedule_steps): 'linear' "
+    "or 'cosine' (half a cosine period).",
+)
 
 
-def make_controller(name: str, config: ControllerConfig) -> BetaController:
-    if name not in CONTROLLER_CLASSES:
-        raise ValueError(f"β controller {name!r} is unknown; allowed: {sorted(CONTROLLER_CLASSES)}")
-    return CONTROLLER_CLASSES[name](config)
+@register_controller(
+    "schedule",
+    parameters=(BETA_MIN, BETA_SCHEDULE, BETA_SCHEDULE_STEPS),
+    summary="β over optimizer steps, linear or cosine (beta_schedule) from beta at step 0 to beta_min at "
+    "beta_schedule_steps, then beta_min; whatever the KL and the reward.",
+    _builtin=True,
+)
+class ScheduledBeta(BetaController):
+    """β as a function of the optimizer step alone: with ``t`` the step about to start and ``S = beta_schedule_steps``,
+    ``x = min(t / S, 1)`` (1 when ``S = 0``)::
+
+        beta_t = beta_min + (beta - beta_min) * (1 - x)                  # linear
+        beta_t = beta_min + (beta - beta_min) * (1 + cos(pi * x)) / 2    # cosine
+
+    A resumed run computes β from its step, as the uninterrupted run did.
+    """
+
+    adapts_beta = True
+
+    def __init__(self, config: ControllerConfig):
+        super().__init__(config)
+        self.beta = self.scheduled_beta(0)
+
+    def scheduled_beta(self, global_step: int) -> float:
+        cfg = self.config
+        done = min(global_step / cfg.beta_schedule_steps, 1.0) if cfg.beta_schedule_steps else 1.0
+        left = 1.0 - done if cfg.beta_schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * done))
+        return cfg.beta_min + (cfg.beta - cfg.beta_min) * left
+
+    def update(self, *, global_step: int, kl: float | None, num_completions: int) -> float:
+        if self.beta != 0.0:
+            self.beta = self.scheduled_beta(global_step)
+        return self.beta
+
+    def resume_at(self, global_step: int) -> None:
+        self.update(global_step=global_step, kl=None, num_completions=0)
+
+    def max_loaded_beta(self) -> float:
+        return float(self.config.beta)  # the schedule only lowers β
+
+
+REWARD_BETA_MIDPOINT = Parameter(
+    "reward_beta_midpoint",
+    default=0.5,
+    help="'reward_conditioned': the step's mean reward at which beta is halfway between beta_min and beta.",
+)
+REWARD_BETA_WIDTH = Parameter(
+    "reward_beta_width",
+    default=0.1,
+    check=finite_positive,
+    allowed="a number > 0",
+    help="'reward_conditioned': how far, in reward, beta goes from near beta_min to near beta (the logistic's scale).",
+)
+
+
+@register_controller(
+    "reward_conditioned",
+    parameters=(BETA_MIN, REWARD_BETA_MIDPOINT, REWARD_BETA_WIDTH),
+    summary="β a smooth increasing function of the step's mean reward, from beta_min (the model struggles: a looser "
+    "KL) to beta (it succeeds: a tighter one), after FG-ExPO's accuracy-conditioned KL scaling (arXiv 2605.11403).",
+    _builtin=True,
+)
+class RewardConditionedBeta(BetaController):
+    """β from the step's mean reward ``r`` (each generation batch's, gathered across processes), after the
+    Accuracy-Conditioned KL Scaling (AKL) of FG-ExPO (Lin et al. 2026, "FG-ExPO: Frontier-Guided
+    Exploration-Prioritized Policy Optimization via Adaptive KL and Gaussian Curriculum", arXiv 2605.11403): the
+    KL penalty a smooth nonlinear function of the batch's mean accuracy, relaxed while the model struggles and
+    tightened once it succeeds (the opposite of ``dynamic``, which relaxes β when the reward is high). The paper's
+    exact function could not be retrieved here (only its abstract); this one is a logistic::
+
+        beta_t = beta_min + (beta - beta_min) / (1 + exp(-(r - reward_beta_midpoint) / reward_beta_width))
+
+    β starts at ``beta`` and moves once per new reward; a NaN reward is no observation, ±inf is skipped.
+    ``beta_min > 0``: β = 0 is absorbing (the reference model is no longer run), which a low reward must not reach.
+    """
+
+    adapts_beta = True
+
+    def __init__(self, config: ControllerConfig):
+        super().__init__(config)
+        self.reward: float | None = None  # the last reward, not yet used by an update
+
+    @classmethod
+    def check_settings(cls, config: ControllerConfig) -> None:
+        if not config.beta_min > 0:
+            raise ValueError(
+                f"beta_min={config.beta_min!r} is not valid with 'reward_conditioned': β = 0 is absorbing (the reference "
+                "model stops), so a low reward would end the KL term for good; allowed: 0 < beta_min <= beta"
+            )
+
+    def observe_reward(self, reward: float) -> None:
+        if reward != reward:  # NaN: every reward of the batch was None; no observation
+            return
+        if not math.isfinite(reward):
+            self.skip("reward", reward)
+            return
+        self.reward = float(reward)
+
+    def update(self, *, global_step: int, kl: float | None, num_completions: int) -> float:
+        cfg = self.config
+        if self.beta == 0.0 or self.reward is None:
+            return self.beta
+        z = (self.reward - cfg.reward_beta_midpoint) / cfg.reward_beta_width
+        self.reward = None
+        self.beta = cfg.beta_min + (cfg.beta - cfg.beta_min) / (1.0 + math.exp(-z)) if z > -700 else cfg.beta_min
+        return self.beta
+
+    def max_loaded_beta(self) -> float:
+        return float(self.config.beta)
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "reward": self.reward}
+
+    def checked_own_state(self, state: dict) -> dict:
+        reward = state.get("reward")
+        if reward is not None and not _finite(reward):
+            raise ValueError(f"β-controller state: reward={reward!r} is not valid; allowed: a finite number or null")
+        return {"reward": None if reward is None else float(reward)}
+

@@ -21,11 +21,16 @@ Source for k1/k2/k3: John Schulman, "Approximating KL Divergence" (2020),
 http://joschu.net/blog/kl-approx.html. ``k3`` is written exactly as TRL's GRPO trainer
 writes it, ``exp(ref - logp) - (ref - logp) - 1``, so that swapping it in is bit-identical.
 
-Register your own with :func:`register_estimator`::
+Register your own with :func:`register_estimator`, declaring its parameters as shaping methods and
+β controllers do (:class:`~unsloth_adaptive_kl.declarations.Parameter`)::
 
-    @register_estimator("my_kl")
-    def my_kl(logp, ref_logp):
-        return (logp - ref_logp).abs() ** 1.5
+    @register_estimator("my_kl", parameters=(Parameter("kl_power", default=1.5, keyword="power"),))
+    def my_kl(logp, ref_logp, *, power):
+        return (logp - ref_logp).abs() ** power
+
+Every estimator is called the same way: ``fn(logp, ref_logp, **parameters)``, its declared parameters by
+keyword, and ``statistic=`` besides for one with a batch statistic (``bottom_q``: its ``q`` is the declared
+parameter ``kl_bottom_q``).
 
 Estimators registered by users are checked once when the KL term is built and on every eager call
 (shape, dtype, gradient, and finiteness on valid tokens whose log-probs are finite); built-in ones
@@ -41,6 +46,8 @@ from typing import Callable
 
 import torch
 
+from .declarations import Parameter, check_user_output, declare, undeclare
+
 Estimator = Callable[..., torch.Tensor]
 logger = logging.getLogger("unsloth_adaptive_kl")
 
@@ -50,22 +57,37 @@ class EstimatorSpec:
     """A registered estimator.
 
     ``batch_statistic`` (optional) computes, from the whole batch and *before* any chunking,
-    a detached tensor that the estimator receives as its ``statistic`` keyword. The result then
-    does not depend on how a backend splits the batch into chunks.
+    ``batch_statistic(ref_logp, mask, **parameters)``, a detached tensor that the estimator receives as its
+    ``statistic`` keyword. The result then does not depend on how a backend splits the batch into chunks.
+    ``parameters``: the settings it reads, each passed by its keyword.
     """
 
     name: str
     fn: Estimator
     builtin: bool = False
     batch_statistic: Callable[..., torch.Tensor] | None = None
+    parameters: tuple[Parameter, ...] = ()
+    summary: str = ""
+
+    def arguments(self, values: dict | None) -> dict:
+        """The keyword arguments of its declared parameters, from ``values`` (name -> value; defaults for the rest)."""
+        values = values or {}
+        return {p.argument: values.get(p.name, p.default) for p in self.parameters}
 
 
 ESTIMATORS: dict[str, EstimatorSpec] = {}
 _ALIASES: dict[str, str] = {}
 
 
-def register_estimator(name: str, *aliases: str, batch_statistic=None, _builtin: bool = False):
-    """Decorator: register ``fn(logp, ref_logp) -> per-token KL`` under ``name`` (and aliases)."""
+KIND = "KL estimator"
+
+
+def register_estimator(name: str, *aliases: str, parameters: tuple[Parameter, ...] = (), batch_statistic=None, summary: str = "", _builtin: bool = False):
+    """Decorator: register ``fn(logp, ref_logp, **parameters) -> per-token KL`` under ``name`` (and aliases).
+
+    ``parameters``: its :class:`~unsloth_adaptive_kl.declarations.Parameter` s, passed by keyword (a built-in's
+    are ``GRPOConfig`` fields, a registered one's are set in ``kl_shaping_kwargs``). ``batch_statistic``: see
+    :class:`EstimatorSpec`. ``summary``: one line for the docs' table (the docstring's first line when empty)."""
 
     def decorator(fn: Estimator) -> Estimator:
         for key in (name, *aliases):
@@ -73,7 +95,9 @@ def register_estimator(name: str, *aliases: str, batch_statistic=None, _builtin:
                 raise ValueError(f"KL estimator {key!r} is already registered")
             if "+" in key.rstrip("+") or not key:
                 raise ValueError(f"KL estimator name {key!r} is not allowed: use a non-empty name without inner '+'")
-        ESTIMATORS[name] = EstimatorSpec(name, fn, _builtin, batch_statistic)
+        declare(KIND, name, tuple(parameters))
+        summary_line = summary or (fn.__doc__ or "").strip().split("\n")[0]
+        ESTIMATORS[name] = EstimatorSpec(name, fn, _builtin, batch_statistic, tuple(parameters), summary_line)
         for alias in aliases:
             _ALIASES[alias] = name
         return fn
@@ -87,12 +111,33 @@ def unregister_estimator(name: str) -> None:
     if spec.builtin:
         raise ValueError(f"KL estimator {name!r} is built in and cannot be unregistered")
     del ESTIMATORS[spec.name]
+    undeclare(KIND, spec.name)
     for alias in [a for a, target in _ALIASES.items() if target == spec.name]:
         del _ALIASES[alias]
 
 
 def estimator_names() -> list[str]:
     return sorted([*ESTIMATORS, *_ALIASES])
+
+
+def estimator_aliases(name: str) -> tuple[str, ...]:
+    """The other names of the estimator ``name``."""
+    return tuple(sorted(alias for alias, target in _ALIASES.items() if target == name))
+
+
+def builtin_estimator_names() -> tuple[str, ...]:
+    """The built-in estimators, each by its name (no alias), in registration order."""
+    return tuple(name for name, spec in ESTIMATORS.items() if spec.builtin)
+
+
+def estimator_parameters(builtin: bool | None = None) -> tuple[Parameter, ...]:
+    """Every registered estimator parameter once (``builtin``: only the built-ins' or only the users')."""
+    seen: dict[str, Parameter] = {}
+    for spec in ESTIMATORS.values():
+        if builtin is None or spec.builtin == builtin:
+            for parameter in spec.parameters:
+                seen.setdefault(parameter.name, parameter)
+    return tuple(seen.values())
 
 
 def get_estimator(name: str) -> EstimatorSpec:
@@ -277,7 +322,24 @@ def bottom_q(logp: torch.Tensor, ref_logp: torch.Tensor, *, statistic: torch.Ten
     return torch.where(selected, k3(logp, ref_logp) / q, torch.zeros_like(logp))
 
 
-register_estimator("bottom_q", batch_statistic=bottom_q_threshold, _builtin=True)(bottom_q)
+#: The smallest ``kl_bottom_q``: ``bottom_q`` scales the selected tokens' KL by 1 / q, at most 100x.
+MIN_BOTTOM_Q = 0.01
+BOTTOM_Q = Parameter(
+    "kl_bottom_q",
+    default=0.2,
+    check=lambda q: MIN_BOTTOM_Q <= q <= 1,
+    allowed=f"a number in [{MIN_BOTTOM_Q}, 1] (bottom_q scales the KL by 1 / q)",
+    help="'bottom_q' estimator: the fraction [0.01, 1] of valid tokens, lowest reference log-prob first, that get "
+    "the KL (scaled by 1 / kl_bottom_q, so at most 100x).",
+    keyword="q",
+)
+register_estimator(
+    "bottom_q",
+    parameters=(BOTTOM_Q,),
+    batch_statistic=bottom_q_threshold,
+    summary="k3 on the valid tokens whose reference log-prob lies in the lowest kl_bottom_q fraction, scaled by 1 / kl_bottom_q.",
+    _builtin=True,
+)(bottom_q)
 
 
 def estimate_kl(
@@ -287,12 +349,14 @@ def estimate_kl(
     *,
     mask: torch.Tensor | None = None,
     statistic: torch.Tensor | None = None,
-    bottom_q: float | None = None,
+    parameters: dict | None = None,
     check: bool = True,
 ) -> torch.Tensor:
     """Run the estimator ``name``; user-registered estimators are checked and fail loudly.
 
-    ``check=False`` skips those checks (they synchronise with the device and break a
+    ``parameters``: the values of its declared parameters, by name (``{"kl_bottom_q": 0.3}``); defaults for the
+    rest. ``statistic``: its batch statistic, computed here from ``mask`` when not given.
+    ``check=False`` skips the checks of a user estimator (they synchronise with the device and break a
     ``torch.compile(fullgraph=True)`` region); the fused backends check once, eagerly, at setup.
     """
     spec = get_estimator(name)
@@ -306,35 +370,29 @@ def estimate_kl(
             # which autograd sums logp's gradient, and TRL's loss would no longer be reproduced bit for
             # bit. k3's log-ratio clamp does the same job: its backward is 0 wherever r is NaN or ±inf.
             logp = torch.where(valid, logp, 0.0)
+    arguments = spec.arguments(parameters)
+    missing = [p.name for p in spec.parameters if arguments[p.argument] is None]
+    if missing:
+        raise ValueError(f"KL estimator {spec.name!r} needs a value for {missing}; allowed: parameters={{name: value}}")
     if spec.batch_statistic is not None:
-        if bottom_q is None:
-            raise ValueError(f"KL estimator {spec.name!r} needs bottom_q= (the kl_bottom_q field)")
         if statistic is None:
             if mask is None:
                 raise ValueError(f"KL estimator {spec.name!r} needs the completion mask for its batch statistic")
-            statistic = spec.batch_statistic(ref_logp, mask, q=bottom_q)
-        out = spec.fn(logp, ref_logp, statistic=statistic, q=bottom_q)
-    else:
-        out = spec.fn(logp, ref_logp)
+            statistic = spec.batch_statistic(ref_logp, mask, **arguments)
+        arguments["statistic"] = statistic
+    out = spec.fn(logp, ref_logp, **arguments)
     if check and not spec.builtin:
         _check_user_output(spec.name, out, logp, ref_logp, mask)
     return out if mask is None else torch.where(valid, out, 0.0)
 
 
 def _check_user_output(name: str, out, logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor | None) -> None:
-    """A user estimator's output: a tensor of ``logp``'s shape and dtype, with a gradient when ``logp`` has one, and
-    finite on every valid token whose log-probs are finite. A NaN or inf log-prob (the model's) is not the
-    estimator's fault: its KL goes on to the metrics, which count it (``adaptive_kl/nonfinite_kl_batches``).
-    One host sync, the finiteness test's (TRL's eager loss and the Liger module; Unsloth's compiled loss passes
-    ``check=False``)."""
-    if not isinstance(out, torch.Tensor):
-        raise TypeError(f"KL estimator {name!r} returned {type(out).__name__}, expected a torch.Tensor")
-    if out.shape != logp.shape:
-        raise ValueError(f"KL estimator {name!r} returned shape {tuple(out.shape)}, expected {tuple(logp.shape)}")
-    if out.dtype != logp.dtype:
-        raise ValueError(f"KL estimator {name!r} returned dtype {out.dtype}, expected {logp.dtype}")
-    if torch.is_grad_enabled() and logp.requires_grad and not out.requires_grad:
-        raise ValueError(f"KL estimator {name!r} returned a tensor with no gradient (detached from logp)")
+    """A user estimator's output: what :func:`~unsloth_adaptive_kl.declarations.check_user_output` requires of any
+    registered function (``logp``'s shape and dtype, a gradient when ``logp`` has one), and finite on every valid
+    token whose log-probs are finite. A NaN or inf log-prob (the model's) is not the estimator's fault: its KL goes
+    on to the metrics, which count it (``adaptive_kl/nonfinite_kl_batches``). One host sync, the finiteness test's
+    (TRL's eager loss and the Liger module; Unsloth's compiled loss passes ``check=False``)."""
+    check_user_output(KIND, name, out, logp)
     with torch.no_grad():
         blamed = torch.isfinite(logp) & torch.isfinite(ref_logp) & ~torch.isfinite(out)
         if mask is not None:
@@ -347,7 +405,7 @@ def _check_user_output(name: str, out, logp: torch.Tensor, ref_logp: torch.Tenso
         )
 
 
-def check_user_estimator(name: str, bottom_q: float) -> None:
+def check_user_estimator(name: str, parameters: dict | None = None) -> None:
     """Run a registered (user) estimator once, eagerly, on a small float32 batch with a gradient (log-probs in
     [-3, 0], reference log-probs around them), with every check of :func:`estimate_kl`: refused by name when the
     KL term is built, also on backends that call it with ``check=False`` inside a compiled region (Unsloth)."""
@@ -356,4 +414,4 @@ def check_user_estimator(name: str, bottom_q: float) -> None:
     g = torch.Generator().manual_seed(0)
     logp = (-torch.rand(2, 5, generator=g) * 3).requires_grad_(True)
     ref_logp = logp.detach() + torch.randn(2, 5, generator=g)
-    estimate_kl(name, logp, ref_logp, mask=torch.ones(2, 5, dtype=torch.bool), bottom_q=bottom_q)
+    estimate_kl(name, logp, ref_logp, mask=torch.ones(2, 5, dtype=torch.bool), parameters=parameters)

@@ -1,7 +1,7 @@
 """``KLTerm``: the per-token KL term β multiplies, as one immutable object every backend calls.
 
 It holds the settings of the term (the parsed method, the estimator's name, the values of the
-shaping methods' parameters and ``kl_bottom_q``) and nothing that changes during training, so a
+parameters of the estimator and of the shaping methods) and nothing that changes during training, so a
 compiled region (Unsloth's fused loss, the Liger module's ``torch.compile``) can take it as a
 constant. The order of the math is fixed: estimator, × importance ratio, the per-token shaping
 methods in their registered order (:mod:`unsloth_adaptive_kl.shaping`); length normalisation acts
@@ -16,16 +16,18 @@ from typing import Callable
 
 import torch
 
-from .config import excluded_token_ids, shaping_values, validate
+from .config import estimator_values, excluded_token_ids, shaping_values, validate
 from .estimators import check_user_estimator, estimate_kl, get_estimator
-from .shaping import Method, check_user_steps, length_normalized_term, sequence_mean, shape_per_token, user_steps
+from .method import Method
+from .shaping import check_user_steps, length_normalized_term, sequence_mean, shape_per_token, user_steps
 
 
 @dataclass(frozen=True)
 class KLTerm:
     method: Method
     estimator: str
-    bottom_q: float
+    #: The estimator's parameters, ``((name, value), ...)`` (``bottom_q``: ``kl_bottom_q``): a constant for compilation.
+    estimator_parameters: tuple[tuple[str, object], ...] = ()
     #: The method's shaping parameters, ``((name, value), ...)``: hashable, a constant for compilation.
     shaping_parameters: tuple[tuple[str, object], ...] = ()
     #: ``kl_exclude_token_ids``: the token ids whose positions get no KL term (sorted; a constant for compilation).
@@ -40,7 +42,7 @@ class KLTerm:
         return cls(
             method=method,
             estimator=get_estimator(config.kl_estimator).name,
-            bottom_q=float(config.kl_bottom_q),
+            estimator_parameters=tuple(estimator_values(config).items()),
             shaping_parameters=tuple(shaping_values(config, method).items()),
             exclude_token_ids=excluded_token_ids(getattr(config, "kl_exclude_token_ids", None)),
             placement=config.kl_placement,
@@ -50,7 +52,7 @@ class KLTerm:
         """Run the registered (user) estimator and shaping steps of this term once, eagerly, on a small batch, and
         refuse by name one that breaks a rule (:func:`~unsloth_adaptive_kl.estimators.check_user_estimator`,
         :func:`~unsloth_adaptive_kl.shaping.check_user_steps`). Built-ins are not run."""
-        check_user_estimator(self.estimator, self.bottom_q)
+        check_user_estimator(self.estimator, dict(self.estimator_parameters))
         check_user_steps(self.method, dict(self.shaping_parameters))
 
     @property
@@ -74,11 +76,11 @@ class KLTerm:
         spec = get_estimator(self.estimator)
         if spec.batch_statistic is None:
             return None
-        return spec.batch_statistic(ref_logp, mask, q=self.bottom_q)
+        return spec.batch_statistic(ref_logp, mask, **spec.arguments(dict(self.estimator_parameters)))
 
     def estimate(self, logp, ref_logp, mask, statistic=None, *, check: bool = True) -> torch.Tensor:
         """The configured estimator per token (0 on masked positions); ``check=False`` inside a compiled region."""
-        return estimate_kl(self.estimator, logp, ref_logp, mask=mask, statistic=statistic, bottom_q=self.bottom_q, check=check)
+        return estimate_kl(self.estimator, logp, ref_logp, mask=mask, statistic=statistic, parameters=dict(self.estimator_parameters), check=check)
 
     def excluded(self, token_ids: torch.Tensor) -> torch.Tensor | None:
         """Where ``token_ids`` is one of :attr:`exclude_token_ids` (bool, same shape); None when none is excluded.

@@ -1,5 +1,4 @@
-"""Shaping of the per-token KL term: the registry of methods, the built-in ones, and the grammar of
-``kl_adaptation_method``.
+"""Shaping of the per-token KL term: the registry of methods and the built-in ones.
 
 Shaping acts on the per-token KL term that β multiplies, *before* the loss aggregates it, so it
 changes the gradient, not only a logged number. A method is registered with
@@ -11,7 +10,8 @@ and whether it acts per token or on the aggregation::
         return 0.5 * kl
 
 Everything that lists methods or their parameters (the ``GRPOConfig`` fields, :class:`KLTerm`,
-the Liger module's keyword arguments, the README's method table, the tests) reads this registry.
+the Liger module's keyword arguments, the docs' method table, the tests) reads this registry. The
+grammar of ``kl_adaptation_method`` that joins these with a β controller is :mod:`unsloth_adaptive_kl.method`.
 
 The order is fixed by each method's ``order``, whatever order the user writes the ``+``-joined
 names in. The built-ins:
@@ -32,8 +32,8 @@ method              order  what it does to the per-token KL ``kl_t`` (after the 
 
 A method registered without ``order`` applies at 50: after the built-in per-token methods. Methods
 of equal ``order`` apply in the alphabetical order of their names (the same in every process).
-At most one β controller (``dynamic`` or ``target``) may be joined with any shaping methods,
-e.g. ``"dynamic+length_normalized"``.
+At most one β controller (:mod:`unsloth_adaptive_kl.controllers`) may be joined with any shaping
+methods, e.g. ``"dynamic+length_normalized"``.
 """
 
 from __future__ import annotations
@@ -44,36 +44,11 @@ from typing import Callable
 
 import torch
 
-CONTROLLERS = ("dynamic", "target")
+from .declarations import Parameter, check_user_output, claim_method_name, declare, finite_positive, release_method_name, undeclare
+
 #: Where a method registered without ``order`` applies: after the built-in per-token methods.
 DEFAULT_ORDER = 50
-
-
-def _finite_positive(value) -> bool:
-    return math.isfinite(value) and value > 0
-
-
-@dataclass(frozen=True)
-class Parameter:
-    """A parameter of a shaping method.
-
-    ``name`` is how the user sets it: a ``GRPOConfig`` field for the built-ins' parameters, a key of
-    ``kl_shaping_kwargs`` for those of methods registered later (docs/methods.md, "Your own shaping method").
-    ``keyword`` is the keyword the method's function receives it as (``name`` when None). ``check``
-    returns whether a value (already of ``type``) is allowed; ``allowed`` says what is, in words.
-    """
-
-    name: str
-    type: type = float
-    default: object = None
-    check: Callable[[object], bool] | None = None
-    allowed: str = "a finite number"
-    help: str = ""
-    keyword: str | None = None
-
-    @property
-    def argument(self) -> str:
-        return self.keyword or self.name
+KIND = "shaping method"
 
 
 @dataclass(frozen=True)
@@ -107,27 +82,25 @@ def register_shaping(
     ``order``: where it applies among the methods joined with ``+`` (lower first; built-ins: clip 10,
     soft_clip 20, sigmoid 30), a finite number; methods of equal ``order`` apply in the alphabetical order
     of their names, so the order never depends on which process registered what first. ``parameters``:
-    its :class:`Parameter` s (a parameter already registered, e.g. ``kl_clip_threshold``, may be reused
-    by naming it with the same declaration).
+    its :class:`~unsloth_adaptive_kl.declarations.Parameter` s (a parameter already declared, e.g.
+    ``kl_clip_threshold``, by any registry, may be reused by naming it with the same declaration).
     ``summary``: one line for the method table (the docstring's first line when empty).
 
-    ``fn`` is checked as user estimators are (:func:`check_user_step`): it must return a new tensor of its
+    ``fn`` is checked as user estimators are (:func:`~unsloth_adaptive_kl.declarations.check_user_output`): it must return a new tensor of its
     input's shape and dtype, connected to the graph when the input requires grad, finite wherever the KL is
     finite; it must not change its input in place. Refused by name when the KL term is built, at the call
     that breaks a rule, or, for NaN, at the metric sums of that micro-batch (docs/reliability.md).
     """
-    if not isinstance(name, str) or not name or "+" in name or name != name.strip() or name in ("none", *CONTROLLERS):
-        raise ValueError(f"shaping method name {name!r} is not allowed: use a non-empty name without '+' or spaces, not 'none' or {list(CONTROLLERS)}")
-    if name in SHAPING:
-        raise ValueError(f"shaping method {name!r} is already registered")
     if isinstance(order, bool) or not isinstance(order, (int, float)) or not math.isfinite(order):
         raise ValueError(f"shaping method {name!r}: order={order!r} is not valid; allowed: a finite number (built-ins: clip 10, soft_clip 20, sigmoid 30)")
     if not per_token and not _builtin:
         raise ValueError(f"shaping method {name!r}: only per-token methods can be registered (per_token=True)")
-    known = {p.name: p for method in SHAPING.values() for p in method.parameters}
-    for parameter in parameters:
-        if parameter.name in known and known[parameter.name] != parameter:
-            raise ValueError(f"shaping parameter {parameter.name!r} is already declared differently (by another method): reuse its declaration")
+    claim_method_name(KIND, name)
+    try:
+        declare(KIND, name, tuple(parameters))
+    except ValueError:
+        release_method_name(name)
+        raise
 
     def decorator(fn):
         summary_line = summary or (fn.__doc__ or "").strip().split("\n")[0]
@@ -143,6 +116,8 @@ def unregister_shaping(name: str) -> None:
     if method is None or method.builtin:
         raise ValueError(f"shaping method {name!r} is not a registered user method; allowed: {user_shaping_names()}")
     del SHAPING[name]
+    release_method_name(name)
+    undeclare(KIND, name)
 
 
 def shaping_names() -> tuple[str, ...]:
@@ -152,11 +127,6 @@ def shaping_names() -> tuple[str, ...]:
 
 def user_shaping_names() -> tuple[str, ...]:
     return tuple(name for name in shaping_names() if not SHAPING[name].builtin)
-
-
-def method_names() -> tuple[str, ...]:
-    """Every single name ``kl_adaptation_method`` takes: ``none``, the shaping methods, the controllers."""
-    return ("none", *shaping_names(), *CONTROLLERS)
 
 
 def shaping_parameters(builtin: bool | None = None) -> tuple[Parameter, ...]:
@@ -170,65 +140,9 @@ def shaping_parameters(builtin: bool | None = None) -> tuple[Parameter, ...]:
     return tuple(seen.values())
 
 
-@dataclass(frozen=True)
-class Method:
-    """A parsed ``kl_adaptation_method``: one β controller and the shaping steps, in applied order."""
-
-    controller: str  # "fixed", "dynamic" or "target"
-    shaping: tuple[str, ...]
-
-    @property
-    def length_normalized(self) -> bool:
-        return "length_normalized" in self.shaping
-
-    @property
-    def per_token_steps(self) -> tuple[ShapingMethod, ...]:
-        return tuple(SHAPING[name] for name in self.shaping if SHAPING[name].per_token)
-
-    @property
-    def parameters(self) -> tuple[Parameter, ...]:
-        """The parameters of this method's shaping steps, each once."""
-        seen = {p.name: p for step in self.shaping for p in SHAPING[step].parameters}
-        return tuple(seen.values())
-
-    @property
-    def is_none(self) -> bool:
-        return self.controller == "fixed" and not self.shaping
-
-
-def parse_method(method: str) -> Method:
-    """Parse ``"none"``, a single method, or a ``+``-joined composition; raise ValueError otherwise."""
-    allowed = (
-        f"one of {list(method_names())} or a '+'-joined combination of at most one of {list(CONTROLLERS)} and any of "
-        f"{list(shaping_names())}"
-    )
-    if not isinstance(method, str) or not method.strip():
-        raise ValueError(f"kl_adaptation_method={method!r} is not valid; allowed: {allowed}")
-    parts = [p.strip() for p in method.split("+")]
-    if parts == ["none"]:
-        return Method("fixed", ())
-    if "none" in parts:
-        raise ValueError(f"kl_adaptation_method={method!r} joins 'none' (no adaptation) with other parts; allowed: 'none' alone, or the other parts without it")
-    unknown = [p for p in parts if p not in method_names()]
-    if unknown:
-        raise ValueError(f"kl_adaptation_method={method!r} has unknown part(s) {unknown}; allowed: {allowed}")
-    if len(set(parts)) != len(parts):
-        raise ValueError(f"kl_adaptation_method={method!r} repeats a part; allowed: {allowed}")
-    controllers = [p for p in parts if p in CONTROLLERS]
-    if len(controllers) > 1:
-        raise ValueError(f"kl_adaptation_method={method!r} names {len(controllers)} β controllers; allowed: {allowed}")
-    shaping = tuple(name for name in shaping_names() if name in parts)
-    return Method(controllers[0] if controllers else "fixed", shaping)
-
-
-def format_method(method: Method) -> str:
-    """The inverse of :func:`parse_method`: ``method`` as ``kl_adaptation_method`` writes it, canonically
-    (the β controller first, then the shaping steps in applied order; ``"none"`` for no adaptation)."""
-    return "+".join([*([method.controller] if method.controller != "fixed" else []), *method.shaping]) or "none"
-
-
-def shape_per_token(kl: torch.Tensor, method: Method, parameters: dict[str, object]) -> torch.Tensor:
-    """Apply the per-token shaping steps of ``method``, in order; ``parameters``: name -> value.
+def shape_per_token(kl: torch.Tensor, method, parameters: dict[str, object]) -> torch.Tensor:
+    """Apply the per-token shaping steps of ``method`` (a parsed :class:`~unsloth_adaptive_kl.method.Method`), in
+    order; ``parameters``: name -> value.
     Registered (user) steps go through :func:`apply_user_step`; built-ins are trusted."""
     for step in method.per_token_steps:
         arguments = {p.argument: parameters[p.name] for p in step.parameters}
@@ -237,7 +151,7 @@ def shape_per_token(kl: torch.Tensor, method: Method, parameters: dict[str, obje
 
 
 def apply_user_step(step: ShapingMethod, kl: torch.Tensor, arguments: dict[str, object]) -> torch.Tensor:
-    """``step.fn(kl, **arguments)``, its output checked by :func:`check_user_step`, and a change of ``kl`` in place
+    """``step.fn(kl, **arguments)``, its output checked (:func:`~unsloth_adaptive_kl.declarations.check_user_output`), and a change of ``kl`` in place
     refused: the caller's ``kl`` is the raw KL that TRL's ``kl``, ``adaptive_kl/raw_kl`` and ``target`` read.
 
     Eagerly, the tensor's version counter tells (a host-side integer: nothing is copied or synchronised). Inside
@@ -255,26 +169,8 @@ def apply_user_step(step: ShapingMethod, kl: torch.Tensor, arguments: dict[str, 
                 "that input is the raw KL the trainer logs and the target controller steers on; allowed: return a new "
                 "tensor (kl.clamp(...), not kl.clamp_(...))"
             )
-    check_user_step(step.name, shaped, kl)
+    check_user_output(KIND, step.name, shaped, kl)
     return shaped
-
-
-def check_user_step(name: str, shaped, kl: torch.Tensor) -> None:
-    """What a registered step must return for ``kl``, as a user estimator must: a tensor of the same shape and
-    dtype, with a gradient when ``kl`` has one. Metadata only (no value is read, nothing synchronises), so it runs
-    on every call, inside compiled regions too; finiteness is counted in the metric sums
-    (:func:`~unsloth_adaptive_kl.metrics.local_kl_sums`)."""
-    if not isinstance(shaped, torch.Tensor):
-        raise ValueError(f"shaping method {name!r} returned {type(shaped).__name__}; allowed: a torch.Tensor of the KL's shape {tuple(kl.shape)}")
-    if shaped.shape != kl.shape:
-        raise ValueError(f"shaping method {name!r} returned shape {tuple(shaped.shape)} for a KL of shape {tuple(kl.shape)}; allowed: a tensor of the same shape")
-    if shaped.dtype != kl.dtype:
-        raise ValueError(f"shaping method {name!r} returned dtype {shaped.dtype} for a KL of dtype {kl.dtype}; allowed: the KL's dtype")
-    if torch.is_grad_enabled() and kl.requires_grad and not shaped.requires_grad:
-        raise ValueError(
-            f"shaping method {name!r} returned a tensor with no gradient (detached from the KL): the KL term would not "
-            "train while the logs show a KL; allowed: a result computed from the KL with differentiable operations"
-        )
 
 
 #: The KL values :func:`check_user_steps` gives each registered step when the KL term is built: 0, the range
@@ -283,7 +179,7 @@ def check_user_step(name: str, shaped, kl: torch.Tensor) -> None:
 PROBE_KL = ((0.0, 1e-4, 0.01, 0.1, 0.5), (1.0, 2.0, 5.0, 10.0, 30.0))
 
 
-def check_user_steps(method: Method, parameters: dict[str, object]) -> None:
+def check_user_steps(method, parameters: dict[str, object]) -> None:
     """Run each registered step of ``method`` once on :data:`PROBE_KL` (eagerly, float32, with a gradient) and
     refuse it by name if it breaks a rule of :func:`apply_user_step`, changes its input's values in any other
     way, or returns NaN or inf for this finite KL. Called when the KL term is built, before any compiled region
@@ -304,7 +200,7 @@ def check_user_steps(method: Method, parameters: dict[str, object]) -> None:
             )
 
 
-def user_steps(method: Method) -> tuple[str, ...]:
+def user_steps(method) -> tuple[str, ...]:
     """The registered (user) per-token steps of ``method``, in applied order."""
     return tuple(step.name for step in method.per_token_steps if not step.builtin)
 
@@ -313,7 +209,7 @@ def user_steps(method: Method) -> tuple[str, ...]:
 CLIP_THRESHOLD = Parameter(
     "kl_clip_threshold",
     default=1.0,
-    check=_finite_positive,
+    check=finite_positive,
     allowed="a number > 0",
     help="'clip' and 'soft_clip': the cap c of the per-token KL term: min(kl, c), or c * tanh(kl / c) (> 0).",
     keyword="threshold",
@@ -321,7 +217,7 @@ CLIP_THRESHOLD = Parameter(
 KL_TARGET = Parameter(
     "kl_target",
     default=0.1,
-    check=_finite_positive,
+    check=finite_positive,
     allowed="a number > 0",
     help="'sigmoid': the centre of sigmoid(kl - kl_target) * kl, which damps tokens whose KL is near or below it "
     "and caps nothing; 'target': the KL the controller steers toward (> 0).",

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from unsloth_adaptive_kl import toy
-from unsloth_adaptive_kl.shaping import method_names
+from unsloth_adaptive_kl.method import method_names
 
 #: Every registered method alone (none, the shaping methods, the β controllers), and one composition.
 ALL_METHODS = [*method_names(), "dynamic+length_normalized"]
@@ -180,7 +180,7 @@ def settings_from(args) -> Settings:
 
 
 def validate_methods(methods: list[str]) -> None:
-    from unsloth_adaptive_kl.shaping import parse_method
+    from unsloth_adaptive_kl.method import parse_method
 
     for method in methods:
         try:

@@ -29,9 +29,11 @@ from unsloth_adaptive_kl.backends import trl as trl_backend
 from unsloth_adaptive_kl.backends.liger import AdaptiveFusedLinearGRPOLoss
 from trl import GRPOConfig, GRPOTrainer
 
+from unsloth_adaptive_kl.estimators import builtin_estimator_names
+
 WORKER = os.path.join(os.path.dirname(__file__), "agreement_worker.py")
 METHODS = reference.METHODS
-ESTIMATORS = ["k1", "k2", "k3", "abs", "k1+", "k3+", "bottom_q"]
+ESTIMATORS = list(builtin_estimator_names())
 LOSS_TYPES = ["dapo", "grpo"]
 CASES = list(itertools.product(LOSS_TYPES, METHODS, ESTIMATORS))
 T = reference.MAX_COMPLETION

@@ -477,7 +477,7 @@ METHODS = reference.METHODS
 
 @pytest.mark.parametrize("method", METHODS)
 def test_loss_class_trains_end_to_end_logging_metrics_and_beta_trajectory(tiny_checkpoint, tmp_path, method):
-    overrides = dict(kl_adaptation_method=method, reward_threshold=-1.0, kl_clip_threshold=0.05, kl_target=0.02, kl_horizon=40.0, learning_rate=2e-2)
+    overrides = dict(kl_adaptation_method=method, **reference.training_settings(), kl_clip_threshold=0.05, learning_rate=2e-2)
     trainer = make_trainer(tiny_checkpoint, tmp_path, **overrides)
     assert isinstance(trainer._adaptive_loss_module, AdaptiveFusedLinearGRPOLoss)
     before = [p.detach().clone() for p in trainer.model.parameters()]

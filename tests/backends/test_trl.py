@@ -205,7 +205,7 @@ def _run(checkpoint, tmp_path, **overrides):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_grpo_trains_end_to_end_logging_metrics_and_beta_trajectory(tiny_checkpoint, tmp_path, method):
-    overrides = dict(kl_adaptation_method=method, reward_threshold=-1.0, kl_clip_threshold=0.05, kl_target=0.02, kl_horizon=40.0, learning_rate=2e-2)
+    overrides = dict(kl_adaptation_method=method, **reference.training_settings(), kl_clip_threshold=0.05, learning_rate=2e-2)
     trainer, logs = _run(tiny_checkpoint, tmp_path, **overrides)
     assert len(logs) == 3
     betas = [h["adaptive_kl/current_beta"] for h in logs]
@@ -241,9 +241,9 @@ def test_beta_reaching_zero_skips_kl_and_reference_forward_with_reused_generatio
     assert all(not missing(h["adaptive_kl/raw_kl"]) for h in logs[:2])
 
 
-@pytest.mark.parametrize("method", ["dynamic", "target"])
+@pytest.mark.parametrize("method", reference.controller_names())
 def test_resume_from_checkpoint_continues_the_beta_series(tiny_checkpoint, tmp_path, method):
-    overrides = dict(kl_adaptation_method=method, reward_threshold=0.1, reward_window=3, kl_target=0.01, kl_horizon=20.0, max_steps=5, learning_rate=2e-2)
+    overrides = dict(kl_adaptation_method=method, **reference.RESUME_SETTINGS, max_steps=5, learning_rate=2e-2)
     _, full = _run(tiny_checkpoint, tmp_path / "full", **overrides)
     first, _ = _run(tiny_checkpoint, tmp_path / "resumed", **overrides, save_strategy="steps", save_steps=2)
     saved = first._adaptive_kl.state_dict()

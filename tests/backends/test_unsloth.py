@@ -146,7 +146,7 @@ def test_unsloth_grpo_trains_with_each_method(method, tmp_path_factory):
         assert h["adaptive_kl/token_kl_max"] >= h["adaptive_kl/token_kl_p99"] >= 0  # k3: no negative token
     assert all(0 < h["adaptive_kl/token_kl_top1pct_share"] <= 1 for h in logs[1:])
     moved = [h for h in logs if h["adaptive_kl/raw_kl"] > 0.06]
-    if method in ("clip", "soft_clip", "sigmoid"):
+    if method in reference.PER_TOKEN_SHAPING:
         assert all(h["adaptive_kl/adapted_kl"] < h["adaptive_kl/raw_kl"] for h in moved)
         assert any(h["adaptive_kl/adapted_kl"] < h["adaptive_kl/raw_kl"] for h in logs[1:])
 
@@ -192,7 +192,7 @@ def test_a_loop_with_changing_shapes_compiles_no_more_than_stock_unsloth(tmp_pat
         assert all(ours <= theirs for ours, theirs in zip(graphs[1:], stock[1:])), (method, graphs, stock, run["recompile_reasons"])
 
 
-@pytest.mark.parametrize("method", ["dynamic", "target"])
+@pytest.mark.parametrize("method", reference.controller_names())
 def test_resume_from_checkpoint_continues_beta_and_controller_state(method, tmp_path_factory):
     r = run_worker("ours-first", "resume", tmp_path_factory)["resume"][method]
     assert len(r["full"]) == 5 and len(r["resumed_after_2"]) == 3

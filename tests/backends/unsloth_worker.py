@@ -482,12 +482,12 @@ def scenario_train():
         handler.emit = lambda record: lines.append(record.getMessage())
         logging.getLogger("unsloth_adaptive_kl").addHandler(handler)
         with contextlib.redirect_stdout(out):
-            t = trainer(kl_adaptation_method=method, reward_threshold=-1.0, kl_clip_threshold=0.05, kl_target=0.02, kl_horizon=40.0)
+            t = trainer(kl_adaptation_method=method, **reference.training_settings(), kl_clip_threshold=0.05)
             t.train()
         logging.getLogger("unsloth_adaptive_kl").removeHandler(handler)
         logs = [h for h in t.state.log_history if "adaptive_kl/current_beta" in h]
         runs[method] = {
-            "logs": [{k: v for k, v in h.items() if k.startswith("adaptive_kl/") or k == "kl"} for h in logs],
+            "logs": [{k: v for k, v in h.items() if k.startswith("adaptive_kl/") or k in ("kl", "reward")} for h in logs],
             "ignored_printed": "IGNORED" in out.getvalue(),
             "runtime": type(t._adaptive_kl).__name__,
             "backend_lines": [line for line in lines if "backend:" in line],
@@ -599,8 +599,8 @@ def scenario_early_config():
 def scenario_resume():
     """Checkpoint at step 2, resume: the beta series and controller state continue the uninterrupted run's."""
     out = {}
-    for method in ("dynamic", "target"):
-        fields = dict(kl_adaptation_method=method, reward_threshold=0.1, reward_window=3, kl_target=0.01, kl_horizon=20.0, max_steps=5)
+    for method in reference.controller_names():
+        fields = dict(kl_adaptation_method=method, **reference.RESUME_SETTINGS, max_steps=5)
         full = trainer(**fields)
         full.train()
         first_dir = tempfile.mkdtemp(prefix="resume-")

@@ -18,7 +18,9 @@ import torch
 from .._source_patch import PatchError, check_version, version_of
 from ..versions import ALL_LOSS_TYPES, LOSS_CLASS_TRL, SUPPORTED, Supported
 
-LOSS_TYPES = ALL_LOSS_TYPES  # Liger 0.8.5 takes every loss type TRL 1.x has
+#: The loss types Liger-Kernel 0.8.5's ``LigerFusedLinearGRPOLoss`` aggregates (``chunked_loss/grpo_loss.py``): Liger's
+#: own list, not TRL's. A loss type only TRL has is refused by name when the module is built, not at its first forward.
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 TOKEN_LEVEL_ONLY = ("cispo", "sapo", "vespo")  # Liger refuses sequence level for these
 
@@ -91,7 +93,8 @@ def check_liger_arguments(sapo_temperature_pos, sapo_temperature_neg, delta, los
     if delta is not None and delta <= 0:
         raise ValueError(f"delta must be > 0 or None, got {delta}")
     if loss_type not in LOSS_TYPES:
-        raise ValueError(f"loss_type={loss_type!r} is not valid; allowed: {list(LOSS_TYPES)}")
+        trl_only = f" (TRL has it; Liger-Kernel {SUPPORTED['liger-kernel'].label} does not)" if loss_type in ALL_LOSS_TYPES else ""
+        raise ValueError(f"loss_type={loss_type!r} is not valid for the Liger module{trl_only}; allowed: {list(LOSS_TYPES)}")
     if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
         raise ValueError(f"importance_sampling_level={importance_sampling_level!r} is not valid; allowed: {list(IMPORTANCE_SAMPLING_LEVELS)}")
 

@@ -322,7 +322,7 @@ def _wrap_generate(original, runtime_cls):
             if len(rewards) != before + 1:
                 raise PatchError(
                     f"trl {version_of('trl')}: _generate_and_score_completions did not log exactly one 'reward' "
-                    "value; the dynamic β controller cannot see the reward."
+                    "value; the β controller cannot see the reward."
                 )
             observe_generated_reward(self, rewards[-1])
         return output

@@ -51,6 +51,7 @@ from torch import nn
 
 from ..adaptation import AdaptiveKL
 from ..config import DEFAULTS, TERM_FIELD_NAMES
+from ..controllers import controller_names
 from ..estimators import get_estimator
 from ._fused_head import check_fused_arguments, fallback_reason, fused_loss
 from ._liger_interface import (  # noqa: F401  (LOSS_TYPES: a name of this module's API)
@@ -96,7 +97,7 @@ class AdaptiveFusedLinearGRPOLoss(nn.Module):
                 raise ValueError(
                     f"kl_adaptation_method={fields['kl_adaptation_method']!r} is not valid for a standalone "
                     f"{type(self).__name__}: its β controller ({self.adaptive_kl.method.controller!r}) updates β once per "
-                    "optimizer step, which a loss module does not see; allowed: a method without 'dynamic' or 'target' "
+                    f"optimizer step, which a loss module does not see; allowed: a method without a β controller {list(controller_names())} "
                     "(set module.beta yourself), adaptive_kl= (an AdaptiveKL whose controller you run), or "
                     "GRPOTrainer(loss_class=...), whose trainer runs the controller"
                 )
