@@ -11,8 +11,8 @@ step is: the reference forward (``_common.reference_logps``, skipped when β = 0
 
 Rows: ``stock`` (Unsloth's own functions: the package switched off), each ``kl_adaptation_method``
 (every patched row computes the tail metrics in the fused loss), ``beta -> 0`` (``dynamic`` with
-``beta_min=0``, 0 from its second step on), ``stock, beta=0`` and ``none`` with ``kl_exclude_token_ids``
-(``kl_monitor`` is refused under Unsloth's generated trainer: no row).
+``beta_min=0``, 0 from its second step on), ``stock, beta=0``, ``kl_monitor (beta=0)`` (the monitor's cost:
+the report's note pairs it with ``stock, beta=0``) and ``none`` with ``kl_exclude_token_ids``.
 
 Switching between stock and patched: ``unpatch()`` then ``patch()`` would compile the rewritten
 functions anew, and ``torch.compile`` would compile the fused loss again after every switch. So
@@ -143,7 +143,7 @@ def run_mode(mode, args, checkpoint, module, switch, report, deadline):
         batch=args.batch, prompt_len=args.prompt, min_completion=args.min_completion, max_completion=args.max_completion, vocab=args.vocab, device=device
     )  # fmt: skip
     common = dict(switch=switch, module=module, args=args, model=model, ref_model=ref_model, optimizer=optimizer, batch=batch, tokenizer=tokenizer, device=device)
-    keys = [key for key in _common.wanted_rows(args) if key != "monitor"]  # kl_monitor is refused under Unsloth's trainer
+    keys = _common.wanted_rows(args)
     built = {key: make_row(key, **common) for key in keys}
     switch.patched()
     rows, trainers = [built[k][0] for k in keys], [built[k][1] for k in keys]

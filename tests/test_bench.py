@@ -301,3 +301,24 @@ def test_bench_trl_smoke_times_kl_monitor_against_stock_at_beta_zero_and_the_exc
     assert list(rows) == [_common.STOCK_BETA0, _common.MONITOR, _common.EXCLUDE]
     assert all(r["rounds"] == [0, 1] and min(r["times_s"]) > 0 for r in rows.values())
     assert rows[_common.MONITOR]["beta_now"] == rows[_common.STOCK_BETA0]["beta_now"] == 0.0
+
+
+@pytest.mark.skipif(importlib.util.find_spec("unsloth") is None, reason="unsloth is not installed")
+def test_bench_unsloth_smoke_times_kl_monitor_against_stock_at_beta_zero(tmp_path):
+    """The monitor row on Unsloth's generated trainer (full fine-tuning, its separate reference model): it runs the
+    reference forward at β = 0, compiles nothing in a timed step, and the note pairs it with stock at β = 0."""
+    out = tmp_path / "unsloth.md"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(BENCH), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(
+        [sys.executable, os.path.join(BENCH, "bench_unsloth.py"), "--smoke", "--modes", "full", "--rows", "stock_beta0,monitor", "--out", str(out)],
+        capture_output=True, text=True, timeout=600, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    import _common
+
+    assert f"{_common.MONITOR} vs {_common.STOCK_BETA0} (the reference forward and the logged KL): paired" in out.read_text()
+    (raw,) = json.loads((tmp_path / "unsloth.md.json").read_text()).values()
+    rows = {r["name"]: r for r in raw}
+    assert list(rows) == [_common.STOCK_BETA0, _common.MONITOR]
+    assert all(min(r["times_s"]) > 0 and r["graphs"] == 0 for r in rows.values()), rows
+    assert rows[_common.MONITOR]["beta_now"] == rows[_common.STOCK_BETA0]["beta_now"] == 0.0

@@ -80,8 +80,8 @@ FIELDS: tuple[FieldSpec, ...] = (
         bool,
         False,
         "With beta = 0 (set, or reached by a β controller), still run the reference forward and compute and log "
-        "the KL (adaptive_kl/* and TRL's kl), while the loss stays exactly TRL's beta = 0 loss. Costs the reference "
-        "forward. TRL backend and GRPOTrainer(loss_class=...); refused under Unsloth's generated trainer.",
+        "the KL (adaptive_kl/* and TRL's kl), while the loss stays exactly the backend's beta = 0 loss. Costs the reference "
+        "forward. TRL (>= 1.8) and Unsloth 2026.10; refused on Unsloth 2026.8/2026.9 and with GRPOTrainer(loss_class=...).",
     ),
     FieldSpec(
         "kl_exclude_token_ids",

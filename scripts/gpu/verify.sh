@@ -26,7 +26,7 @@
 # with the whole; a kernel profile), bench_unsloth.py with stock, none and length_normalized only (budget 240 s), and
 # the bf16 fused-vs-kernel GPU cases of the combined method.
 # kl-diagnostics (issue 36, one GPU, <= 580 s): bench_trl.py (LoRA and full FT, 16 completions) and bench_unsloth.py
-# (LoRA, 16 completions) with the rows stock, none (tail metrics on), stock beta=0, kl_monitor (TRL only) and
+# (LoRA, 16 completions) with the rows stock, none (tail metrics on), stock beta=0, kl_monitor (both backends) and
 # kl_exclude_token_ids; writes bench-trl-kl-diagnostics.md and bench-unsloth-kl-diagnostics.md (+ .json, .log).
 # study33-probe (issue 33, one GPU, <= 560 s): the long task's warm start and GRPO step time before its study
 # (scripts/gpu/study33_probe.py: one run alone, then eight at once, 8 steps each, each invocation warm-starting
@@ -137,7 +137,7 @@ for stage in "$@"; do
         --rows stock,none,stock_beta0,monitor,exclude --out "$OUT/bench-trl-kl-diagnostics.md" > "$OUT/bench-trl-kl-diagnostics.log" 2>&1
       echo "bench_trl exit status $?"; cat "$OUT/bench-trl-kl-diagnostics.md" 2>/dev/null || tail -30 "$OUT/bench-trl-kl-diagnostics.log"
       timeout 280 python bench/bench_unsloth.py --modes lora --batch 16 --rounds 200 --budget 260 \
-        --rows stock,none,stock_beta0,exclude --out "$OUT/bench-unsloth-kl-diagnostics.md" > "$OUT/bench-unsloth-kl-diagnostics.log" 2>&1
+        --rows stock,none,stock_beta0,monitor,exclude --out "$OUT/bench-unsloth-kl-diagnostics.md" > "$OUT/bench-unsloth-kl-diagnostics.log" 2>&1
       echo "bench_unsloth exit status $?"; cat "$OUT/bench-unsloth-kl-diagnostics.md" 2>/dev/null || tail -30 "$OUT/bench-unsloth-kl-diagnostics.log" ;;
     liger-conformance)  # Liger's own GRPO test file, stock vs the drop-in, 8 shards each; then loss_class= vs TRL
       timeout 200 python scripts/gpu/liger_loss_class_check.py --steps 4 > "$OUT/liger-loss-class.log" 2>&1 &

@@ -171,6 +171,11 @@ def test_changing_beta_never_recompiles_the_fused_loss(tmp_path_factory):
     extra = [z - f for z, f in zip(to_zero["graphs"], fixed["graphs"])]
     assert extra[:3] == [0, 0, 0] and max(extra) <= 1, (to_zero["graphs"], fixed["graphs"])
     assert to_zero["raw_kl"][3:] == [None, None]
+    # kl_monitor: β reaching 0 compiles nothing new (the gate stays 1.0; a tensor flag keeps the KL out of the
+    # loss), and the KL is still logged at β = 0.
+    monitored = r["compiled_monitor_to_zero"]
+    assert monitored["betas"] == pytest.approx(to_zero["betas"]) and monitored["graphs"] == fixed["graphs"], (monitored, fixed)
+    assert all(kl is not None and kl > 0 for kl in monitored["raw_kl"][3:]), monitored
 
 
 def test_a_loop_with_changing_shapes_compiles_no_more_than_stock_unsloth(tmp_path_factory):
@@ -235,10 +240,60 @@ def test_excluded_tokens_leave_the_fused_kl_term_and_metrics_and_not_the_policy_
         assert logged["adaptive_kl/token_kl_max"] == [pytest.approx(maximum, rel=1e-6)], c
 
 
-def test_kl_monitor_is_refused_naming_unsloth_and_why(tmp_path_factory):
-    error = run_worker("unsloth-first", "diagnostics", tmp_path_factory)["monitor_error"]
-    assert error is not None and error.startswith("kl_monitor=True is not valid with Unsloth's generated trainer (unsloth 20"), error
-    assert "only while beta != 0" in error and "allowed: kl_monitor=False" in error
+def test_kl_monitor_at_beta_zero_keeps_stock_unsloths_loss_and_gradients_and_logs_the_kl(tmp_path_factory):
+    """kl_monitor with beta = 0 on the generated trainer: the reference model is made, and on each loss type (method none,
+    a shaping method with the length-normalised term, and a NaN reference log-prob) the loss and every gradient equal
+    stock Unsloth's beta = 0 ones (torch.equal; unpatched in place, with no reference log-probs), while the raw KL, its
+    tail and Unsloth's own kl are logged: the first against float64, the kl against stock Unsloth's at beta = 0.04."""
+    import math
+
+    import torch
+    from test_tail import exact_tail
+
+    r = run_worker("unsloth-first", "diagnostics", tmp_path_factory)["monitor"]
+    assert r["args_beta"] == 0.0 and r["beta"] == 0.0 and r["has_ref_model"], r
+    assert len(r["cases"]) == 3 * len(LOSS_TYPES)
+    for c in r["cases"]:
+        ours_finite, stock_finite = c["grads_finite"]
+        assert c["loss_equal"] and c["grads_equal"] and ours_finite == stock_finite, c  # a NaN reference changes nothing
+        logged, stock = c["logged"], c["stock_logged"]
+        assert "adaptive_kl/raw_kl" not in stock and stock["kl"] == [0.0], stock  # stock logs no KL at beta = 0
+        assert logged["adaptive_kl/current_beta"] == [0.0], c
+        if c["nan_ref"]:  # the KL is not finite: not logged, counted; the loss is untouched all the same
+            assert "adaptive_kl/raw_kl" not in logged and logged["adaptive_kl/nonfinite_kl_batches"] == [1.0], c
+            continue
+        assert logged["adaptive_kl/raw_kl"] == [pytest.approx(c["raw_ref"], rel=1e-5)], c
+        assert logged["kl"] == [pytest.approx(c["stock_kl"][0], rel=1e-6)] and c["stock_kl"][0] > 0, c
+        maximum, _, _ = exact_tail(torch.tensor(c["valid_raw"], dtype=torch.float64))
+        assert logged["adaptive_kl/token_kl_max"] == [pytest.approx(maximum, rel=1e-6)], c
+        assert math.isfinite(logged["adaptive_kl/token_kl_p99"][0]), c
+
+
+def test_kl_monitor_trains_one_step_exactly_as_stock_unsloth_at_beta_zero(tmp_path_factory):
+    """One full training step (generation, the reference forward, loss, optimizer) with kl_monitor at beta = 0 against
+    stock Unsloth's at beta = 0, same seed: the same logged loss and the same weights afterwards; the KL is logged."""
+    r = run_worker("unsloth-first", "diagnostics", tmp_path_factory)["monitor_train"]["one_step"]
+    assert r["stock_runtime"] and set(r["ref_calls"]) == {0}, r  # the reference forward ran (stock's has no reference)
+    assert r["weights_equal"], r
+    stock, monitored = r["stock_log"], r["monitored_log"]
+    assert monitored["loss"] == stock["loss"] and monitored["reward"] == stock["reward"], r
+    assert "adaptive_kl/raw_kl" not in stock and monitored["adaptive_kl/raw_kl"] >= 0 and monitored["adaptive_kl/current_beta"] == 0.0, r
+
+
+@pytest.mark.parametrize("run", ["zero", "dynamic_to_zero"])
+def test_kl_monitor_runs_the_reference_forward_and_logs_the_kl_at_beta_zero_in_training(run, tmp_path_factory):
+    """beta = 0 from the start, or reached by the dynamic controller after 2 steps: every step's reference forward
+    runs and adaptive_kl/raw_kl, the tail and Unsloth's kl are logged, with β 0 where it is 0."""
+    import math
+
+    r = run_worker("unsloth-first", "diagnostics", tmp_path_factory)["monitor_train"][run]
+    logs = r["logs"]
+    assert [h["adaptive_kl/current_beta"] for h in logs] == ([0.0] * 4 if run == "zero" else [0.04, 0.04, 0.0, 0.0]), logs
+    assert r["ref_calls"] == [0, 1, 2, 3], r
+    for h in logs:
+        assert math.isfinite(h["adaptive_kl/raw_kl"]) and math.isfinite(h["kl"]), h
+        assert h["adaptive_kl/token_kl_max"] >= h["adaptive_kl/token_kl_p99"] >= 0, h
+    assert logs[-1]["adaptive_kl/raw_kl"] > 0 and logs[-1]["kl"] > 0, logs  # the policy moved, and the log shows it
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
@@ -395,3 +450,45 @@ def test_the_generated_trainer_trains_with_reward_placement_and_the_target_contr
     assert len(logs) == 3 and all("adaptive_kl/kl_penalty" in h for h in logs)
     betas = [h["adaptive_kl/current_beta"] for h in logs]
     assert betas[0] == 0.04 and len(set(betas)) == 3  # the controller acted on the scoring-time KL after each step
+
+
+# -- fast: kl_monitor's checks, without the generated trainer ------------------------------------------------------
+def test_kl_monitor_is_refused_on_the_unsloth_lines_generated_from_trl_0_24_naming_the_version():
+    """2026.8 and 2026.9 generate their trainer from TRL 0.24's source: MONITOR_PLAN has no family for them, and
+    the reason names the installed version (UnslothAdaptiveKL.check_monitor raises a ValueError with it)."""
+    from unsloth_adaptive_kl._source_patch import PatchError
+    from unsloth_adaptive_kl.backends import unsloth as backend
+
+    for version in ("2026.8.17", "2026.9.9"):
+        with pytest.raises(PatchError, match=rf"unsloth {version}: no anchor set of the unsloth \(kl_monitor\) backend covers"):
+            backend.MONITOR_PLAN.select({}, installed=lambda distribution, v=version: v)
+    assert backend.MONITOR_PLAN.select({}, installed=lambda distribution: "2026.10.9").family == "unsloth 2026.10"
+
+
+@pytest.mark.parametrize("case", ["beta", "no_kept_set", "kept_set", "kept_set_refused_before"])
+def test_the_reference_forward_at_beta_zero_latches_unscored_precision_and_refuses_kept_set_scoring(case, monkeypatch):
+    """Before kl_monitor's reference forward at β = 0: Unsloth's unscored precision latch (what its β = 0 loss latches),
+    and a refusal where Unsloth would score the reference over the rollouts' kept set (it drops the set only at β != 0;
+    one it already dropped stays dropped). At β != 0 nothing is done: that forward is Unsloth's own."""
+    import types
+
+    from unsloth_adaptive_kl.backends.unsloth import UnslothAdaptiveKL
+
+    trainer = types.SimpleNamespace(beta=0.04 if case == "beta" else 0.0)
+    if case == "kept_set_refused_before":
+        trainer._unsloth_truncated_support_refused = True
+    kept_set = {"support_top_k": 20} if case.startswith("kept_set") else {}
+    zoo = types.ModuleType("unsloth_zoo")
+    zoo.rl_replacements = types.ModuleType("unsloth_zoo.rl_replacements")
+    zoo.rl_replacements.grpo_truncated_support_kwargs = lambda t: kept_set if t is trainer else None
+    monkeypatch.setitem(sys.modules, "unsloth_zoo", zoo)
+    monkeypatch.setitem(sys.modules, "unsloth_zoo.rl_replacements", zoo.rl_replacements)
+    latched = []
+    runtime = types.SimpleNamespace(trainer=trainer)
+    if case == "kept_set":
+        with pytest.raises(ValueError, match="kl_monitor=True at beta = 0 is not valid with Unsloth's kept-set scoring .*UNSLOTH_GRPO_TRUNCATED_SUPPORT=0"):
+            UnslothAdaptiveKL.before_reference_forward(runtime, latched.append)
+        assert latched == []
+        return
+    UnslothAdaptiveKL.before_reference_forward(runtime, latched.append)
+    assert latched == ([] if case == "beta" else [trainer])

@@ -346,7 +346,7 @@ def kl_part_under_accumulation(t, seen, beta, clip_threshold, kl_target, accumul
 
 def scenario_diagnostics():
     """kl_exclude_token_ids in the fused loss (eager, as every scenario but compiled*): the KL part and the metrics against float64 with
-    the excluded positions masked, the β = 0 loss with and without the exclusion; and kl_monitor's refusal."""
+    the excluded positions masked, the β = 0 loss with and without the exclusion; and kl_monitor (below)."""
     t = trainer()
     t.model.train()
     seen = spy_on_fused_loss()
@@ -377,11 +377,95 @@ def scenario_diagnostics():
             case.update(expected=expected.item(), excluded_count=int(excluded.sum()), raw_ref=(raw.sum() / kl_mask.sum()).item(), valid_raw=raw[kl_mask].tolist())
             out.append(case)
     results["diagnostics"] = out
+    results["monitor"] = monitor_against_stock()
+    results["monitor_train"] = monitor_training()
+
+
+def monitor_against_stock():
+    """kl_monitor at beta = 0 on the generated trainer: its reference model; per loss type (method none, and a shaping
+    method with the length-normalised term, its β set to 0 as a controller would) the loss and gradients against stock Unsloth's at beta = 0 (unpatched in
+    place, no reference log-probs: what its beta = 0 generation gives), also with a NaN reference log-prob; the KL
+    logged against float64 and against stock Unsloth's own kl at beta = 0.04 on the same batch."""
+    t = trainer(beta=0.0, kl_monitor=True)
+    t.model.train()
+    out = {"args_beta": t.args.beta, "beta": t.beta, "has_ref_model": t.ref_model is not None, "cases": []}
+    seen = spy_on_fused_loss()
+    for loss_type in LOSS_TYPES:
+        for method, nan_ref in (("none", False), ("clip+sigmoid+length_normalized", False), ("none", True)):
+            # A shaping method cannot be configured with beta = 0; a controller can reach it (set here).
+            set_method(t, method, loss_type, beta=0.0 if method == "none" else 0.04, kl_monitor=True, kl_clip_threshold=0.2, kl_target=0.1)
+            t.beta = 0.0
+            inputs = hand_made_inputs(t, seed=6)
+            if nan_ref:
+                inputs["ref_per_token_logps"][0, 1] = float("nan")
+            t._metrics["train"].clear()
+            torch.manual_seed(0)
+            loss, grads = loss_and_grads(t, inputs)
+            logged = {k: list(v) for k, v in t._metrics["train"].items()}
+            fused_new, fused_ref, fused_old, fused_mask = seen["new"], seen["ref"], seen["old"], seen["mask"]
+            unsloth_adaptive_kl.unpatch()
+            try:
+                t._metrics["train"].clear()
+                torch.manual_seed(0)
+                stock_loss, stock_grads = loss_and_grads(t, {k: v for k, v in inputs.items() if k != "ref_per_token_logps"})
+                stock_logged = {k: list(v) for k, v in t._metrics["train"].items()}
+                t.beta = 0.04  # stock Unsloth's own kl on the same batch, with its reference
+                t._metrics["train"].clear()
+                with torch.no_grad():
+                    t.compute_loss(t.model, inputs)
+                stock_kl = list(t._metrics["train"]["kl"])
+            finally:
+                unsloth_adaptive_kl.patch()
+            mask = fused_mask.bool()
+            raw, _ = reference.raw_and_shaped_kl("none", fused_new, fused_ref, fused_old, mask, estimator="k3", clip_threshold=0.2, kl_target=0.1, unsloth_clamps=True)
+            out["cases"].append(dict(
+                loss_type=loss_type, method=method, nan_ref=nan_ref, loss=loss.item(), stock_loss=stock_loss.item(),
+                loss_equal=bool(torch.equal(loss, stock_loss)),
+                # NaN where stock's are NaN (luspo's all-masked row), and bit-equal everywhere else
+                grads_equal=len(grads) == len(stock_grads) > 0
+                and all(torch.allclose(a, b, rtol=0, atol=0, equal_nan=True) for a, b in zip(grads, stock_grads)),
+                grads_finite=[all(bool(g.isfinite().all()) for g in gs) for gs in (grads, stock_grads)], logged=logged, stock_logged=stock_logged,
+                stock_kl=stock_kl, raw_ref=(raw.sum() / mask.sum()).item(), valid_raw=raw[mask].tolist(),
+            ))  # fmt: skip
+    return out
+
+
+def monitor_training():
+    """Short runs: one step with kl_monitor at beta = 0 against one stock Unsloth step at beta = 0 (the trainer
+    created unpatched), same seed; then beta = 0 throughout, and the dynamic controller reaching 0 after 2 steps,
+    with every step's reference forward counted."""
+    def weights(t):
+        return [p.detach().clone() for p in t.model.parameters()]
+
+    out = {}
+    unsloth_adaptive_kl.unpatch()
     try:
-        set_method(t, "none", "dapo", beta=0.0, kl_monitor=True)
-        results["monitor_error"] = None
-    except ValueError as error:
-        results["monitor_error"] = str(error)
+        stock = trainer(beta=0.0, max_steps=1)
+        stock.train()
+    finally:
+        unsloth_adaptive_kl.patch()
+    monitored = trainer(beta=0.0, kl_monitor=True, max_steps=1)
+    ref_calls = []
+    monitored.ref_model.register_forward_hook(lambda *a: ref_calls.append(monitored.state.global_step))
+    monitored.train()
+    (stock_log,) = [h for h in stock.state.log_history if "loss" in h]
+    (monitored_log,) = [h for h in monitored.state.log_history if "loss" in h]
+    out["one_step"] = {
+        "stock_runtime": getattr(stock, "_adaptive_kl", None) is None, "ref_calls": ref_calls,
+        "weights_equal": all(torch.equal(a, b) for a, b in zip(weights(stock), weights(monitored))),
+        "stock_log": stock_log, "monitored_log": monitored_log,
+    }
+    for name, overrides in {
+        "zero": dict(beta=0.0),
+        "dynamic_to_zero": dict(beta=0.04, kl_adaptation_method="dynamic", reward_threshold=100.0, beta_min=0.0, beta_schedule_steps=2),
+    }.items():
+        t = trainer(kl_monitor=True, max_steps=4, **overrides)
+        calls = []
+        t.ref_model.register_forward_hook(lambda *a, t=t, calls=calls: calls.append(t.state.global_step))
+        t.train()
+        logs = [{k: v for k, v in h.items() if k.startswith("adaptive_kl/") or k == "kl"} for h in t.state.log_history if "adaptive_kl/current_beta" in h]
+        out[name] = {"logs": logs, "ref_calls": sorted(set(calls))}
+    return out
 
 
 METHODS = reference.METHODS
@@ -537,7 +621,7 @@ def scenario_resume():
 
 def scenario_compiled():
     """Compiled fused loss: graphs compiled per step with a fixed beta, a beta that changes every
-    step, and a beta that reaches 0 (dynamo state reset between runs)."""
+    step, and a beta that reaches 0, without and with kl_monitor (dynamo state reset between runs)."""
     import torch._dynamo
     from torch._dynamo.utils import counters
     from transformers import TrainerCallback
@@ -553,6 +637,7 @@ def scenario_compiled():
         "fixed": dict(kl_adaptation_method="none"),
         "dynamic": dict(kl_adaptation_method="dynamic", reward_threshold=-1.0),
         "dynamic_to_zero": dict(kl_adaptation_method="dynamic", reward_threshold=-1.0, beta_min=0.0, beta_schedule_steps=3),
+        "monitor_to_zero": dict(kl_adaptation_method="dynamic", reward_threshold=-1.0, beta_min=0.0, beta_schedule_steps=3, kl_monitor=True),
     }
     for name, overrides in runs.items():
         torch._dynamo.reset()

@@ -70,6 +70,8 @@ class TrainerAdaptiveKL(RewardPlacement, AdaptiveKL):
             process_index=accelerator.process_index, num_processes=accelerator.num_processes,
         )  # fmt: skip
         self.trainer = trainer
+        if self.monitor:
+            trainer.__dict__["beta"] = float(trainer.args.beta)  # the library's __init__ stored the β it was shown (building)
         #: Micro-batches whose loss went through the patched loss (each reports its metrics once):
         #: how a subclass's override of the loss is seen to reach it (:func:`_guard_loss_path`).
         self.losses_reported = 0
@@ -86,9 +88,21 @@ class TrainerAdaptiveKL(RewardPlacement, AdaptiveKL):
         raise NotImplementedError
 
     @classmethod
+    @contextlib.contextmanager
     def building(cls, config):
-        """A context the library's ``__init__`` runs in (``config``: its args); a backend may need one (kl_monitor)."""
-        return contextlib.nullcontext()
+        """The context the library's ``__init__`` runs in (``config``: its args). kl_monitor with beta = 0: TRL's
+        ``__init__`` (and Unsloth's, generated from it) makes the reference (a model, or under PEFT the frozen "ref"
+        copy of a pretrained adapter) only when ``args.beta != 0``, so it is shown β = 1.0 while it builds the
+        trainer; the config's β is put back before anything trains (and before attach reads it)."""
+        monitored = getattr(config, "kl_monitor", False) is True and getattr(config, "beta", None) == 0
+        if not monitored:
+            yield
+            return
+        configured, config.beta = config.beta, 1.0
+        try:
+            yield
+        finally:
+            config.beta = configured
 
     def log_library_kl(self, values: dict[str, float], raw, mask, mode: str) -> None:
         """Log the library's own ``kl`` where it does not (β = 0 under kl_monitor): its global masked mean of the

@@ -15,7 +15,6 @@ What is patched, each undone by ``unpatch()``:
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import sys
 
@@ -164,27 +163,6 @@ _MONITORED: set[str] = set()  # the patched targets kl_monitor needs that this T
 
 class TRLAdaptiveKL(_trainer.TrainerAdaptiveKL):
     """The :class:`AdaptiveKL` of one TRL ``GRPOTrainer``; the rewritten loss calls into it."""
-
-    def __init__(self, trainer):
-        super().__init__(trainer)
-        if self.monitor:
-            trainer.__dict__["beta"] = float(trainer.args.beta)  # TRL's __init__ stored the β it was shown (building)
-
-    @classmethod
-    @contextlib.contextmanager
-    def building(cls, config):
-        """kl_monitor with beta = 0: TRL's ``__init__`` makes the reference (a model, or under PEFT the frozen
-        "ref" copy of a pretrained adapter) only when ``args.beta != 0``, so it is shown β = 1.0 while it
-        builds the trainer; the config's β is put back before anything trains (and before attach reads it)."""
-        monitored = getattr(config, "kl_monitor", False) is True and getattr(config, "beta", None) == 0
-        if not monitored:
-            yield
-            return
-        configured, config.beta = config.beta, 1.0
-        try:
-            yield
-        finally:
-            config.beta = configured
 
     def reference_logps(self, inputs) -> torch.Tensor:
         if "ref_per_token_logps" not in inputs:

@@ -16,6 +16,7 @@ anchor (in the generated module)   replacement                                  
 ``accumulated_mean_kl = zeros(1)``  ``zeros(STATS_SIZE)``                          room for the sums in the ``mean_kl`` slot
 ``trainer.beta,`` (the call)       ``trainer._adaptive_kl.fused_beta_gate(...)``  fills ``kwargs["adaptive_kl"]``; see below
 ``_metrics["kl"].append(..)``      ``_adaptive_kl.record_fused(mean_kl, mode)``   logs adaptive_kl/*, and Unsloth's own kl
+``ref - new``, ``kl_i * coef_1``    ``kl_new``, ``kl_coef_1`` (``kl_inputs``)       kl_monitor: detached while β is 0
 =================================  =============================================  ==========================================
 
 ``adaptive_kl`` is ``kwargs["adaptive_kl"]``, one :class:`FusedKLInputs` (the KL term, β, the
@@ -23,8 +24,12 @@ batch's completion count and the estimator's batch statistic). The ``beta`` argu
 threads through its compiled loss stays a Python constant: 1.0 while β != 0 and 0.0 once β is 0
 (it selects Unsloth's ``if beta != 0.0`` branches). β itself is the tensor, so a changing β never
 recompiles the fused loss (a float would: 6.7x slower steps, measured); a tensor in those branches
-would break ``fullgraph=True``. The ``mean_kl`` slot carries ``[unsloth_kl, local sums...]``: it is
-the only output of Unsloth's autograd function a statistic can leave through.
+would break ``fullgraph=True``. Under ``kl_monitor`` the gate stays 1.0 at β = 0 too (the KL is computed, so
+β reaching 0 compiles nothing new) and a 0-dim flag keeps the KL out of the loss and its gradient
+(:meth:`FusedKLInputs.kl_inputs`, :meth:`FusedKLInputs.in_loss`); :data:`MONITOR_PLAN` runs the reference forward
+at β = 0 in the generation (2026.10 only: the older lines refuse kl_monitor). The ``mean_kl`` slot
+carries ``[unsloth_kl, local sums...]``: it is the only output of Unsloth's autograd function a
+statistic can leave through.
 
 It also grafts the config fields onto ``UnslothGRPOConfig`` (so no field is printed as
 "IGNORED") and gives the trainer the wrappers of ``_trainer.py``. Import order does not matter:
@@ -34,6 +39,7 @@ generates it (``unsloth_hooks.watch_generation``), so also a config created befo
 
 from __future__ import annotations
 
+import functools
 import sys
 from typing import NamedTuple
 
@@ -78,8 +84,23 @@ UNSLOTH_2026_10 = AnchorSet(
             "unsloth_zoo",
             "        kl_i = torch.expm1(kl_log_ratio) - kl_log_ratio\n",
             "        kl_i = torch.expm1(kl_log_ratio) - kl_log_ratio\n"
-            '        kl_i = kwargs["adaptive_kl"].estimate(kl_i, new, ref, kl_log_ratio, mask)\n',
+            '        kl_i = kwargs["adaptive_kl"].estimate(kl_i, kl_new, ref, kl_log_ratio, mask)\n',
             "the configured estimator, on Unsloth's clamped log-ratio",
+        ),
+        Rewrite(
+            "grpo_compute_loss",
+            "unsloth_zoo",
+            "        kl_log_ratio = torch.clamp(ref - new, min = -20.0, max = 20.0)\n",
+            '        kl_new, kl_coef_1 = kwargs["adaptive_kl"].kl_inputs(new, coef_1)\n'
+            "        kl_log_ratio = torch.clamp(ref - kl_new, min = -20.0, max = 20.0)\n",
+            "kl_monitor: while β is 0 the KL reads new and coef_1 detached, so no gradient goes through it",
+        ),
+        Rewrite(
+            "grpo_compute_loss",
+            "unsloth_zoo",
+            "        if use_bias_correction_kl:\n            kl_i = kl_i * coef_1\n",
+            "        if use_bias_correction_kl:\n            kl_i = kl_i * kl_coef_1\n",
+            "kl_monitor: the bias correction's ratio, detached while β is 0",
         ),
         Rewrite(
             "grpo_compute_loss",
@@ -94,8 +115,8 @@ UNSLOTH_2026_10 = AnchorSet(
             "unsloth_zoo",
             "    if beta != 0.0:\n        loss_i = loss_i + beta * kl_i\n",
             '    if beta != 0.0 and not kwargs["adaptive_kl"].term.length_normalized:\n'
-            '        loss_i = loss_i + kwargs["adaptive_kl"].beta * adaptive_kl_i\n',
-            "β (a tensor) times the adapted KL; length_normalized adds its term in finish",
+            '        loss_i = loss_i + kwargs["adaptive_kl"].loss_term(adaptive_kl_i)\n',
+            "β (a tensor) times the adapted KL (none while kl_monitor watches β = 0); length_normalized adds its term in finish",
         ),
         Rewrite(
             "grpo_compute_loss",
@@ -127,7 +148,7 @@ UNSLOTH_2026_10 = AnchorSet(
         ),
     ),
 )
-_KL, _SHAPE, _ADD, _FINISH, _FORWARD, _GATE, _TRAINER_KL = UNSLOTH_2026_10.rewrites
+_KL, _MONITOR_NEW, _MONITOR_COEF, _SHAPE, _ADD, _FINISH, _FORWARD, _GATE, _TRAINER_KL = UNSLOTH_2026_10.rewrites
 # Older unsloth_zoo lines (docs/compatibility.md): 2026.9 clamps k3 in one line, before the bias
 # correction; 2026.8 neither clamps nor corrects. Neither has kl_metric or rollout rejection (rs_keep).
 _FINISH_BEFORE_2026_10 = Rewrite(
@@ -181,6 +202,47 @@ UNSLOTH_2026_8 = AnchorSet(
 )  # fmt: skip
 PLAN = Plan(backend="unsloth", anchor_sets=(UNSLOTH_2026_10, UNSLOTH_2026_9, UNSLOTH_2026_8))  # newest first
 
+# kl_monitor's reference forward at β = 0, in the generation of the trainer generated from TRL 1.15's source
+# (``_UnslothGRPOTrainer``'s; ``UnslothGRPOTrainer``'s own is Unsloth's rollout wrapper around it). The 2026.8 and
+# 2026.9 lines generate theirs from TRL 0.24's, where the TRL backend does not offer kl_monitor either: refused there.
+_MONITOR_GENERATE = "_UnslothGRPOTrainer._generate_and_score_completions"
+
+
+def _explicit_super(line: str) -> Rewrite:
+    return Rewrite(
+        _MONITOR_GENERATE,
+        "unsloth",
+        line,
+        line.replace("super()", "super(_UnslothGRPOTrainer, self)"),
+        "a function compiled from its source outside its class has no __class__ cell: zero-argument super() would fail",
+    )
+
+
+MONITOR_PLAN = Plan(
+    backend="unsloth (kl_monitor)",
+    anchor_sets=(
+        AnchorSet(
+            "unsloth 2026.10",
+            {"unsloth_zoo": ">=2026.10,<2026.11"},
+            (
+                Rewrite(
+                    _MONITOR_GENERATE,
+                    "unsloth",
+                    "            # Compute the per-token log probabilities for the reference model\n            if self.beta != 0.0:\n",
+                    "            # Compute the per-token log probabilities for the reference model\n"
+                    "            if self._adaptive_kl.computes_kl:\n"
+                    "                self._adaptive_kl.before_reference_forward(_unsloth_grpo_autocast_unscored)\n",
+                    "kl_monitor: the reference forward also runs at β = 0, with the loss's precision latch of a β = 0 run",
+                ),
+                _explicit_super("            image_inputs = super()._prepare_inputs(image_inputs)\n"),
+                _explicit_super("            prompt_inputs = super()._prepare_inputs(prompt_inputs)\n"),
+            ),
+        ),
+    ),
+)
+#: Trainer class -> why kl_monitor cannot be applied to it (MONITOR_PLAN does not match its generation).
+_MONITOR_UNAVAILABLE: dict[type, str] = {}
+
 
 class FusedKLInputs(NamedTuple):
     """``kwargs["adaptive_kl"]`` of the fused loss: what its rewritten lines read."""
@@ -190,6 +252,23 @@ class FusedKLInputs(NamedTuple):
     num_completions: torch.Tensor | None  # 0-dim; completions in the whole batch (chunks see a slice)
     statistic: torch.Tensor | None  # the estimator's batch statistic (bottom_q's threshold)
     tail_edges: torch.Tensor | None = None  # tail.edges_on(device): the tail histogram's edges, an input of the graph
+    kl_enters_loss: torch.Tensor | None = None  # kl_monitor only: 0-dim bool, False while β is 0 (the KL is then only logged)
+
+    def kl_inputs(self, new, coef_1):
+        """What Unsloth's KL reads of the policy: ``new`` and ``coef_1`` as they are, or under kl_monitor each
+        detached while β is 0. A ``where`` on a tensor flag, not a Python branch, so β reaching 0 compiles no new
+        graph; it selects (never multiplies) the gradient, so the KL's is exactly 0 even where the KL is not finite."""
+        if self.kl_enters_loss is None:
+            return new, coef_1
+        return torch.where(self.kl_enters_loss, new, new.detach()), torch.where(self.kl_enters_loss, coef_1, coef_1.detach())
+
+    def in_loss(self, term):
+        """A KL term as it enters the loss: ``term``, or under kl_monitor 0 while β is 0 (exactly: a select)."""
+        return term if self.kl_enters_loss is None else torch.where(self.kl_enters_loss, term, 0.0)
+
+    def loss_term(self, adapted):
+        """β times the adapted per-token KL, as it enters Unsloth's per-token loss."""
+        return self.in_loss(self.beta * adapted)
 
     def estimate(self, unsloth_k3, new, ref, clamped_log_ratio, mask):
         """Unsloth's own (clamped) k3, or the configured estimator on the same clamped log-ratio."""
@@ -217,8 +296,10 @@ class FusedKLInputs(NamedTuple):
             # the valid tokens that are not excluded (token_ids: the loss's input_ids, None from a direct caller)
             kl_mask = mask if token_ids is None else self.term.kl_mask(mask, token_ids.reshape(mask.shape))
             if self.term.length_normalized:
-                loss = loss + self.term.length_normalized_loss(
-                    adapted, kl_mask, beta=self.beta, num_completions=self.num_completions, accumulation=accumulation
+                loss = loss + self.in_loss(
+                    self.term.length_normalized_loss(
+                        adapted, kl_mask, beta=self.beta, num_completions=self.num_completions, accumulation=accumulation
+                    )
                 )
             # One chunk (the rewritten call passes n_chunks=1): the chunk's max and min are the micro-batch's.
             sums = metrics.local_metric_sums(
@@ -235,13 +316,56 @@ class UnslothAdaptiveKL(_trainer.TrainerAdaptiveKL):
     def __init__(self, trainer):
         super().__init__(trainer)
         if self.monitor:
+            self.check_monitor()
+
+    def check_monitor(self) -> None:
+        """kl_monitor: refuse it where this Unsloth's generation was not rewritten for it (its reason), and check
+        that the generated ``__init__``, shown β = 1.0 (``building``), made the reference."""
+        trainer, cls = self.trainer, type(self.trainer)
+        versions = f"unsloth {version_of('unsloth')}, unsloth_zoo {version_of('unsloth_zoo')}"
+        reason = next((_MONITOR_UNAVAILABLE[c] for c in cls.__mro__ if c in _MONITOR_UNAVAILABLE), None)
+        if reason is not None:
             raise ValueError(
-                f"kl_monitor=True is not valid with Unsloth's generated trainer (unsloth {version_of('unsloth')}, unsloth_zoo "
-                f"{version_of('unsloth_zoo')}): it makes and scores its reference model only while beta != 0 in its own "
-                "generated __init__ and generation, its kept-set scoring check and the precision latch of its unscored "
-                "forwards, and its fused loss computes the KL only behind the same gate, none of which this package "
-                "rewrites; allowed: kl_monitor=False, or the TRL backend (TRL's GRPOTrainer, without import unsloth)"
+                f"kl_monitor=True is not valid with Unsloth's generated trainer {cls.__qualname__} ({versions}): its "
+                f"reference forward at beta = 0 could not be patched ({reason}); allowed: kl_monitor=False, or unsloth "
+                "2026.10 (the line generated from TRL 1.15, where it is patched)"
             )
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        if getattr(trainer, "ref_model", None) is None and not hasattr(model, "peft_config"):
+            raise PatchError(
+                f"{versions}: kl_monitor=True, but {cls.__qualname__}.__init__ made no reference model although it was "
+                "shown beta = 1.0 (and the model has no adapter to disable); the KL cannot be watched at beta = 0"
+            )
+
+    def before_reference_forward(self, unscored_precision_latch) -> None:
+        """Called by the rewritten generation before the reference forward, which at β = 0 only kl_monitor runs.
+
+        Then two of Unsloth's decisions must stay those of its β = 0 run, whose loss kl_monitor keeps exactly:
+        the precision its loss latches when no scoring forward ran (``unscored_precision_latch``, Unsloth's
+        ``_unsloth_grpo_autocast_unscored``: the reference forward would latch the scoring one first, float16
+        autocast on a forced-float32 model), and the top_k / top_p kept set its vLLM scoring may use. Unsloth
+        drops that set when a reference model is scored (another model's set is not the sampler's); at β = 0 it
+        keeps it, so the reference would be scored over its own set: refused."""
+        trainer = self.trainer
+        if float(trainer.beta) != 0.0:
+            return
+        try:
+            from unsloth_zoo.rl_replacements import grpo_truncated_support_kwargs
+        except ImportError:  # no kept-set scoring in this unsloth_zoo (Unsloth reads its absence as none too)
+            grpo_truncated_support_kwargs = None
+        if (
+            grpo_truncated_support_kwargs is not None
+            and grpo_truncated_support_kwargs(trainer)
+            and not getattr(trainer, "_unsloth_truncated_support_refused", False)
+        ):
+            raise ValueError(
+                "kl_monitor=True at beta = 0 is not valid with Unsloth's kept-set scoring of vLLM rollouts "
+                "(UNSLOTH_GRPO_TRUNCATED_SUPPORT=1, or its automatic choice for truncated rollouts): the reference model "
+                "would be scored over its own top_k / top_p / min_p kept set, a distribution that is not normalised, and "
+                "Unsloth's scoring at beta = 0 cannot change without changing the loss; allowed: kl_monitor=False, "
+                "UNSLOTH_GRPO_TRUNCATED_SUPPORT=0, or beta > 0"
+            )
+        unscored_precision_latch(trainer)
 
     def describe(self) -> str:
         cls = type(self.trainer)
@@ -251,10 +375,16 @@ class UnslothAdaptiveKL(_trainer.TrainerAdaptiveKL):
         """Put this step's :class:`FusedKLInputs` in the loss kwargs; return the constant gate the
         compiled loss sees as its ``beta`` (1.0 while β != 0, else 0.0; module docstring)."""
         beta = float(self.trainer.beta)
-        if beta == 0.0:
+        if beta == 0.0 and not self.monitor:
             kwargs["adaptive_kl"] = FusedKLInputs(self.term, None, None, None)
             return 0.0
-        if self.length_normalized and kwargs.get("sample_weight") is not None:
+        if self.monitor and ref_logps is None:
+            raise PatchError(
+                f"unsloth {version_of('unsloth')} / unsloth_zoo {version_of('unsloth_zoo')}: kl_monitor=True, but this batch "
+                "reached the fused loss without reference log-probs (the generation did not score the reference); the KL "
+                "cannot be computed"
+            )
+        if beta != 0.0 and self.length_normalized and kwargs.get("sample_weight") is not None:
             raise ValueError(
                 "kl_adaptation_method with length_normalized cannot be combined with Unsloth's per-completion "
                 "sample weights (sample_weight): both replace the loss normaliser"
@@ -269,6 +399,8 @@ class UnslothAdaptiveKL(_trainer.TrainerAdaptiveKL):
             num_completions=torch.tensor(float(completion_mask.shape[0]), dtype=torch.float32, device=device),
             statistic=None if ref_logps is None else self.batch_statistic(ref_logps, completion_mask),
             tail_edges=tail_edges,
+            # kl_monitor: a flag the graph reads, so β reaching 0 recompiles nothing (the gate stays 1.0)
+            kl_enters_loss=torch.tensor(beta != 0.0, device=device) if self.monitor else None,
         )
         return 1.0
 
@@ -280,7 +412,8 @@ class UnslothAdaptiveKL(_trainer.TrainerAdaptiveKL):
                 f"no adaptive-KL statistics (got {getattr(stats, 'shape', stats)}); this loss path is not patched"
             )
         beta = float(self.trainer.beta)
-        self.log_metrics(self.record_sums(None if beta == 0.0 else stats[1:], training=mode == "train", beta=beta), mode)
+        observed = stats[1:] if self.computes_kl else None  # at β = 0 only kl_monitor computes the KL
+        self.log_metrics(self.record_sums(observed, training=mode == "train", beta=beta), mode)
         return stats[0].item()
 
 
@@ -355,6 +488,28 @@ def _rollout_wrapper(trainer_cls):
     return wrap
 
 
+def _install_monitor(trainer_cls) -> None:
+    """Give ``trainer_cls`` kl_monitor's generation (:data:`MONITOR_PLAN`), wrapped as Unsloth wraps its own, for
+    the trainers that watch the KL; every other trainer runs Unsloth's. Where the plan does not match, nothing is
+    set and the reason is kept: a trainer asking for kl_monitor is refused with it."""
+    library_own = getattr(trainer_cls, reward_placement.TARGET_NAME)
+    try:
+        (rewritten,) = MONITOR_PLAN.build({"_UnslothGRPOTrainer": trainer_cls.__mro__[1]}).values()
+    except PatchError as error:
+        _MONITOR_UNAVAILABLE[trainer_cls] = str(error)
+        return
+    _MONITOR_UNAVAILABLE.pop(trainer_cls, None)
+    wrap = _rollout_wrapper(trainer_cls)
+    monitored = rewritten if wrap is None else wrap(rewritten)
+
+    @functools.wraps(library_own)
+    def _generate_and_score_completions(self, *args, **kwargs):
+        runtime = self.__dict__.get("_adaptive_kl")
+        return (monitored if runtime is not None and runtime.monitor else library_own)(self, *args, **kwargs)
+
+    set_attribute(trainer_cls, reward_placement.TARGET_NAME, _generate_and_score_completions)
+
+
 def patch_generated_module(module) -> None:
     global _patched_module
     check_versions()
@@ -369,6 +524,7 @@ def patch_generated_module(module) -> None:
     for target, function in built.items():
         owner, name = split_target(target)
         set_attribute(targets[owner], name, function)
+    _install_monitor(trainer_cls)  # then the reward placement's dispatch around it, then the wrappers below
     reward_placement.install(  # before the wrappers below wrap it
         trainer_cls, reward_placement.UNSLOTH_PLAN, {"_UnslothGRPOTrainer": trainer_cls.__mro__[1]}, wrap=_rollout_wrapper(trainer_cls)
     )
