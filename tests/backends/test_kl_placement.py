@@ -16,7 +16,7 @@ from trl import GRPOConfig, GRPOTrainer
 import reference
 import unsloth_adaptive_kl
 from unsloth_adaptive_kl import metrics, toy
-from unsloth_adaptive_kl._source_patch import PatchError
+from unsloth_adaptive_kl._source_patch import PatchError, version_of
 from unsloth_adaptive_kl.backends import reward_placement
 from unsloth_adaptive_kl.backends import trl as trl_backend
 from unsloth_adaptive_kl.backends.liger import AdaptiveFusedLinearGRPOLoss
@@ -344,7 +344,7 @@ def test_a_local_the_replacements_read_must_exist_in_the_library_function():
     try:
         reason = reward_placement.unavailable_reason(Renamed)
         # _source_patch's free-name check (every rewrite gets it): the first name read that the function does not define
-        assert "reads 'old_per_token_logps'" in reason and "does not define" in reason and "trl 1.15.0" in reason
+        assert "reads 'old_per_token_logps'" in reason and "does not define" in reason and f"trl {version_of('trl')}" in reason
     finally:
         reward_placement._UNAVAILABLE.pop(Renamed)
 

@@ -8,11 +8,13 @@ two inside a ``torch.compile(fullgraph=True)`` region. :data:`PLAN` rewrites the
 =================================  =============================================  ==========================================
 anchor (in the generated module)   replacement                                    why
 =================================  =============================================  ==========================================
-``kl_i = expm1(r) - r``            ``kl_i = adaptive_kl.estimate(...)``           the configured estimator on Unsloth's
-                                                                                  clamped log-ratio (k3 stays Unsloth's)
+``kl_i = expm1(r) - r``            ``kl_i, faults = adaptive_kl.estimate(..)``    the configured estimator on Unsloth's
+                                                                                  clamped log-ratio (k3 stays Unsloth's);
+                                                                                  a user one's NaN on finite inputs
 ``kl_i = clamp(kl_i, -10, 10)``    ``adaptive_kl_i = adaptive_kl.term.shape(..)``  the per-token shaping, after Unsloth's clamps
 ``loss_i + beta * kl_i``           ``loss_i + adaptive_kl.beta * adaptive_kl_i``  β from the controller, as a 0-dim tensor
 ``masked_batch_mean(kl_metric)``   ``adaptive_kl.finish(...)``                    length-normalised term; the metric sums
+                                                                                  (the faults counted: refused at their read)
 ``accumulated_mean_kl = zeros(1)``  ``zeros(STATS_SIZE)``                          room for the sums in the ``mean_kl`` slot
 ``trainer.beta,`` (the call)       ``trainer._adaptive_kl.fused_beta_gate(...)``  fills ``kwargs["adaptive_kl"]``; see below
 ``_metrics["kl"].append(..)``      ``_adaptive_kl.record_fused(mean_kl, mode)``   logs adaptive_kl/*, and Unsloth's own kl
