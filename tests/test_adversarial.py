@@ -137,8 +137,9 @@ def test_local_sums_of_an_empty_batch_are_zero_and_its_metrics_are_missing_not_z
     for lengths, width in ([[0, 0], 3], [[0], 0]):
         mask = ragged_mask(lengths, width)
         garbage = torch.full(mask.shape, NAN)
-        sums = metrics.local_kl_sums(garbage, garbage, mask)
-        assert sums.tolist() == [0.0, 0.0, 0.0, 0.0, float(len(lengths)), 0.0]  # the masked NaN does not leak
+        everywhere = torch.ones(mask.shape, dtype=torch.bool)  # a user estimator NaN on every (masked) token
+        sums = metrics.local_kl_sums(garbage, garbage, mask, count_shaping_faults=True, estimator_faults=everywhere)
+        assert sums.tolist() == [0.0, 0.0, 0.0, 0.0, float(len(lengths)), 0.0, 0.0]  # the masked NaN does not leak, nor count
         for length_normalized in (True, False):
             values = metrics.metric_values(sums, length_normalized=length_normalized)
             # no valid token: no KL was observed; NaN is what the trainer's log() shows as missing (a 0 would
@@ -153,7 +154,7 @@ def test_local_sums_match_float64_over_valid_tokens_only():
     dirty_raw, dirty_adapted = raw.masked_fill(mask == 0, float("inf")), adapted.masked_fill(mask == 0, NAN)
     sums = metrics.local_kl_sums(dirty_raw, dirty_adapted, mask)
     m = mask.double()
-    expected = [(raw.double() * m).sum(), (adapted.double() * m).sum(), m.sum(), ((adapted.double() * m).sum(-1) / m.sum(-1).clamp(min=1)).sum(), 3.0, 0.0]
+    expected = [(raw.double() * m).sum(), (adapted.double() * m).sum(), m.sum(), ((adapted.double() * m).sum(-1) / m.sum(-1).clamp(min=1)).sum(), 3.0, 0.0, 0.0]
     torch.testing.assert_close(sums, torch.tensor([float(e) for e in expected], dtype=torch.float64))
 
 
@@ -296,7 +297,7 @@ def test_trl_loss_at_log_ratios_of_1e4_is_finite_and_matches_float64(trl_trainer
 # -- Unsloth: the fused loss's KL lines, FusedKLInputs called with plain tensors ------------------------------
 def unsloth_fused_kl(term, new, ref, old, mask, beta=0.1):
     """The KL lines of unsloth_zoo 2026.10.9's grpo_compute_loss as patched (padding zeroed first, as
-    Unsloth does), then ``finish``: returns the loss's KL part and the 6-vector of statistics."""
+    Unsloth does), then ``finish``: returns the loss's KL part and the statistics (Unsloth's kl, the sums, the tail)."""
     from unsloth_adaptive_kl.backends.unsloth import FusedKLInputs
 
     fused = FusedKLInputs(term, torch.tensor(beta), torch.tensor(float(max(mask.shape[0], 1))), None)
@@ -304,14 +305,14 @@ def unsloth_fused_kl(term, new, ref, old, mask, beta=0.1):
     new, ref, old = torch.where(keep, new, 0.0), torch.where(keep, ref, 0.0), torch.where(keep, old, 0.0)
     kl_log_ratio = torch.clamp(ref - new, min=-20.0, max=20.0)
     kl_i = torch.expm1(kl_log_ratio) - kl_log_ratio
-    kl_i = fused.estimate(kl_i, new, ref, kl_log_ratio, mask)
+    kl_i, estimator_faults = fused.estimate(kl_i, new, ref, kl_log_ratio, mask)
     kl_i = kl_i * torch.exp(new - old)
     kl_i = torch.clamp(kl_i, min=-10.0, max=10.0)
     adapted = term.shape(kl_i)
     loss = torch.zeros(())
     if not term.length_normalized:
         loss = beta * (adapted * mask).sum() / mask.sum().clamp(min=1)
-    return fused.finish(loss, torch.zeros(()), kl_i, adapted, mask, None, 1)
+    return fused.finish(loss, torch.zeros(()), kl_i, adapted, mask, None, 1, estimator_faults=estimator_faults)
 
 
 @pytest.mark.parametrize("batch", list(BATCHES))

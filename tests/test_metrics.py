@@ -35,9 +35,26 @@ def test_metric_values_are_nan_without_tokens_and_means_otherwise():
     adapted = raw.clamp(max=1.0)
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
     sums = metrics.local_kl_sums(raw, adapted, mask)
-    assert sums.tolist() == [4.0, 2.5, 3.0, (0.5 + 1.0) / 2 + 1.0, 2.0, 0.0]  # last: valid tokens a user function made non-finite
+    assert sums.tolist() == [4.0, 2.5, 3.0, (0.5 + 1.0) / 2 + 1.0, 2.0, 0.0, 0.0]  # last two: tokens user functions made non-finite
     finite = {metrics.NONFINITE_KL_BATCHES: 0.0}
     assert metrics.metric_values(sums, length_normalized=False) == {metrics.RAW_KL: 4.0 / 3, metrics.ADAPTED_KL: 2.5 / 3, **finite}
     assert metrics.metric_values(sums, length_normalized=True) == {metrics.RAW_KL: 4.0 / 3, metrics.ADAPTED_KL: 1.75 / 2, **finite}
     empty = metrics.local_kl_sums(raw, adapted, torch.zeros_like(mask))
     assert all(math.isnan(v) for v in metrics.metric_values(empty, length_normalized=True).values())
+
+
+def test_the_fault_slots_count_the_valid_tokens_a_user_shaping_step_or_estimator_made_non_finite():
+    """SHAPING_FAULTS: valid tokens with a finite raw KL and a non-finite adapted one (only when asked: a built-in
+    method cannot make them). ESTIMATOR_FAULTS: the valid tokens of the estimator's fault map (Unsloth's compiled
+    loss, where the estimator runs unchecked). Masked positions never count."""
+    nan, inf = math.nan, math.inf
+    raw = torch.tensor([[0.5, nan, 7.0], [2.0, 1.0, 3.0]])
+    adapted = torch.tensor([[inf, nan, nan], [nan, 1.0, nan]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    estimator_faults = torch.tensor([[False, True, False], [False, True, True]])
+    sums = metrics.local_kl_sums(raw, adapted, mask, count_shaping_faults=True, estimator_faults=estimator_faults)
+    assert sums[metrics.SHAPING_FAULTS].item() == 3.0  # (0,0) inf, (0,2) and (1,0) NaN; not (0,1): its raw was NaN; not (1,2): masked
+    assert sums[metrics.ESTIMATOR_FAULTS].item() == 2.0  # (0,1) and (1,1); not (1,2): masked
+    unasked = metrics.local_kl_sums(raw, adapted, mask)
+    assert unasked[metrics.SHAPING_FAULTS].item() == 0.0 and unasked[metrics.ESTIMATOR_FAULTS].item() == 0.0
+    assert metrics.local_metric_sums(raw, adapted, mask, estimator_faults=estimator_faults)[metrics.ESTIMATOR_FAULTS].item() == 2.0

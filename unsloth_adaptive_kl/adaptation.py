@@ -15,6 +15,7 @@ import torch
 from . import metrics, tail
 from .config import checked_beta, controller_config
 from .controllers import BetaController, ControllerMismatchError, make_controller
+from .estimators import nonfinite_estimator_error
 from .kl_term import KLTerm
 from .method import format_method
 
@@ -107,17 +108,18 @@ class AdaptiveKL:
         """As :meth:`record`, from :func:`metrics.local_metric_sums` computed elsewhere (e.g. in a fused loss).
 
         One reduce and one read to the host per micro-batch (the one host sync of the metrics): the tail
-        histogram rides in the same tensor, and the check of the user shaping steps reads the same copy. A user
-        step that made a finite KL NaN or inf is refused here, on every process alike (the totals are global),
-        before the step's optimizer update."""
+        histogram rides in the same tensor, and the check of the user functions reads the same copy. A user
+        estimator (counted by Unsloth's compiled loss, which calls it unchecked) or shaping step that made a finite
+        KL NaN or inf is refused here, on every process alike (the totals are global), before the step's optimizer
+        update."""
         totals = read = reduced_tail = None
         if local_sums is not None:
             spread_tail = tail.spread(local_sums[metrics.NUM_SUMS :], self.process_index, self.num_processes)
             totals = self.reduce(torch.cat([local_sums[: metrics.NUM_SUMS], spread_tail]))
             host = totals.cpu()
             read, reduced_tail = host[: metrics.NUM_SUMS].tolist(), host[metrics.NUM_SUMS :]
-        if read is not None and read[metrics.SHAPING_FAULTS] > 0:
-            raise self._shaping_fault(int(read[metrics.SHAPING_FAULTS]))
+        if read is not None:
+            self.refuse_user_faults(read[metrics.ESTIMATOR_FAULTS], read[metrics.SHAPING_FAULTS])
         if training and totals is not None and self.kl_in_loss:  # under "reward" the controller sees the scoring-time KL
             sums = totals[: metrics.NUM_SUMS]
             self._step_sums = sums if self._step_sums is None else self._step_sums + sums
@@ -145,6 +147,19 @@ class AdaptiveKL:
         """Start a new logging window for the tail metrics (the trainer's log flushed the last one)."""
         self._tail_window[training] = None
 
+    def refuse_user_faults(self, estimator_tokens: float, shaping_tokens: float, *, when: str = "") -> None:
+        """Raise ValueError naming the user estimator or shaping step(s) if the counts of tokens they made NaN or inf
+        on finite inputs (:data:`metrics.ESTIMATOR_FAULTS`, :data:`metrics.SHAPING_FAULTS`, read on the host) are not 0.
+        The estimator first: its NaN reaches the shaping as a non-finite KL, which no step is blamed for. ``when``:
+        appended to the message (a check made after the call that had the fault)."""
+        if estimator_tokens > 0:
+            error = nonfinite_estimator_error(self.estimator, int(estimator_tokens))
+        elif shaping_tokens > 0:
+            error = self._shaping_fault(int(shaping_tokens))
+        else:
+            return
+        raise ValueError(f"{error}{when}")
+
     def _shaping_fault(self, tokens: int) -> ValueError:
         names = self.term.user_shaping_steps
         who = f"shaping method {names[0]!r}" if len(names) == 1 else (
@@ -161,8 +176,8 @@ class AdaptiveKL:
         scoring time), reduced across processes and kept for this optimizer step's controller update.
         Returns the totals."""
         totals = self.reduce(local_sums)
-        if self.term.user_shaping_steps and totals[metrics.SHAPING_FAULTS].item() > 0:
-            raise self._shaping_fault(int(totals[metrics.SHAPING_FAULTS].item()))
+        if self.term.user_shaping_steps:  # the estimator is checked where it ran (eagerly, at scoring time)
+            self.refuse_user_faults(0, totals[metrics.SHAPING_FAULTS].item())
         self._step_sums = totals if self._step_sums is None else self._step_sums + totals
         return totals
 

@@ -394,15 +394,26 @@ def _check_user_output(name: str, out, logp: torch.Tensor, ref_logp: torch.Tenso
     (TRL's eager loss and the Liger module; Unsloth's compiled loss passes ``check=False``)."""
     check_user_output(KIND, name, out, logp)
     with torch.no_grad():
-        blamed = torch.isfinite(logp) & torch.isfinite(ref_logp) & ~torch.isfinite(out)
+        blamed = nonfinite_on_finite_inputs(out, logp, ref_logp)
         if mask is not None:
             blamed &= mask.bool()
         count = int(blamed.sum())
     if count:
-        raise ValueError(
-            f"KL estimator {name!r} returned NaN or inf on valid tokens whose log-probs were finite ({count} of them): the "
-            "bug is in the estimator; allowed: a finite value wherever logp and ref_logp are finite"
-        )
+        raise nonfinite_estimator_error(name, count)
+
+
+def nonfinite_on_finite_inputs(out: torch.Tensor, logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """Where an estimator's output is NaN or inf although both its log-probs are finite (bool): its own fault.
+    Elementwise only (no value is read), so it also runs inside a compiled region."""
+    return torch.isfinite(logp) & torch.isfinite(ref_logp) & ~torch.isfinite(out)
+
+
+def nonfinite_estimator_error(name: str, count: int) -> ValueError:
+    """The error for ``count`` valid tokens where the user estimator ``name`` was NaN or inf on finite log-probs."""
+    return ValueError(
+        f"KL estimator {name!r} returned NaN or inf on valid tokens whose log-probs were finite ({count} of them): the "
+        "bug is in the estimator; allowed: a finite value wherever logp and ref_logp are finite"
+    )
 
 
 def check_user_estimator(name: str, parameters: dict | None = None) -> None:

@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 
 from .config import estimator_values, excluded_token_ids, shaping_values, validate
-from .estimators import check_user_estimator, estimate_kl, get_estimator
+from .estimators import check_user_estimator, estimate_kl, get_estimator, nonfinite_on_finite_inputs
 from .method import Method
 from .shaping import check_user_steps, length_normalized_term, sequence_mean, shape_per_token, user_steps
 
@@ -81,6 +81,14 @@ class KLTerm:
     def estimate(self, logp, ref_logp, mask, statistic=None, *, check: bool = True) -> torch.Tensor:
         """The configured estimator per token (0 on masked positions); ``check=False`` inside a compiled region."""
         return estimate_kl(self.estimator, logp, ref_logp, mask=mask, statistic=statistic, parameters=dict(self.estimator_parameters), check=check)
+
+    def estimator_faults(self, kl: torch.Tensor, logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor | None:
+        """Where the configured estimator's output ``kl`` (called with ``check=False``) is NaN or inf on finite log-probs
+        (bool), for the metric sums to count (:data:`~unsloth_adaptive_kl.metrics.ESTIMATOR_FAULTS`); None for a built-in
+        estimator (trusted: no operation is added)."""
+        if get_estimator(self.estimator).builtin:
+            return None
+        return nonfinite_on_finite_inputs(kl, logp, ref_logp)
 
     def excluded(self, token_ids: torch.Tensor) -> torch.Tensor | None:
         """Where ``token_ids`` is one of :attr:`exclude_token_ids` (bool, same shape); None when none is excluded.

@@ -40,23 +40,31 @@ LATEST_VALUE_METRICS = (CURRENT_BETA, SKIPPED_UPDATES)
 WINDOW_SUM_METRICS = (NONFINITE_KL_BATCHES,)
 
 # Layout of the sums tensor.
-RAW_SUM, ADAPTED_SUM, TOKENS, ADAPTED_SEQ_MEAN_SUM, COMPLETIONS, SHAPING_FAULTS = range(6)
-NUM_SUMS = 6
+RAW_SUM, ADAPTED_SUM, TOKENS, ADAPTED_SEQ_MEAN_SUM, COMPLETIONS, SHAPING_FAULTS, ESTIMATOR_FAULTS = range(7)
+NUM_SUMS = 7
 #: Length of :func:`local_metric_sums`: the sums, then this shard's :func:`tail.local_tail`.
 SUMS_SIZE = NUM_SUMS + tail.LOCAL_SIZE
 
 
 def local_metric_sums(
-    raw: torch.Tensor, adapted: torch.Tensor, mask: torch.Tensor, tail_edges: torch.Tensor | None = None, *, count_shaping_faults: bool = False
+    raw: torch.Tensor,
+    adapted: torch.Tensor,
+    mask: torch.Tensor,
+    tail_edges: torch.Tensor | None = None,
+    *,
+    count_shaping_faults: bool = False,
+    estimator_faults: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """What a backend reduces once per micro-batch: :func:`local_kl_sums`, then the histogram of the raw
     KL for the tail metrics (:func:`tail.local_tail`; ``tail_edges``: its edges on the device)."""
-    sums = local_kl_sums(raw, adapted, mask, count_shaping_faults=count_shaping_faults)
+    sums = local_kl_sums(raw, adapted, mask, count_shaping_faults=count_shaping_faults, estimator_faults=estimator_faults)
     return torch.cat([sums, tail.local_tail(raw, mask, tail_edges)])
 
 
-def local_kl_sums(raw: torch.Tensor, adapted: torch.Tensor, mask: torch.Tensor, *, count_shaping_faults: bool = False) -> torch.Tensor:
-    """Sums over this shard's valid tokens, as one float64 tensor of 6 values (see the layout above).
+def local_kl_sums(
+    raw: torch.Tensor, adapted: torch.Tensor, mask: torch.Tensor, *, count_shaping_faults: bool = False, estimator_faults: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Sums over this shard's valid tokens, as one float64 tensor of 7 values (see the layout above).
 
     The values are summed in float64, whatever their dtype: a bf16 KL (TRL's log-probs under FSDP2's
     bf16 ``MixedPrecisionPolicy``) summed in bf16 is rounded to 8 significant bits, which made the
@@ -66,13 +74,16 @@ def local_kl_sums(raw: torch.Tensor, adapted: torch.Tensor, mask: torch.Tensor, 
     ``count_shaping_faults`` (a method with a registered, user, shaping step): ``SHAPING_FAULTS`` counts the
     valid tokens whose raw KL is finite and adapted KL is not. The built-in steps keep a finite KL finite, so
     those are a user step's fault. Counted here, it is read with the sums (no host sync of its own); 0 otherwise.
+
+    ``estimator_faults`` (a user estimator called unchecked, inside Unsloth's compiled loss): where the
+    estimator's output was NaN or inf on finite inputs (:meth:`~unsloth_adaptive_kl.kl_term.KLTerm.estimator_faults`,
+    bool, ``raw``'s shape); ``ESTIMATOR_FAULTS`` counts its valid tokens, read the same way; 0 when None.
     """
     with torch.no_grad():
         valid = mask.bool()
         zero = torch.zeros((), dtype=torch.float64, device=raw.device)
-        faults = zero
-        if count_shaping_faults:
-            faults = (valid & torch.isfinite(raw) & ~torch.isfinite(adapted)).sum().double()
+        faults = shaping_faults(raw, adapted, valid) if count_shaping_faults else zero
+        blamed_estimator = zero if estimator_faults is None else (valid & estimator_faults.reshape(valid.shape)).sum().double()
         return torch.stack(
             [
                 torch.where(valid, raw.double(), zero).sum(),
@@ -81,8 +92,15 @@ def local_kl_sums(raw: torch.Tensor, adapted: torch.Tensor, mask: torch.Tensor, 
                 sequence_mean(adapted.double(), mask).sum(),
                 torch.ones_like(valid.sum(-1), dtype=torch.float64).sum(),  # rows (also when T = 0); no Python float, so it compiles
                 faults,
+                blamed_estimator,
             ]
         )
+
+
+def shaping_faults(raw: torch.Tensor, adapted: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """How many ``valid`` tokens (bool) have a finite raw KL and a NaN or inf shaped one: a user shaping step's
+    fault (the built-in steps keep a finite KL finite). A float64 0-dim tensor; nothing is read to the host."""
+    return (valid & torch.isfinite(raw) & ~torch.isfinite(adapted)).sum().double()
 
 
 def token_mean(total: float, tokens: float) -> float:

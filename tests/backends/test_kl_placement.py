@@ -4,6 +4,7 @@ definitions, and the loss then carries no KL term. Also: the controllers act on 
 the metric, the refusals, resume, and GRPOTrainer(loss_class=...)."""
 
 import dataclasses
+import inspect
 import json
 import math
 
@@ -15,7 +16,7 @@ from trl import GRPOConfig, GRPOTrainer
 import reference
 import unsloth_adaptive_kl
 from unsloth_adaptive_kl import metrics, toy
-from unsloth_adaptive_kl._source_patch import PatchError
+from unsloth_adaptive_kl._source_patch import PatchError, version_of
 from unsloth_adaptive_kl.backends import reward_placement
 from unsloth_adaptive_kl.backends import trl as trl_backend
 from unsloth_adaptive_kl.backends.liger import AdaptiveFusedLinearGRPOLoss
@@ -329,6 +330,10 @@ def test_a_local_the_replacements_read_must_exist_in_the_library_function():
         def _generate_and_score_completions(self, inputs):
             mode = ref_per_token_logps = rewards = unscorable_mask = num_generations = torch = None  # noqa: F841
             if inputs:
+                image_inputs = prompt_inputs = None
+            image_inputs = super()._prepare_inputs(image_inputs)
+            prompt_inputs = super()._prepare_inputs(prompt_inputs)
+            if inputs:
                 pass
             else:
                 ref_per_token_logps = None
@@ -340,9 +345,36 @@ def test_a_local_the_replacements_read_must_exist_in_the_library_function():
     try:
         reason = reward_placement.unavailable_reason(Renamed)
         # _source_patch's free-name check (every rewrite gets it): the first name read that the function does not define
-        assert "reads 'old_per_token_logps'" in reason and "does not define" in reason and "trl 1.15.0" in reason
+        assert "reads 'old_per_token_logps'" in reason and "does not define" in reason and f"trl {version_of('trl')}" in reason
     finally:
         reward_placement._UNAVAILABLE.pop(Renamed)
+
+
+def zero_argument_super_calls(function) -> list[str]:
+    """The lines of ``function``'s compiled source (the rewritten one, registered in linecache under its code's file
+    name) that call ``super()`` with no argument: each raises RuntimeError when it runs, since a function compiled
+    outside its class body has no ``__class__`` cell."""
+    import ast
+
+    source = inspect.getsource(function.__code__)
+    calls = [n for n in ast.walk(ast.parse(inspect.cleandoc("\n" + source))) if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "super"]
+    return [ast.unparse(n) for n in calls if not n.args]
+
+
+def test_the_rewritten_scoring_function_calls_super_with_its_class_as_the_library_does():
+    """TRL 1.9-1.16's _generate_and_score_completions calls super()._prepare_inputs in its VLM and tool-image
+    branches; the reward placement's copy, compiled outside the class, kept them as zero-argument super(), which
+    raises "super(): __class__ cell not found" when such a branch runs (a VLM trained with kl_placement='reward')."""
+    (rewritten,) = reward_placement.TRL_PLAN.build(trl_backend.owners()).values()
+    assert "__class__" not in rewritten.__code__.co_freevars  # so a zero-argument super() in it could not work
+    assert zero_argument_super_calls(rewritten) == []
+    assert inspect_source(rewritten).count("super(GRPOTrainer, self)._prepare_inputs(") == len(reward_placement.SUPER_CALLS)
+    original = inspect.getsource(trl_backend.owners()["GRPOTrainer"]._generate_and_score_completions)  # the installed one
+    assert all(original.count(line) == 1 for line in reward_placement.SUPER_CALLS)  # the library's own, once each
+
+
+def inspect_source(function) -> str:
+    return inspect.getsource(function.__code__)
 
 
 # -- GRPOTrainer(loss_class=...) --------------------------------------------------------------------------------

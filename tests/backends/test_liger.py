@@ -577,3 +577,99 @@ def test_a_module_beta_is_its_state_controller_beta():
     with pytest.raises(ValueError, match=r"\['beta'\] given together with adaptive_kl="):
         AdaptiveFusedLinearGRPOLoss(beta=0.04, compiled=False, adaptive_kl=module.adaptive_kl)
     assert AdaptiveFusedLinearGRPOLoss(beta=0.2, compiled=False, adaptive_kl=module.adaptive_kl).beta == 0.2
+
+
+# -- user code in a standalone module (issue 39): no trainer reads the metric sums -------------------------------
+def power(kl):
+    """kl ** 1.5: finite on the check at creation (KL >= 0), NaN on k1's negative values."""
+    return kl**1.5
+
+
+def shaky(logp, ref):
+    """An estimator NaN for log-probs below -3.5: finite on the check at creation (log-probs in [-3, 0])."""
+    return (logp - ref) * torch.sqrt(logp + 3.5)
+
+
+def k1_of(module, batch):
+    from unsloth_adaptive_kl.backends.liger import selected_token_logps
+
+    with torch.no_grad():
+        logps = selected_token_logps(batch["_input"], batch["lin_weight"], batch["bias"], batch["selected_token_ids"], batch["attention_mask"], module.temperature)
+    valid = batch["attention_mask"].bool()
+    return logps[valid], (logps - batch["ref_per_token_logps"])[valid]
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_standalone_module_refuses_a_user_shaping_nan_on_a_finite_kl_by_name(compiled, light_compile, user_shaping):
+    """Before: the NaN reached the returned loss and kl_mean, unnamed. The count is made outside the compiled loss."""
+    user_shaping("power", power)
+    module = AdaptiveFusedLinearGRPOLoss(**liger_kwargs("dapo", compiled=compiled), kl_adaptation_method="power", kl_estimator="k1")
+    batch = make_batch()
+    _, k1 = k1_of(module, batch)
+    assert (k1 < 0).any() and (k1 > 0).any()  # the batch has tokens where kl ** 1.5 is NaN
+    with pytest.raises(ValueError, match=r"shaping method 'power' returned NaN or inf on valid tokens whose KL was finite \(%d of them\)" % int((k1 < 0).sum())):
+        module(**batch)
+    user_shaping("halve", lambda kl: kl * 0.5)
+    finite = AdaptiveFusedLinearGRPOLoss(**liger_kwargs("dapo", compiled=compiled), kl_adaptation_method="halve", kl_estimator="k1")
+    assert torch.isfinite(finite(**batch)[0])  # a finite method passes
+    batch["ref_per_token_logps"][0, 0] = math.nan  # the model's NaN: not the method's fault (the loss is NaN, as stock)
+    user_shaping("power_of_abs", lambda kl: kl.abs() ** 1.5)
+    assert torch.isnan(AdaptiveFusedLinearGRPOLoss(**liger_kwargs("dapo", compiled=compiled), kl_adaptation_method="power_of_abs", kl_estimator="k1")(**batch)[0])
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_standalone_module_refuses_a_user_estimator_nan_on_finite_log_probs_by_name(compiled, light_compile):
+    unsloth_adaptive_kl.register_estimator("shaky")(shaky)
+    try:
+        module = AdaptiveFusedLinearGRPOLoss(**liger_kwargs("dapo", compiled=compiled), kl_estimator="shaky")
+        batch = make_batch()
+        logps, _ = k1_of(module, batch)
+        assert (logps < -3.5).any()
+        with pytest.raises(ValueError, match=r"KL estimator 'shaky' returned NaN or inf on valid tokens whose log-probs were finite \(%d of them\)" % int((logps < -3.5).sum())):
+            module(**batch)
+    finally:
+        unsloth_adaptive_kl.unregister_estimator("shaky")
+
+
+def test_on_a_gpu_the_standalone_check_reads_the_count_at_a_later_call_once_its_copy_finished(monkeypatch, user_shaping):
+    """The GPU path, with the device parts replaced (no GPU here): the count of a call is copied without waiting and
+    read at the first later call whose copy has finished; the error says so. The copy itself: tests/gpu."""
+    from unsloth_adaptive_kl.backends import liger
+
+    class Event:
+        finished = False
+
+        def record(self, stream=None):
+            pass
+
+        def query(self):
+            return Event.finished
+
+    monkeypatch.setattr(liger, "_reads_later", lambda count: True)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    user_shaping("power", power)
+    module = AdaptiveFusedLinearGRPOLoss(**liger_kwargs("dapo", compiled=False), kl_adaptation_method="power", kl_estimator="k1")
+    batch = make_batch()
+    module(**batch)  # the NaN call: no host read
+    module(**batch)  # its copy is not finished: nothing read, nothing lost
+    assert len(module._pending_faults) == 2
+    Event.finished = True
+    with pytest.raises(ValueError, match=r"shaping method 'power' returned NaN or inf .* \(counted in an earlier call of this module on the GPU"):
+        module(**batch)
+    assert len(module._pending_faults) == 1  # the second call's count, read at the next call
+
+
+def test_the_standalone_user_shaping_check_adds_no_graph_when_beta_changes_every_call(light_compile, user_shaping):
+    from torch._dynamo.utils import counters
+
+    user_shaping("halve", lambda kl: kl * 0.5)
+    module = AdaptiveFusedLinearGRPOLoss(**liger_kwargs("dapo", compiled=True), kl_adaptation_method="halve")
+    batch = make_batch()
+    counters.clear()
+    for call, beta in enumerate((0.1, 0.2, 0.35, 0.05)):
+        module.beta = beta
+        run_module(module, batch)
+        if call == 0:
+            graphs_after_first_call = counters["stats"]["unique_graphs"]
+    assert graphs_after_first_call > 0 and counters["stats"]["unique_graphs"] == graphs_after_first_call

@@ -369,6 +369,60 @@ def test_user_shaping_methods_are_refused_by_name_on_the_fused_loss(tmp_path_fac
     assert power["global_step"] < 4 and power["weights_finite"]
 
 
+def test_a_user_estimator_returning_nan_on_real_log_probs_is_refused_by_name_on_the_fused_loss(tmp_path_factory):
+    """The fused loss calls the estimator unchecked (no host read in the compiled region): its NaN on finite
+    log-probs is counted in the metric sums, whose read refuses it by name before the optimizer step (before the
+    fix: counted as a non-finite KL batch and warned about, the run went on)."""
+    shaky = run_worker("unsloth-first", "user_code", tmp_path_factory)["user_code"]["trained_shaky"]
+    assert "KL estimator 'shaky' returned NaN or inf on valid tokens whose log-probs were finite" in (shaky["error"] or ""), shaky
+    assert shaky["global_step"] < 4 and shaky["weights_finite"]  # refused at the first micro-batch with such a token
+
+
+def test_the_compiled_fused_lines_count_a_user_estimators_nan_on_finite_inputs_and_the_sums_refuse_it_by_name():
+    """``FusedKLInputs.estimate`` and ``finish`` as the patched grpo_compute_loss runs them, in one
+    ``torch.compile(fullgraph=True)`` region (no graph break, no host read): the estimator-fault slot counts the valid
+    tokens where the estimator was NaN on finite log-probs, against a count made by hand; a NaN reference log-prob
+    (the model's) and padding are not counted; the sums' read raises naming the estimator."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from unsloth_adaptive_kl import FIELDS, AdaptiveKL, metrics, register_estimator, unregister_estimator
+    from unsloth_adaptive_kl.backends.unsloth import FusedKLInputs
+
+    register_estimator("shaky")(lambda logp, ref: (logp - ref) * torch.sqrt(logp + 3.5))
+    try:
+        config = SimpleNamespace(**{f.name: f.default for f in FIELDS})
+        config.__dict__.update(beta=0.1, kl_adaptation_method="clip", kl_estimator="shaky")
+        state = AdaptiveKL(config)  # the check at creation passes: its log-probs are in [-3, 0]
+        fused = FusedKLInputs(state.term, torch.tensor(0.1), torch.tensor(3.0), None)
+
+        def patched_lines(new, ref, mask):  # grpo_compute_loss's KL lines as rewritten (unsloth_zoo 2026.10)
+            keep = mask.bool()
+            new, ref = torch.where(keep, new, 0.0), torch.where(keep, ref, 0.0)
+            kl_log_ratio = torch.clamp(ref - new, min=-20.0, max=20.0)
+            kl_i = torch.expm1(kl_log_ratio) - kl_log_ratio
+            kl_i, faults = fused.estimate(kl_i, new, ref, kl_log_ratio, mask)
+            kl_i = torch.clamp(kl_i, min=-10.0, max=10.0)
+            return fused.finish(torch.zeros(()), torch.zeros(()), kl_i, fused.term.shape(kl_i), mask, None, 1, estimator_faults=faults)[1]
+
+        new = torch.tensor([[-1.0, -4.0, -5.0, -4.5], [-2.0, -3.9, -0.5, -6.0], [-1.0, -1.0, -1.0, -1.0]])
+        ref = new - 0.3
+        ref[1, 1] = float("nan")  # the model's NaN: not the estimator's fault
+        mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 0, 0]])
+        stats = torch.compile(patched_lines, fullgraph=True, backend="aot_eager")(new, ref, mask)
+        blamed = (new < -3.5) & mask.bool() & ~torch.isnan(ref)  # (0,1), (0,2), (1,3)
+        assert stats[1 + metrics.ESTIMATOR_FAULTS].item() == blamed.sum().item() == 3
+        assert stats[1 + metrics.SHAPING_FAULTS].item() == 0
+        with pytest.raises(ValueError, match=r"KL estimator 'shaky' returned NaN or inf on valid tokens whose log-probs were finite \(3 of them\)"):
+            state.record_sums(stats[1:], training=True, beta=0.1)
+        clean = torch.compile(patched_lines, fullgraph=True, backend="aot_eager")(new.clamp(min=-3.0), ref, mask)
+        assert clean[1 + metrics.ESTIMATOR_FAULTS].item() == 0
+        state.record_sums(clean[1:], training=True, beta=0.1)  # the model's NaN alone: counted as a NaN batch, not refused
+    finally:
+        unregister_estimator("shaky")
+
+
 @pytest.mark.parametrize("method", ["sigmoid", "halve"])
 def test_a_nan_reference_on_the_fused_loss_is_counted_not_blamed_and_both_kl_means_leave_it_out(method, tmp_path_factory):
     """Two micro-batches of one logging window, the first with a NaN reference log-prob (the model's, not the
@@ -434,6 +488,13 @@ def test_reward_placement_lowers_each_reward_by_beta_times_its_summed_kl_on_the_
     assert torch.allclose(advantages, reference.group_advantages64(rewards - penalty, scored["num_generations"]), rtol=1e-4, atol=1e-4)
     assert (advantages - reference.group_advantages64(rewards, scored["num_generations"])).abs().max() > 1e-2
     assert scored["kl_penalty"] == [pytest.approx(penalty.mean().item(), rel=1e-6)]
+
+
+def test_the_rewritten_scoring_function_of_the_generated_trainer_calls_super_with_its_class(tmp_path_factory):
+    """Unsloth's copy of TRL's _generate_and_score_completions calls super()._prepare_inputs in its VLM branches; the
+    reward placement's rewrite, compiled outside the class (no __class__ cell), makes them name the class."""
+    rewritten = _reward_placement(tmp_path_factory)["rewritten_super"]
+    assert rewritten["calls"] == ["super(_UnslothGRPOTrainer, self)"] * 2 and "__class__" not in rewritten["freevars"], rewritten
 
 
 def test_under_reward_placement_the_fused_loss_carries_no_kl_term(tmp_path_factory):

@@ -91,6 +91,20 @@ def test_a_method_returning_nan_on_real_kls_is_refused_by_name_before_it_reaches
     assert 0 < trainer.state.global_step < 4 and all(torch.isfinite(p).all() for p in trainer.model.parameters())
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_user_estimator_returning_nan_on_real_log_probs_is_refused_by_name_before_it_reaches_the_weights(tiny_checkpoint, tmp_path, backend):
+    """NaN for log-probs below -3.5: the check at creation (log-probs in [-3, 0]) passes; the tiny model's sampled
+    tokens are near log(1/64). Refused at the first micro-batch with one (the eager check of every call), by name."""
+    unsloth_adaptive_kl.register_estimator("shaky")(lambda logp, ref: (logp - ref) * torch.sqrt(logp + 3.5))
+    try:
+        trainer = make_trainer(tiny_checkpoint, tmp_path, backend, kl_estimator="shaky", max_steps=4)
+        with pytest.raises(ValueError, match=r"KL estimator 'shaky' returned NaN or inf on valid tokens whose log-probs were finite \(\d+ of them\)"):
+            trainer.train()
+    finally:
+        unsloth_adaptive_kl.unregister_estimator("shaky")
+    assert trainer.state.global_step < 4 and all(torch.isfinite(p).all() for p in trainer.model.parameters())
+
+
 def user_k3(logp, ref):
     """k3 as a user would write it, with the usual clamp of the log-ratio (its gradient is 0 where that is NaN)."""
     r = (ref - logp).clamp(-20.0, 20.0)

@@ -707,7 +707,8 @@ def scenario_compiled_loop():
 
 def scenario_user_code():
     """Issue 39's probes on Unsloth's fused loss: shaping methods registered here as a user would (the in-place
-    cap, a detached, a float64 and a NaN result, a NaN only on real KLs) and a NaN reference log-prob (the model's)."""
+    cap, a detached, a float64 and a NaN result, a NaN only on real KLs), an estimator NaN only on real log-probs,
+    and a NaN reference log-prob (the model's)."""
 
     def error_of(build):
         try:
@@ -728,20 +729,24 @@ def scenario_user_code():
     }
     for name, fn in user.items():
         unsloth_adaptive_kl.register_shaping(name)(fn)
+    # Estimators: one NaN for log-probs below -3.5 (finite on the check at creation, whose log-probs are in [-3, 0]; the
+    # tiny model's sampled tokens are near log(1/64)), and k3 as a user writes it (for the NaN reference below).
+    unsloth_adaptive_kl.register_estimator("shaky")(lambda logp, ref: (logp - ref) * torch.sqrt(logp + 3.5))
+    unsloth_adaptive_kl.register_estimator("user_k3")(lambda logp, ref: torch.exp((ref - logp).clamp(-20, 20)) - (ref - logp).clamp(-20, 20) - 1)
     for name in ("cap_in_place", "detached", "float64", "nan"):
         out[f"created_{name}"] = error_of(lambda: trainer(kl_adaptation_method=f"target+{name}", kl_target=0.02, kl_horizon=40.0))
     # Faults the check at creation cannot see, refused during training: before their optimizer step.
-    for name, estimator in (("cap_in_place_on_real_batches", "k3"), ("power", "k1")):
+    for key, name, estimator in (("cap_in_place_on_real_batches", "cap_in_place_on_real_batches", "k3"), ("power", "power", "k1"), ("shaky", "none", "shaky")):
         t = trainer(kl_adaptation_method=name, kl_estimator=estimator, max_steps=4)
-        out[f"trained_{name}"] = {
+        out[f"trained_{key}"] = {
             "error": error_of(t.train), "global_step": t.state.global_step,
             "weights_finite": all(bool(p.isfinite().all()) for p in t.model.parameters()),
         }  # fmt: skip
     # A NaN reference log-prob on one completion of the first of two micro-batches of one logging window.
     t = trainer()
     t.model.train()
-    for method in ("sigmoid", "halve"):
-        set_method(t, method, "dapo", kl_estimator="k3", kl_target=0.02)
+    for method, estimator in (("sigmoid", "k3"), ("halve", "user_k3")):  # a user method and estimator: neither is blamed
+        set_method(t, method, "dapo", kl_estimator=estimator, kl_target=0.02)
         t._metrics["train"].clear()
         nan_inputs = hand_made_inputs(t, seed=4)
         nan_inputs["ref_per_token_logps"][0] = float("nan")
@@ -827,6 +832,17 @@ def scenario_reward_placement():
     run.train()
     logs = [{k: v for k, v in h.items() if k.startswith("adaptive_kl/")} for h in run.state.log_history if "adaptive_kl/current_beta" in h]
     results["reward_placement"] = {"scored": scored, "loss": loss, "logs": logs, "runtime": type(run._adaptive_kl).__name__}
+
+    # The rewritten scoring function's super() calls (its VLM branches): compiled outside the class, they need the class.
+    import ast
+    import inspect
+
+    from unsloth_adaptive_kl.backends import reward_placement
+
+    (rewritten,) = reward_placement.UNSLOTH_PLAN.build({"_UnslothGRPOTrainer": generated._UnslothGRPOTrainer}).values()
+    tree = ast.parse(inspect.cleandoc("\n" + inspect.getsource(rewritten.__code__)))
+    calls = [ast.unparse(n) for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "super"]
+    results["reward_placement"]["rewritten_super"] = {"calls": calls, "freevars": list(rewritten.__code__.co_freevars)}
 
 
 def scenario_unpatch():

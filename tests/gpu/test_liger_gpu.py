@@ -92,3 +92,23 @@ def test_fused_head_matches_the_log_prob_kernel_path_in_bf16(loss_type, method):
         err_fused, err_kernel = ((a - r).norm() / r.norm()).item(), ((b - r).norm() / r.norm()).item()
         print(f"{loss_type} {method} {name}: relative error vs float32 logits: fused {err_fused:.2e}, kernel {err_kernel:.2e}")
         assert err_fused <= max(2 * err_kernel, 1e-2), (name, err_fused, err_kernel)  # bf16 tolerance: no worse than the kernel path
+
+
+def test_a_standalone_module_names_a_user_shaping_nan_one_call_late_without_a_host_sync():
+    """On a GPU the count of a user shaping step's NaN is copied to the host without waiting and read at a later call
+    (tests/backends/test_liger.py fakes the device parts on CPU). k1 is negative on about half the tokens here
+    (reference log-probs around the policy's), where kl ** 1.5 is NaN."""
+    import unsloth_adaptive_kl
+
+    unsloth_adaptive_kl.register_shaping("power_gpu")(lambda kl: kl**1.5)
+    try:
+        module = AdaptiveFusedLinearGRPOLoss(beta=0.1, loss_type="dapo", kl_adaptation_method="power_gpu", kl_estimator="k1")
+        batch = make_batch(vocab=512)
+        batch["ref_per_token_logps"] = batch["old_per_token_logps"] = torch.full_like(batch["ref_per_token_logps"], -6.2)
+        loss = run(module, batch)[0]  # no error: the count is not read at this call
+        assert torch.isnan(loss) and len(module._pending_faults) == 1
+        torch.cuda.synchronize()  # the copy has finished: the next call reads it
+        with pytest.raises(ValueError, match=r"shaping method 'power_gpu' returned NaN or inf .* \(counted in an earlier call of this module on the GPU"):
+            run(module, batch)
+    finally:
+        unsloth_adaptive_kl.unregister_shaping("power_gpu")

@@ -49,6 +49,7 @@ import warnings
 import torch
 from torch import nn
 
+from .. import metrics
 from ..adaptation import AdaptiveKL
 from ..config import DEFAULTS, TERM_FIELD_NAMES
 from ..controllers import controller_names
@@ -114,6 +115,7 @@ class AdaptiveFusedLinearGRPOLoss(nn.Module):
         self.fused_head, self.fused_chunk_tokens = arguments["fused_head"], arguments["fused_chunk_tokens"]
         self.head_path: str | None = None  # "fused" or "log-prob kernel": the path of the last call
         self._compiled_terms, self._warned = None, set()
+        self._pending_faults: list[tuple[torch.Tensor, object]] = []  # (count on the host, CUDA event of its copy)
 
     @property
     def beta(self) -> float:
@@ -179,8 +181,45 @@ class AdaptiveFusedLinearGRPOLoss(nn.Module):
         )  # fmt: skip
 
     def forward(self, *args, **kwargs):
-        """Liger's arguments (shown: those of :meth:`loss_and_kl`) and return structure."""
-        return self.loss_and_kl(*args, **kwargs).liger_output()
+        """Liger's arguments (shown: those of :meth:`loss_and_kl`) and return structure. Used standalone (no trainer
+        reads the metric sums), it refuses a user shaping step's NaN or inf on a finite KL by name
+        (:meth:`_refuse_user_shaping_faults`)."""
+        self._read_pending_faults()
+        terms = self.loss_and_kl(*args, **kwargs)
+        self._refuse_user_shaping_faults(terms)
+        return terms.liger_output()
+
+    # -- user shaping steps, standalone ----------------------------------------------------------------------
+    def _refuse_user_shaping_faults(self, terms: LossTerms) -> None:
+        """Count the valid tokens a user shaping step made NaN or inf on a finite KL (``metrics.shaping_faults``, a few
+        elementwise operations outside the compiled loss: no graph changes) and refuse it by name
+        (``AdaptiveKL.refuse_user_faults``). On the CPU the count is read now. On a GPU it is copied to the host
+        without waiting and read at a later call, once the copy has finished (:meth:`_read_pending_faults`): no host
+        sync is added, and the error comes one call late. Not in :meth:`loss_and_kl`: under ``GRPOTrainer(loss_class=...)``
+        the trainer refuses it from the metric sums, on every process alike."""
+        if terms.raw_kl is None or not self.adaptive_kl.term.user_shaping_steps:
+            return
+        count = metrics.shaping_faults(terms.raw_kl, terms.adapted_kl, terms.kl_mask.bool())
+        if not _reads_later(count):
+            self.adaptive_kl.refuse_user_faults(0, count.item())
+            return
+        done = torch.cuda.Event()
+        host = count.to("cpu", non_blocking=True)
+        done.record(torch.cuda.current_stream(count.device))
+        self._pending_faults.append((host, done))
+
+    def _read_pending_faults(self) -> None:
+        """Refuse by name the faults counted by earlier calls on a GPU whose copies have finished (never waits)."""
+        pending, self._pending_faults = self._pending_faults, []
+        for position, (host, done) in enumerate(pending):
+            if not done.query():
+                self._pending_faults.append((host, done))
+                continue
+            if host.item() > 0:
+                self._pending_faults.extend(pending[position + 1 :])
+                self.adaptive_kl.refuse_user_faults(
+                    0, host.item(), when=" (counted in an earlier call of this module on the GPU, read at this one without a host sync)"
+                )
 
     forward.__signature__ = inspect.signature(loss_and_kl).replace(return_annotation=inspect.Signature.empty)
 
@@ -325,6 +364,11 @@ class AdaptiveFusedLinearGRPOLoss(nn.Module):
 
 def _is_nonzero(beta) -> bool:
     return float(beta) != 0.0
+
+
+def _reads_later(count: torch.Tensor) -> bool:
+    """Whether a fault count is read at a later call (a CUDA tensor: reading it now would wait for the device)."""
+    return count.is_cuda
 
 
 def _signature() -> inspect.Signature:

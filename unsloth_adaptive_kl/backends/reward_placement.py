@@ -12,6 +12,8 @@ the reference log-probs, inside TRL's no-grad      the per-token KL of the curre
 block)                                             on the sampled tokens, each completion's penalty (local)
 ``rewards[unscorable_mask] = torch.nan`` (in       ``rewards = self._adaptive_kl.penalized_rewards(...)``: the
 ``sum_then_normalize``, before the group mean)     penalties gathered across processes, subtracted, logged
+``x = super()._prepare_inputs(x)`` (VLM and tool-  ``super(GRPOTrainer, self)`` (Unsloth: ``_UnslothGRPOTrainer``):
+image branches; :data:`SUPER_CALLS`)               the copy is compiled outside the class, with no ``__class__`` cell
 =================================================  ===========================================================
 
 The policy's log-probs at scoring time are TRL's ``old_per_token_logps`` where TRL computes them
@@ -37,8 +39,31 @@ from .._source_patch import AnchorSet, PatchError, Plan, Rewrite, set_attribute,
 TARGET_NAME = "_generate_and_score_completions"
 
 
+#: The lines of ``_generate_and_score_completions`` that call zero-argument ``super()`` (its VLM and tool-image
+#: branches), each once in TRL 1.8 to 1.16 and in Unsloth 2026.10's copy of TRL 1.15's source.
+SUPER_CALLS = (
+    "            image_inputs = super()._prepare_inputs(image_inputs)\n",
+    "            prompt_inputs = super()._prepare_inputs(prompt_inputs)\n",
+)
+
+
+def explicit_super(target: str, library: str, line: str) -> Rewrite:
+    """``line`` of ``target`` (``"Owner.method"``) with ``super()`` made ``super(Owner, self)``: a function compiled
+    from rewritten source outside its class body has no ``__class__`` cell, so zero-argument ``super()`` would raise
+    RuntimeError when the branch runs. ``Owner`` is a global of the library's module (the class itself)."""
+    owner = target.rsplit(".", 1)[0]
+    return Rewrite(
+        target,
+        library,
+        line,
+        line.replace("super()", f"super({owner}, self)"),
+        "a function compiled from its source outside its class has no __class__ cell: zero-argument super() would fail",
+    )
+
+
 def _rewrites(target: str, library: str) -> tuple[Rewrite, ...]:
     return (
+        *(explicit_super(target, library, line) for line in SUPER_CALLS),
         Rewrite(
             target,
             library,

@@ -105,20 +105,9 @@ _REFERENCE_WHILE_MONITORED = Rewrite(
 )
 
 
-def _explicit_super(line: str) -> Rewrite:
-    return Rewrite(
-        target=_GENERATE,
-        library="trl",
-        anchor=line,
-        replacement=line.replace("super()", "super(GRPOTrainer, self)"),
-        why="a function compiled from its source outside its class has no __class__ cell: zero-argument super() would fail",
-    )
-
-
 _GENERATE_REWRITES = (
     _REFERENCE_WHILE_MONITORED,
-    _explicit_super("            image_inputs = super()._prepare_inputs(image_inputs)\n"),
-    _explicit_super("            prompt_inputs = super()._prepare_inputs(prompt_inputs)\n"),
+    *(reward_placement.explicit_super(_GENERATE, "trl", line) for line in reward_placement.SUPER_CALLS),
 )
 TRL_1_8 = AnchorSet(
     family="trl 1.8",

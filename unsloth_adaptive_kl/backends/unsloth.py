@@ -8,11 +8,13 @@ two inside a ``torch.compile(fullgraph=True)`` region. :data:`PLAN` rewrites the
 =================================  =============================================  ==========================================
 anchor (in the generated module)   replacement                                    why
 =================================  =============================================  ==========================================
-``kl_i = expm1(r) - r``            ``kl_i = adaptive_kl.estimate(...)``           the configured estimator on Unsloth's
-                                                                                  clamped log-ratio (k3 stays Unsloth's)
+``kl_i = expm1(r) - r``            ``kl_i, faults = adaptive_kl.estimate(..)``    the configured estimator on Unsloth's
+                                                                                  clamped log-ratio (k3 stays Unsloth's);
+                                                                                  a user one's NaN on finite inputs
 ``kl_i = clamp(kl_i, -10, 10)``    ``adaptive_kl_i = adaptive_kl.term.shape(..)``  the per-token shaping, after Unsloth's clamps
 ``loss_i + beta * kl_i``           ``loss_i + adaptive_kl.beta * adaptive_kl_i``  β from the controller, as a 0-dim tensor
 ``masked_batch_mean(kl_metric)``   ``adaptive_kl.finish(...)``                    length-normalised term; the metric sums
+                                                                                  (the faults counted: refused at their read)
 ``accumulated_mean_kl = zeros(1)``  ``zeros(STATS_SIZE)``                          room for the sums in the ``mean_kl`` slot
 ``trainer.beta,`` (the call)       ``trainer._adaptive_kl.fused_beta_gate(...)``  fills ``kwargs["adaptive_kl"]``; see below
 ``_metrics["kl"].append(..)``      ``_adaptive_kl.record_fused(mean_kl, mode)``   logs adaptive_kl/*, and Unsloth's own kl
@@ -84,7 +86,7 @@ UNSLOTH_2026_10 = AnchorSet(
             "unsloth_zoo",
             "        kl_i = torch.expm1(kl_log_ratio) - kl_log_ratio\n",
             "        kl_i = torch.expm1(kl_log_ratio) - kl_log_ratio\n"
-            '        kl_i = kwargs["adaptive_kl"].estimate(kl_i, kl_new, ref, kl_log_ratio, mask)\n',
+            '        kl_i, adaptive_kl_estimator_faults = kwargs["adaptive_kl"].estimate(kl_i, kl_new, ref, kl_log_ratio, mask)\n',
             "the configured estimator, on Unsloth's clamped log-ratio",
         ),
         Rewrite(
@@ -125,7 +127,7 @@ UNSLOTH_2026_10 = AnchorSet(
             "    completion_length, mean_kl = masked_batch_mean(kl_metric)\n"
             '    loss, mean_kl = kwargs["adaptive_kl"].finish(\n'
             "        loss, mean_kl, kl_metric, adaptive_kl_i if beta != 0.0 else None, mask, rs_keep, current_gradient_accumulation_steps,\n"
-            "        input_ids,\n"
+            "        input_ids, adaptive_kl_estimator_faults if beta != 0.0 else None,\n"
             "    )\n",
             "the length-normalised term, and the local metric sums in the mean_kl slot",
         ),
@@ -157,7 +159,8 @@ _FINISH_BEFORE_2026_10 = Rewrite(
     "    completion_length, mean_kl = masked_batch_mean(kl_i)\n",
     "    completion_length, mean_kl = masked_batch_mean(kl_i)\n"
     '    loss, mean_kl = kwargs["adaptive_kl"].finish(\n'
-    "        loss, mean_kl, kl_i, adaptive_kl_i if beta != 0.0 else None, mask, None, current_gradient_accumulation_steps, input_ids\n"
+    "        loss, mean_kl, kl_i, adaptive_kl_i if beta != 0.0 else None, mask, None, current_gradient_accumulation_steps, input_ids,\n"
+    "        adaptive_kl_estimator_faults if beta != 0.0 else None,\n"
     "    )\n",
     _FINISH.why,
 )
@@ -170,7 +173,7 @@ UNSLOTH_2026_9 = AnchorSet(
             "unsloth_zoo",
             "        kl_i = torch.clamp(torch.expm1(kl_log_ratio) - kl_log_ratio, min = -10.0, max = 10.0)\n",
             "        kl_i = torch.clamp(torch.expm1(kl_log_ratio) - kl_log_ratio, min = -10.0, max = 10.0)\n"
-            '        kl_i = kwargs["adaptive_kl"].estimate(kl_i, new, ref, kl_log_ratio, mask)\n',
+            '        kl_i, adaptive_kl_estimator_faults = kwargs["adaptive_kl"].estimate(kl_i, new, ref, kl_log_ratio, mask)\n',
             _KL.why + " (the [-10, 10] clamp is Unsloth's k3's own here)",
         ),
         Rewrite(
@@ -193,7 +196,7 @@ UNSLOTH_2026_8 = AnchorSet(
             "unsloth_zoo",
             "        kl_i = torch.exp(ref - new) - (ref - new) - 1.0\n",
             "        kl_i = torch.exp(ref - new) - (ref - new) - 1.0\n"
-            '        kl_i = kwargs["adaptive_kl"].estimate(kl_i, new, ref, ref - new, mask)\n'
+            '        kl_i, adaptive_kl_estimator_faults = kwargs["adaptive_kl"].estimate(kl_i, new, ref, ref - new, mask)\n'
             '        adaptive_kl_i = kwargs["adaptive_kl"].term.shape(kl_i)\n' + _EXCLUDE,
             "the configured estimator (this Unsloth's k3 is unclamped, with no bias correction), the shaping, the exclusions",
         ),
@@ -206,16 +209,6 @@ PLAN = Plan(backend="unsloth", anchor_sets=(UNSLOTH_2026_10, UNSLOTH_2026_9, UNS
 # (``_UnslothGRPOTrainer``'s; ``UnslothGRPOTrainer``'s own is Unsloth's rollout wrapper around it). The 2026.8 and
 # 2026.9 lines generate theirs from TRL 0.24's, where the TRL backend does not offer kl_monitor either: refused there.
 _MONITOR_GENERATE = "_UnslothGRPOTrainer._generate_and_score_completions"
-
-
-def _explicit_super(line: str) -> Rewrite:
-    return Rewrite(
-        _MONITOR_GENERATE,
-        "unsloth",
-        line,
-        line.replace("super()", "super(_UnslothGRPOTrainer, self)"),
-        "a function compiled from its source outside its class has no __class__ cell: zero-argument super() would fail",
-    )
 
 
 MONITOR_PLAN = Plan(
@@ -234,8 +227,7 @@ MONITOR_PLAN = Plan(
                     "                self._adaptive_kl.before_reference_forward(_unsloth_grpo_autocast_unscored)\n",
                     "kl_monitor: the reference forward also runs at β = 0, with the loss's precision latch of a β = 0 run",
                 ),
-                _explicit_super("            image_inputs = super()._prepare_inputs(image_inputs)\n"),
-                _explicit_super("            prompt_inputs = super()._prepare_inputs(prompt_inputs)\n"),
+                *(reward_placement.explicit_super(_MONITOR_GENERATE, "unsloth", line) for line in reward_placement.SUPER_CALLS),
             ),
         ),
     ),
@@ -271,13 +263,17 @@ class FusedKLInputs(NamedTuple):
         return self.in_loss(self.beta * adapted)
 
     def estimate(self, unsloth_k3, new, ref, clamped_log_ratio, mask):
-        """Unsloth's own (clamped) k3, or the configured estimator on the same clamped log-ratio."""
+        """``(kl, faults)``: Unsloth's own (clamped) k3, or the configured estimator on the same clamped log-ratio;
+        and, for a user estimator, where it was NaN or inf on finite inputs (else None). It runs unchecked here (no
+        host read inside the compiled loss): :meth:`finish` counts those tokens in the metric sums, whose read
+        refuses the estimator by name (:meth:`AdaptiveKL.refuse_user_faults`)."""
         if self.term.estimator == "k3":
-            return unsloth_k3
+            return unsloth_k3, None
         # ref itself where the clamp is inactive: new + (ref - new) is not always ref in float32, and
         # bottom_q compares ref with its threshold (a value of ref), so the threshold token could drop out.
         clamped_ref = torch.where(clamped_log_ratio == ref - new, ref, new + clamped_log_ratio)
-        return self.term.estimate(new, clamped_ref, mask, self.statistic, check=False)
+        kl = self.term.estimate(new, clamped_ref, mask, self.statistic, check=False)
+        return kl, self.term.estimator_faults(kl, new, clamped_ref)
 
     def exclude(self, raw, adapted, token_ids):
         """``raw`` and ``adapted`` with no KL at the ``kl_exclude_token_ids`` positions (unchanged when none).
@@ -285,9 +281,9 @@ class FusedKLInputs(NamedTuple):
         token_ids = token_ids.reshape(raw.shape)
         return self.term.without_excluded(raw, token_ids), self.term.without_excluded(adapted, token_ids)
 
-    def finish(self, loss, unsloth_mean_kl, raw, adapted, mask, rs_keep, accumulation, token_ids=None):
+    def finish(self, loss, unsloth_mean_kl, raw, adapted, mask, rs_keep, accumulation, token_ids=None, estimator_faults=None):
         """Add the length-normalised term; return the loss and ``[unsloth_kl, local sums...]`` (the metric
-        sums over the valid tokens that are not excluded)."""
+        sums over the valid tokens that are not excluded). ``estimator_faults``: :meth:`estimate`'s (counted there)."""
         if adapted is None:  # β is 0: no KL was computed
             sums = torch.zeros(STATS_SIZE - 1, dtype=torch.float64, device=mask.device)
         else:
@@ -303,7 +299,8 @@ class FusedKLInputs(NamedTuple):
                 )
             # One chunk (the rewritten call passes n_chunks=1): the chunk's max and min are the micro-batch's.
             sums = metrics.local_metric_sums(
-                raw, adapted, kl_mask, self.tail_edges, count_shaping_faults=bool(self.term.user_shaping_steps)
+                raw, adapted, kl_mask, self.tail_edges, count_shaping_faults=bool(self.term.user_shaping_steps),
+                estimator_faults=estimator_faults,
             )  # fmt: skip
         return loss, torch.cat([unsloth_mean_kl.reshape(1).to(torch.float64), sums])
 
