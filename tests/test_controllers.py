@@ -288,14 +288,15 @@ def test_every_registered_controller_has_a_float64_reference():
 @pytest.mark.parametrize("name", controller_names())
 def test_every_controller_stops_at_beta_min_and_leaves_it_when_the_observations_say_so(name):
     """β is floored at beta_min > 0 (never below it) and the floor is not absorbing: a KL far above target raises
-    ``target`` off it again, a high reward ``reward_conditioned``. The observations (a low reward and a KL far below
+    ``target`` off it again, a high reward ``reward_conditioned`` (whose logistic is within 1e-6 of its floor 20 widths
+    below its midpoint). The observations (a low reward and a KL far below
     target, then the opposite) drive every adapting controller to beta_min within a few steps (``schedule``: at
     ``beta_schedule_steps``), each step checked against its float64 reference."""
     import reference
 
     cfg = reference.controller_config(
         0.1, beta_min=0.06, dynamic_beta_decay=0.5, reward_threshold=-2.0, reward_window=1, beta_schedule_steps=4,
-        kl_target=0.1, kl_horizon=10.0, beta_schedule="linear", reward_beta_midpoint=0.0, reward_beta_width=0.1,
+        kl_target=0.1, kl_horizon=10.0, beta_schedule="linear", reward_beta_midpoint=0.0, reward_beta_width=0.05,
     )  # fmt: skip
     c = make_controller(name, cfg)
     observations = [(-1.0, 0.0)] * 5 + [(1.0, 1.0)] * 2  # (reward, kl): low reward and KL, then high

@@ -41,11 +41,9 @@ from .declarations import (
     Parameter,
     check_parameter,
     checked_beta,
-    claim_method_name,
-    declare,
+    claim_method_part,
     finite_positive,
-    release_method_name,
-    undeclare,
+    release_method_part,
 )
 from .shaping import KL_TARGET
 
@@ -238,12 +236,7 @@ def register_controller(name: str, *, parameters: tuple[Parameter, ...] = (), su
     def decorator(cls):
         if not (isinstance(cls, type) and issubclass(cls, BetaController)):
             raise ValueError(f"β controller {name!r}: {cls!r} is not valid; allowed: a subclass of unsloth_adaptive_kl.BetaController")
-        claim_method_name(KIND, name)
-        try:
-            declare(KIND, name, tuple(parameters))
-        except ValueError:
-            release_method_name(name)
-            raise
+        claim_method_part(KIND, name, tuple(parameters))
         cls.name = name
         summary_line = summary or (cls.__doc__ or "").strip().split("\n")[0]
         CONTROLLERS[name] = ControllerSpec(name, cls, tuple(parameters), summary_line, _builtin)
@@ -258,8 +251,7 @@ def unregister_controller(name: str) -> None:
     if spec is None or spec.builtin:
         raise ValueError(f"β controller {name!r} is not a registered user controller; allowed: {list(user_controller_names())}")
     del CONTROLLERS[name]
-    release_method_name(name)
-    undeclare(KIND, name)
+    release_method_part(KIND, name)
 
 
 def controller_names() -> tuple[str, ...]:

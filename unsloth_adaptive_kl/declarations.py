@@ -98,6 +98,23 @@ def release_method_name(name: str) -> None:
     METHOD_NAMES.pop(name, None)
 
 
+def claim_method_part(kind: str, name, parameters: tuple[Parameter, ...]) -> None:
+    """Register ``name`` as a ``kind`` of ``kl_adaptation_method`` part reading ``parameters``: the name claimed and
+    the parameters declared, or neither (ValueError from either check leaves nothing recorded)."""
+    claim_method_name(kind, name)
+    try:
+        declare(kind, name, parameters)
+    except ValueError:
+        release_method_name(name)
+        raise
+
+
+def release_method_part(kind: str, name: str) -> None:
+    """Undo :func:`claim_method_part` (an unregistration)."""
+    release_method_name(name)
+    undeclare(kind, name)
+
+
 # -- checking a setting's value -------------------------------------------------------------------------
 def yaml_hint(value) -> str:
     """The hint for a number that YAML left a string. PyYAML (YAML 1.1) reads exponent form as a float only

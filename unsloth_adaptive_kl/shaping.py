@@ -44,7 +44,7 @@ from typing import Callable
 
 import torch
 
-from .declarations import Parameter, check_user_output, claim_method_name, declare, finite_positive, release_method_name, undeclare
+from .declarations import Parameter, check_user_output, claim_method_part, finite_positive, release_method_part
 
 #: Where a method registered without ``order`` applies: after the built-in per-token methods.
 DEFAULT_ORDER = 50
@@ -95,12 +95,7 @@ def register_shaping(
         raise ValueError(f"shaping method {name!r}: order={order!r} is not valid; allowed: a finite number (built-ins: clip 10, soft_clip 20, sigmoid 30)")
     if not per_token and not _builtin:
         raise ValueError(f"shaping method {name!r}: only per-token methods can be registered (per_token=True)")
-    claim_method_name(KIND, name)
-    try:
-        declare(KIND, name, tuple(parameters))
-    except ValueError:
-        release_method_name(name)
-        raise
+    claim_method_part(KIND, name, tuple(parameters))
 
     def decorator(fn):
         summary_line = summary or (fn.__doc__ or "").strip().split("\n")[0]
@@ -116,8 +111,7 @@ def unregister_shaping(name: str) -> None:
     if method is None or method.builtin:
         raise ValueError(f"shaping method {name!r} is not a registered user method; allowed: {user_shaping_names()}")
     del SHAPING[name]
-    release_method_name(name)
-    undeclare(KIND, name)
+    release_method_part(KIND, name)
 
 
 def shaping_names() -> tuple[str, ...]:
