@@ -85,4 +85,4 @@ case "$WHAT" in
   all) run_core; run_backends ;;
   *) echo "usage: $0 [core|backends|all] [NAME...]" >&2; exit 2 ;;
 esac
-echo "mutation.sh $WHAT: $(( $(date +%s) - start )) s wall on $(nproc) cores (git $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo "unknown: no git directory"))"
+echo "mutation.sh $WHAT: $(( $(date +%s) - start )) s wall on $(OMP_NUM_THREADS= nproc) cores (git $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo "unknown: no git directory"))"

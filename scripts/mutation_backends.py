@@ -181,9 +181,9 @@ def run_mutant(mutant: dict, root: str, workdir: str, slot: int, target: Target,
             shutil.copytree(os.path.join(root, part), os.path.join(copy, part))
     result = {k: v for k, v in mutant.items() if k != "source"}
     start = time.time()
-    timeout = min(target.timeout, deadline - start)
-    if timeout < _MIN_START_S:
+    if deadline - start < _MIN_START_S:
         return result | {"status": "not run", "rc": None, "seconds": 0}
+    timeout = min(target.timeout, deadline - start)
     pristine = open(os.path.join(root, target.path)).read()
     path = os.path.join(copy, target.path)
     with open(path, "w") as f:
