@@ -14,6 +14,8 @@
 # MUTATION_TIMEOUT=SECONDS stops each mutation run after that long (mutmut gets SIGINT and keeps what it checked; the
 # backends run starts no mutant it cannot finish) and still writes the partial score. MUTATION_PYTHONPATH: the
 # PYTHONPATH of the runs (a site folder of packages, never the checkout: mutmut's copy must be the package imported).
+# MUTATION_RESUME=results.tgz (written by scripts/gpu/mutation-device.sh: mutmut's result files of a core run of the
+# same modules and code, cut short): its verdicts are kept and only the mutants it did not check run.
 # scripts/gpu/mutation-device.sh runs this in parts on the GPU machine's CPU cores.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -37,6 +39,7 @@ export TRITON_INTERPRET=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=1
 unset PYTHONPATH  # mutmut puts its mutated copy first on sys.path; nothing may shadow it
 [ -z "${MUTATION_PYTHONPATH:-}" ] || export PYTHONPATH=$MUTATION_PYTHONPATH
 TIMEOUT=${MUTATION_TIMEOUT:-}
+RESUME=${MUTATION_RESUME:+$(realpath "$MUTATION_RESUME")}
 
 "$PY" -c "import mutmut" 2>/dev/null || "$PY" -m pip install -q "mutmut==3.8.1"
 
@@ -62,6 +65,10 @@ run_core() {
     # torch is not fork-safe once it has run: fork the mutants from a server that has only imported the tests
     echo "process_isolation = forkserver"
   } >"$WORK/core/setup.cfg"
+  if [ -n "$RESUME" ]; then  # mutmut keeps the verdicts (and the test stats) of an earlier run, and checks the rest
+    tar xzf "$RESUME" -C "$WORK/core" --wildcards 'mutants/*'
+    echo "resumed from $RESUME"
+  fi
   if [ -n "$TIMEOUT" ]; then  # SIGINT to mutmut and its workers: it records no verdict for the mutants in flight
     (cd "$WORK/core" && timeout --signal=INT --kill-after=30 "$TIMEOUT" "$PY" -m mutmut run --max-children "$JOBS") ||
       echo "mutmut run stopped (exit $?; 124: after MUTATION_TIMEOUT=$TIMEOUT s): the score below is partial"

@@ -11,6 +11,8 @@
 # as such. Writes under OUT (at most 8 files): log.txt (everything printed), summary.txt (the score), survivors.txt
 # (every survivor's diff; backends: the survivors' lines), counts.json (core: for `mutation_summary.py --merge`),
 # results.tgz (the run's result files), timing.txt (one line: part, seconds, cores, mutants checked).
+# A part cut short: carry its results.tgz back (under an ignored name, e.g. .gpu-site-mut-part1.tgz) and run the part
+# again with MUTATION_RESUME=.gpu-site-mut-part1.tgz: its verdicts are kept, only the rest is checked.
 # PYTHON (default python3), MUTATION_SITE (a site folder instead of the packed one) and MUTATION_JOBS (default: every
 # core) are for a run elsewhere, e.g. on CPU here: PYTHON=.venv/bin/python MUTATION_SITE= bash ... /tmp/out core tail
 set -uo pipefail
