@@ -15,7 +15,8 @@
 # backends run starts no mutant it cannot finish) and still writes the partial score. MUTATION_PYTHONPATH: the
 # PYTHONPATH of the runs (a site folder of packages, never the checkout: mutmut's copy must be the package imported).
 # MUTATION_RESUME=results.tgz (written by scripts/gpu/mutation-device.sh: mutmut's result files of a core run of the
-# same modules and code, cut short): its verdicts are kept and only the mutants it did not check run.
+# same modules, code and CORE_TESTS, cut short): its verdicts are kept and only the mutants it did not check run
+# (mutmut drops them all if CORE_TESTS changed, and those of a function whose code changed).
 # scripts/gpu/mutation-device.sh runs this in parts on the GPU machine's CPU cores.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -87,10 +88,11 @@ run_backends() {
 }
 
 start=$(date +%s)
+commit=$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo "unknown: no git directory")
 case "$WHAT" in
   core) run_core ;;
   backends) run_backends ;;
   all) run_core; run_backends ;;
   *) echo "usage: $0 [core|backends|all] [NAME...]" >&2; exit 2 ;;
 esac
-echo "mutation.sh $WHAT: $(( $(date +%s) - start )) s wall on $(OMP_NUM_THREADS= nproc) cores (git $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo "unknown: no git directory"))"
+echo "mutation.sh $WHAT: $(( $(date +%s) - start )) s wall on $(OMP_NUM_THREADS= nproc) cores (git $commit)"
