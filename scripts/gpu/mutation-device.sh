@@ -8,7 +8,7 @@
 # PART: 1, 2 (the core's modules, split so that each part ends inside one call), 3 (the backends' KL lines), or
 # "core MODULE..." / "backends NAME..." for another split. The part stops itself after MUTATION_BUDGET_S seconds
 # (default 500, counted from its start) and still writes its partial score: mutants not checked by then are counted
-# as such. Writes under OUT (6 files): log.txt (what was printed, without the spinner), summary.txt (the score), survivors.txt
+# as such. Writes under OUT (at most 6 files): log.txt (what was printed, without the spinner), summary.txt (the score), survivors.txt
 # (every survivor's diff; backends: the survivors' lines), counts.json (core: for `mutation_summary.py --merge`),
 # results.tgz (the run's result files), timing.txt (one line: part, seconds, cores, mutants checked).
 # A part cut short: carry its results.tgz back (under an ignored name, e.g. .gpu-site-mut-part1.tgz) and run the part
