@@ -128,3 +128,52 @@ def test_the_length_normalized_loss_divides_by_the_accumulation_steps_only_when_
     base = 0.2 * length_normalized_term(adapted, mask, 3)
     assert torch.equal(term.length_normalized_loss(adapted, mask, beta=0.2, num_completions=3), base)
     torch.testing.assert_close(term.length_normalized_loss(adapted, mask, beta=0.2, num_completions=3, accumulation=4), base / 4)
+
+
+def test_the_check_at_creation_runs_user_code_with_the_configured_bottom_q_and_shaping_parameters(user_shaping):
+    """``check_user_functions`` gives a user estimator with a batch statistic the configured ``kl_bottom_q`` and a
+    user shaping step its configured parameter (without them the check itself fails: the term could not be built)."""
+    from unsloth_adaptive_kl import register_estimator, unregister_estimator
+    from unsloth_adaptive_kl.shaping import SHAPING
+
+    seen = {}
+
+    def above_quantile(ref, mask, *, q):
+        seen["statistic_q"] = q
+        return torch.quantile(ref[mask.bool()], q)
+
+    @register_estimator("k2_above_quantile", batch_statistic=above_quantile)
+    def k2_above_quantile(logp, ref, *, statistic, q):
+        seen["q"] = q
+        return torch.where(ref > statistic, 0.5 * (ref - logp) ** 2, 0.0)
+
+    def capped(kl, threshold):
+        seen["threshold"] = threshold
+        return kl.clamp(max=threshold)
+
+    try:
+        capped_name = user_shaping("capped_by_the_clip_threshold", capped, parameters=SHAPING["clip"].parameters)
+        _term(kl_estimator="k2_above_quantile", kl_bottom_q=0.3, kl_adaptation_method=capped_name, kl_clip_threshold=0.7).check_user_functions()
+        assert seen == {"statistic_q": 0.3, "q": 0.3, "threshold": 0.7}
+    finally:
+        unregister_estimator("k2_above_quantile")
+
+
+def test_estimate_without_the_check_leaves_a_user_estimators_nan_to_the_caller():
+    """``check=False`` (inside a compiled region, where a check would break the graph) runs no check; the default
+    checks (test_a_user_estimators_nan_on_valid_tokens_is_refused_in_per_token)."""
+    from unsloth_adaptive_kl import register_estimator, unregister_estimator
+
+    @register_estimator("nan_on_large_ratio_unchecked")
+    def nan_on_large_ratio(logp, ref):
+        r = ref - logp
+        return torch.where(r.abs() > 0.7, torch.nan, r * r)
+
+    try:
+        term = _term(kl_estimator="nan_on_large_ratio_unchecked")
+        out = term.estimate(torch.zeros(1, 3), torch.tensor([[0.1, 0.75, 0.2]]), torch.ones(1, 3), check=False)
+        assert out[0, 1].isnan() and out[0, 0].item() == pytest.approx(0.01)
+        with pytest.raises(ValueError, match="nan_on_large_ratio_unchecked"):
+            term.estimate(torch.zeros(1, 3), torch.tensor([[0.1, 0.75, 0.2]]), torch.ones(1, 3))
+    finally:
+        unregister_estimator("nan_on_large_ratio_unchecked")
