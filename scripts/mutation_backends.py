@@ -6,11 +6,13 @@ operator at a time (an arithmetic or comparison operator, ``not``, ``and``, a va
 divisor dropped) inside those strings (the added lines only, not the upstream lines an anchor repeats) and inside
 the Liger module's KL lines; each mutant runs in a copy of the package against its backend's tests.
 
-    python scripts/mutation_backends.py ROOT WORKDIR [--jobs N] [--backend trl|unsloth|liger ...] [--list]
+    python scripts/mutation_backends.py ROOT WORKDIR [--jobs N] [--backend trl|unsloth|liger ...] [--budget S] [--list]
 
 A mutant is *killed* when its tests fail (exit 1) or run past the timeout, *survives* when they pass, and is
 *invalid* (left out of the score) when it cannot even be collected (exit 2-5: a replacement that no longer
-compiles). Writes WORKDIR/backends.json and prints the score and every survivor.
+compiles). Each backend's tests also run once unmutated: where they fail, its mutants have no verdict.
+``--budget SECONDS``: mutants not finished by then are *not run* (a partial score). Writes each verdict to
+WORKDIR/backends.jsonl as it comes, then WORKDIR/backends.json and summary.txt (the score and every survivor).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -148,26 +151,61 @@ def mutants(root: str, target: Target) -> list[dict]:
     return found
 
 
-def run_mutant(mutant: dict, root: str, workdir: str, slot: int, target: Target) -> dict:
+def _pytest(target: Target, copy: str, timeout: float) -> int | str:
+    """Exit code of ``target``'s tests in ``copy``, or "timeout"; a timed-out run is ended with the processes it
+    started (the Unsloth tests' workers), not only pytest."""
+    path = copy + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")  # a site stays behind it
+    env = dict(os.environ, PYTHONPATH=path, TRITON_INTERPRET="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, *PYTEST, *target.tests], cwd=copy, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    try:
+        output = proc.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return "timeout"
+    if proc.returncode != 0:
+        _last_output[target.backend] = output.decode(errors="replace")[-3000:]
+    return proc.returncode
+
+
+_last_output: dict[str, str] = {}
+
+
+def run_mutant(mutant: dict, root: str, workdir: str, slot: int, target: Target, deadline: float) -> dict:
+    """Runs ``mutant`` (``source`` None: the unmutated baseline) in this thread's copy of the package. Past
+    ``deadline`` (a time.time()) it is not started, and a run the deadline cuts short is "not run", never "killed"."""
     copy = os.path.join(workdir, f"slot{slot}")
     if not os.path.isdir(copy):
         for part in ("unsloth_adaptive_kl", "tests"):
             shutil.copytree(os.path.join(root, part), os.path.join(copy, part))
-    pristine = open(os.path.join(root, mutant["path"])).read()
-    path = os.path.join(copy, mutant["path"])
-    with open(path, "w") as f:
-        f.write(mutant["source"])
-    env = dict(os.environ, PYTHONPATH=copy, TRITON_INTERPRET="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+    result = {k: v for k, v in mutant.items() if k != "source"}
     start = time.time()
+    if deadline - start < _MIN_START_S:
+        return result | {"status": "not run", "rc": None, "seconds": 0}
+    timeout = min(target.timeout, deadline - start)
+    pristine = open(os.path.join(root, target.path)).read()
+    path = os.path.join(copy, target.path)
+    with open(path, "w") as f:
+        f.write(pristine if mutant["source"] is None else mutant["source"])
     try:
-        rc = subprocess.run([sys.executable, *PYTEST, *target.tests], cwd=copy, env=env, capture_output=True, timeout=target.timeout).returncode
-    except subprocess.TimeoutExpired:
-        rc = "timeout"
+        rc = _pytest(target, copy, timeout)
     finally:
         with open(path, "w") as f:
             f.write(pristine)
-    status = {0: "survived", 1: "killed", "timeout": "killed"}.get(rc, "invalid")
-    return {k: v for k, v in mutant.items() if k != "source"} | {"status": status, "rc": rc, "seconds": round(time.time() - start)}
+    if rc == "timeout" and timeout < target.timeout:
+        status = "not run"  # stopped by the run's budget, not by its own timeout
+    else:
+        status = {0: "survived", 1: "killed", "timeout": "killed"}.get(rc, "invalid")
+    return result | {"status": status, "rc": rc, "seconds": round(time.time() - start)}
+
+
+#: A mutant is not started with less of the budget left (the fastest backend's tests take about this long).
+_MIN_START_S = 45
+
+
+def _line(r: dict) -> str:
+    return f"{r['status']:8} {r['seconds']:4d}s {r['path']}:{r['line']}: {r['original']!r} -> {r['replacement']!r}   {r['context']}"
 
 
 def main() -> None:
@@ -176,34 +214,60 @@ def main() -> None:
     parser.add_argument("workdir")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--backend", action="append", choices=[t.backend for t in TARGETS])
+    parser.add_argument("--budget", type=float, help="seconds: mutants not finished by then are left 'not run'")
     parser.add_argument("--list", action="store_true", help="list the mutants, run nothing")
     args = parser.parse_args()
     targets = [t for t in TARGETS if not args.backend or t.backend in args.backend]
-    work = [(m, t) for t in targets for m in mutants(args.root, t)]
+    # the slowest backend's mutants first (its timeout says which), so that the pool ends with the short ones
+    work = [(m, t) for t in sorted(targets, key=lambda t: -t.timeout) for m in mutants(args.root, t)]
     if args.list:
         for m, _ in work:
             print(f"{m['backend']:8} {m['path']}:{m['line']}: {m['original']!r} -> {m['replacement']!r}   {m['context']}")
         print(f"{len(work)} mutants")
         return
+    deadline = time.time() + (args.budget if args.budget else 10**9)
     os.makedirs(args.workdir, exist_ok=True)
-    results = []
+    # Each backend's tests run once unmutated beside the mutants: a mutant can only be called killed by tests that
+    # pass without it (on a machine where they fail, every mutant would read killed).
+    baselines = [(dict(backend=t.backend, path=t.path, baseline=True, source=None), t) for t in targets]
+    results, baseline = [], {}
+    log = open(os.path.join(args.workdir, "backends.jsonl"), "w")  # each verdict as it comes: a run cut short keeps them
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
         slots = {}
-        futures = []
-        for i, (m, t) in enumerate(work):
-            futures.append(pool.submit(lambda m=m, t=t, i=i: run_mutant(m, args.root, args.workdir, _slot(slots), t)))
+        futures = {}
+        for m, t in baselines + work:
+            futures[pool.submit(lambda m=m, t=t: run_mutant(m, args.root, args.workdir, _slot(slots), t, deadline))] = m
         for future in concurrent.futures.as_completed(futures):
             r = future.result()
+            if r.get("baseline"):
+                baseline[r["backend"]] = r
+                print(f"baseline {r['backend']}: {r['status']} (exit {r['rc']}) in {r['seconds']} s", flush=True)
+                if r["status"] != "survived":
+                    print(_last_output.get(r["backend"], ""), flush=True)
+                continue
             results.append(r)
-            print(f"{r['status']:8} {r['seconds']:4d}s {r['path']}:{r['line']}: {r['original']!r} -> {r['replacement']!r}   {r['context']}", flush=True)
+            log.write(json.dumps(r) + "\n")
+            log.flush()
+            print(_line(r), flush=True)
+    for r in results:  # a backend whose tests fail (or were not run) unmutated has no verdicts
+        if baseline[r["backend"]]["status"] != "survived" and r["status"] in ("killed", "survived"):
+            r["status"] = f"invalid (baseline {baseline[r['backend']]['status']})"
     json.dump(sorted(results, key=lambda r: (r["path"], r["line"])), open(os.path.join(args.workdir, "backends.json"), "w"), indent=1)
+    summary = []
     for backend in sorted({r["backend"] for r in results}):
         mine = [r for r in results if r["backend"] == backend]
         killed = sum(r["status"] == "killed" for r in mine)
         scored = sum(r["status"] in ("killed", "survived") for r in mine)
-        print(f"{backend}: {killed}/{scored} killed ({len(mine) - scored} invalid)")
+        not_run = sum(r["status"] == "not run" for r in mine)
+        summary.append(f"{backend}: {killed}/{scored} killed ({len(mine) - scored - not_run} invalid, {not_run} not run; "
+                       f"baseline {baseline[backend]['status']} in {baseline[backend]['seconds']} s)")  # fmt: skip
     for r in sorted((r for r in results if r["status"] == "survived"), key=lambda r: (r["path"], r["line"])):
-        print(f"SURVIVED {r['path']}:{r['line']}: {r['original']!r} -> {r['replacement']!r}   {r['context']}")
+        summary.append(f"SURVIVED {r['path']}:{r['line']}: {r['original']!r} -> {r['replacement']!r}   {r['context']}")
+    print("\n".join(summary))
+    with open(os.path.join(args.workdir, "summary.txt"), "w") as f:
+        f.write("\n".join(summary) + "\n")
+    if any(b["status"] != "survived" for b in baseline.values()):
+        sys.exit("a backend's tests fail unmutated: its mutants have no verdict (see its baseline above)")
 
 
 _lock = __import__("threading").Lock()

@@ -7,12 +7,17 @@ mutant with its diff, sorted into two kinds:
 
 The score counts killed (and timed-out) mutants over killed + survived, per kind; mutants no selected test executes
 ("no tests") and those not run ("not checked", e.g. a run stopped early) are counted apart. Writes survivors.txt.
+
+    python scripts/mutation_summary.py [--json counts.json]      (in a mutmut work directory; a partial run too)
+    python scripts/mutation_summary.py --merge A.json B.json ...  (the score of runs made in parts, from their --json)
 """
 
 from __future__ import annotations
 
+import argparse
 import ast
 import collections
+import json
 
 MESSAGE_CALLS = {"warning", "info", "debug", "error", "warn", "exception"}
 
@@ -37,7 +42,36 @@ def changed_lines(diff: str, path: str) -> list[int]:
     return found
 
 
+def print_score(counts: dict[str, collections.Counter]) -> None:
+    total = collections.Counter()
+    for module in sorted(counts):
+        total.update(counts[module])
+        print(f"{module}: {dict(sorted(counts[module].items()))}")
+    print(f"all: {dict(sorted(total.items()))}")
+    for kind in ("behaviour", "message"):
+        killed, survived = total[f"killed ({kind})"], total[f"survived ({kind})"]
+        print(f"score, {kind} mutants: {killed}/{killed + survived} = {100 * killed / max(killed + survived, 1):.1f} %")
+    if total["not checked"]:
+        print(f"partial: {total['not checked']} mutants not checked")
+
+
+def merge(paths: list[str]) -> None:
+    counts = collections.defaultdict(collections.Counter)
+    for path in paths:
+        with open(path) as f:
+            for module, numbers in json.load(f)["counts"].items():
+                counts[module].update(numbers)
+    print_score(counts)
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json", help="also write the counts per module and the survivors' names to this file")
+    parser.add_argument("--merge", nargs="+", metavar="JSON", help="print the score of these --json files together")
+    args = parser.parse_args()
+    if args.merge:
+        merge(args.merge)
+        return
     # mutmut's own API, in one process (its ``show`` command starts a process per mutant)
     from mutmut.__main__ import status_by_exit_code, walk_mutatable_files
     from mutmut.mutation.data import SourceFileMutationData
@@ -47,8 +81,13 @@ def main() -> None:
     survivors = []
     for path in walk_mutatable_files():
         data = SourceFileMutationData(path=path)
-        data.load()
         module = str(path)[:-3].replace("/", ".")
+        try:
+            data.load()
+        except json.JSONDecodeError as error:  # a run stopped while it wrote this file: its verdicts are lost
+            print(f"{path}: results unreadable ({error}): its mutants are left out")
+            counts[module]["unreadable results file"] += 1
+            continue
         messages = message_lines(str(path))
         for name, exit_code in data.exit_code_by_key.items():
             status = status_by_exit_code[exit_code]
@@ -61,14 +100,10 @@ def main() -> None:
             counts[module][f"{'killed' if status == 'timeout' else status} ({kind})"] += 1
             if status == "survived":
                 survivors.append((kind, name, diff))
-    total = collections.Counter()
-    for module in sorted(counts):
-        total.update(counts[module])
-        print(f"{module}: {dict(sorted(counts[module].items()))}")
-    print(f"all: {dict(sorted(total.items()))}")
-    for kind in ("behaviour", "message"):
-        killed, survived = total[f"killed ({kind})"], total[f"survived ({kind})"]
-        print(f"score, {kind} mutants: {killed}/{killed + survived} = {100 * killed / max(killed + survived, 1):.1f} %")
+    print_score(counts)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"counts": counts, "survivors": {name: kind for kind, name, _ in survivors}}, f, indent=1, sort_keys=True)
     with open("survivors.txt", "w") as f:
         for kind, name, diff in sorted(survivors):
             f.write(f"## {kind}: {name}\n{diff}\n")

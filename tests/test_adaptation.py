@@ -89,6 +89,17 @@ def test_a_restarted_controller_says_what_it_did_not_restore_and_applies_the_res
     assert fresh.beta == BETA_MIN  # from beta_schedule_steps on: the floor, at once
 
 
+def test_a_resume_without_a_global_step_applies_the_schedule_of_step_0():
+    """``load_state_dict``'s default ``global_step`` is 0, the first step. With ``beta_schedule_steps=1``, ``dynamic``
+    trains step 0 with the restored β and steps from 1 on with the floor."""
+    saved = _adaptive("dynamic").state_dict()
+    for kwargs, beta in (({}, BETA), ({"global_step": 0}, BETA), ({"global_step": 1}, BETA_MIN)):
+        fresh = _adaptive("dynamic")
+        fresh.controller.config = type(fresh.controller.config)(**{**fresh.controller.config.__dict__, "beta_schedule_steps": 1})
+        fresh.load_state_dict(saved, **kwargs)
+        assert fresh.beta == beta, kwargs
+
+
 def test_a_checkpoint_without_its_method_text_is_named_as_a_method_in_the_resume_error():
     state = _adaptive("none").state_dict()
     del state["kl_adaptation_method"]  # written before the method was saved
