@@ -76,9 +76,9 @@ def test_a_chunk_uses_the_batch_statistic_it_is_given_and_the_configured_bottom_
     chunk_own = get_estimator("bottom_q").batch_statistic(torch.where(mask[chunk].bool(), ref[chunk], 0.0), mask[chunk], q=0.3)
     assert not torch.equal(whole, chunk_own)  # the case tells: the chunk's own threshold differs
     raw, _ = term.per_token(logp[chunk], ref[chunk], mask[chunk], statistic=whole)
-    expected = estimate_kl("bottom_q", logp[chunk], ref[chunk], mask=mask[chunk], statistic=whole, bottom_q=0.3)
+    expected = estimate_kl("bottom_q", logp[chunk], ref[chunk], mask=mask[chunk], statistic=whole, parameters={"kl_bottom_q": 0.3})
     assert torch.equal(raw, expected)
-    other_q = estimate_kl("bottom_q", logp[chunk], ref[chunk], mask=mask[chunk], statistic=whole, bottom_q=0.5)
+    other_q = estimate_kl("bottom_q", logp[chunk], ref[chunk], mask=mask[chunk], statistic=whole, parameters={"kl_bottom_q": 0.5})
     assert not torch.equal(raw, other_q)  # bottom_q reaches the estimator
 
 
@@ -118,7 +118,7 @@ def test_with_excluded_tokens_both_kls_are_zero_off_the_kl_mask_whatever_the_sha
 
 def test_from_config_keeps_the_placement_and_the_bottom_q():
     assert _term(kl_placement="reward").placement == "reward" and _term().placement == "loss"
-    assert _term(kl_bottom_q=0.35).bottom_q == 0.35
+    assert dict(_term(kl_estimator="bottom_q", kl_bottom_q=0.35).estimator_parameters) == {"kl_bottom_q": 0.35}
 
 
 def test_the_length_normalized_loss_divides_by_the_accumulation_steps_only_when_given():
@@ -142,7 +142,8 @@ def test_the_check_at_creation_runs_user_code_with_the_configured_bottom_q_and_s
         seen["statistic_q"] = q
         return torch.quantile(ref[mask.bool()], q)
 
-    @register_estimator("k2_above_quantile", batch_statistic=above_quantile)
+    # it declares bottom_q's own parameter (the field kl_bottom_q, passed as q)
+    @register_estimator("k2_above_quantile", parameters=get_estimator("bottom_q").parameters, batch_statistic=above_quantile)
     def k2_above_quantile(logp, ref, *, statistic, q):
         seen["q"] = q
         return torch.where(ref > statistic, 0.5 * (ref - logp) ** 2, 0.0)
