@@ -96,12 +96,18 @@ def record(median, accuracy):
 
 def test_the_rule_takes_the_first_candidate_in_order_that_meets_the_entry_conditions():
     records = {3e-4: record(116, 0.05), 1e-4: record(120, 0.1), 5e-4: record(118, 0.3)}
-    assert scan.choose([3e-4, 1e-4, 5e-4], records) == 1e-4  # 0.1 is inside [0.1, 0.8]
-    assert scan.choose([3e-4, 5e-4, 1e-4], records) == 5e-4
-    assert scan.choose([3e-4], records) is None
-    assert scan.choose([2e-4, 5e-4], records) == 5e-4  # an unfinished candidate fails
+    assert scan.choose([3e-4, 1e-4, 5e-4], records) == (1e-4, True)  # 0.1 is inside [0.1, 0.8]
+    assert scan.choose([3e-4, 5e-4, 1e-4], records) == (5e-4, True)
+    assert scan.choose([3e-4], records) == (None, True)  # decided: no rate meets them
     assert not scan.entry(record(99, 0.5))["meets"] and not scan.entry(record(130, 0.81))["meets"]
     assert scan.entry(record(100, 0.8))["meets"] and not scan.entry(None)["finished"]
+
+
+def test_an_unfinished_candidate_leaves_the_choice_open_until_it_has_run():
+    records = {3e-4: record(116, 0.05), 5e-4: record(118, 0.3)}
+    assert scan.choose([2e-4, 5e-4], records) == (None, False)  # 2e-4 was cut: it comes first, so it runs again
+    assert scan.choose([3e-4, 2e-4, 5e-4], records) == (None, False)
+    assert scan.choose([5e-4, 2e-4], records) == (5e-4, True)  # the first meets them: what follows does not matter
 
 
 def test_the_progress_records_change_nothing_in_the_warm_start():
@@ -152,5 +158,5 @@ def test_the_scan_records_every_candidate_as_the_demo_builds_it(tiny):
         assert held["levels"]["perfect"] < held["levels"]["no_copy"] < held["all"]  # 3 steps learn nearly nothing
         assert summary["entry"][lr] == scan.entry(r)
     assert summary["candidates"]["0.003"]["weights_sha256"] != summary["candidates"]["0.001"]["weights_sha256"]
-    assert summary["chosen"] == scan.choose([3e-3, 1e-3], {float(k): v for k, v in summary["candidates"].items()})
+    assert (summary["chosen"], summary["decided"]) == scan.choose([3e-3, 1e-3], {float(k): v for k, v in summary["candidates"].items()})
     assert "| 0.003 | yes |" in (out / "warmscan.md").read_text()

@@ -155,11 +155,11 @@ def loss_by_role(path: str, settings, seed: int, device: str) -> dict:
 
 # -- one candidate (a process of its own) ----------------------------------------------------------------
 def one_candidate(lr: float, out: str, work: str, tiny: bool) -> dict:
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # as the demo sets it for a deterministic warm start
     import torch
 
     from demo.tasks import build_task_checkpoint, evaluate_start
 
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # as the demo sets it for a deterministic warm start
     device = "cuda" if torch.cuda.is_available() and not tiny else "cpu"
     if device == "cpu":
         torch.set_num_threads(1)  # the candidates run at once
@@ -196,15 +196,22 @@ def entry(record: dict | None) -> dict:
     return {"finished": True, "median_length_ok": length_ok, "accuracy_ok": accuracy_ok, "meets": length_ok and accuracy_ok}
 
 
-def choose(lrs: list[float], records: dict) -> float | None:
-    """The pre-registered rule: the first candidate in the given order whose warm start meets the entry
-    conditions; none if no candidate does."""
-    return next((lr for lr in lrs if entry(records.get(lr))["meets"]), None)
+def choose(lrs: list[float], records: dict) -> tuple[float | None, bool]:
+    """The pre-registered rule: (the first candidate in the given order whose warm start meets the entry
+    conditions, or None; whether the scan decided it). A candidate the call did not finish says nothing about
+    its rate: while one stands before the first that meets them, nothing is decided (it runs again alone)."""
+    for lr in lrs:
+        if lr not in records:
+            return None, False
+        if entry(records[lr])["meets"]:
+            return lr, True
+    return None, True
 
 
 def markdown(record: dict) -> str:
     lines = ["# Issue 33 warm-start scan (not study data)", "", f"commit {record['commit']}; {record['machine']}; "
-             f"candidates in order {record['lrs']}; chosen: **{record['chosen']}**", "",
+             f"candidates in order {record['lrs']}; chosen: **{record['chosen']}**"
+             + ("" if record["decided"] else " (undecided: a candidate before any that meets the conditions did not finish)"), "",
              "| lr | finished | s | loss last 50 | held-out loss (perfect / no copy) | copy | answer | sum | median length "
              "| accuracy | reward | entry |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for lr in record["lrs"]:
@@ -289,7 +296,7 @@ def main(argv=None) -> int:
                "lrs": lrs, "exits": {str(k): v for k, v in exits.items()},
                "candidates": {str(k): v for k, v in records.items()},
                "entry": {str(lr): entry(records.get(lr)) for lr in lrs}, "progress": progress,
-               "chosen": choose(lrs, records)}
+               "chosen": choose(lrs, records)[0], "decided": choose(lrs, records)[1]}
     with open(os.path.join(args.out, "warmscan.json"), "w") as f:
         json.dump(summary, f, indent=1)
     text = markdown(summary)
