@@ -175,6 +175,28 @@ def column_solution(terms: list[int], style: int) -> str:
     return (",".join(steps) if style else "") + f">{sum(terms)}"
 
 
+COLUMN_ROLES = ("copy", "carry", "sum", "answer", "mark")
+
+
+def column_token_roles(terms: list[int], style: int) -> list[str]:
+    """What each token of ``column_solution(terms, style)`` and its end-of-sequence token asks of a model, one
+    role a token: "copy" (a digit of a term, written in its column: read from the prompt), "carry" (the carry a
+    column receives, or the last one: the previous column's total // 10), "sum" (a column's total), "answer" (a
+    digit after ">"), "mark" ("+", "=", ",", ">", end of sequence). For the loss by role of a warm start."""
+    width = max(len(str(t)) for t in terms)
+    columns = zip(*(str(t).rjust(width, "0")[::-1] for t in terms))
+    carry, steps = 0, []
+    for column in columns:
+        total = sum(int(d) for d in column) + carry
+        copied = ["copy", "mark"] * len(column)  # each digit then its "+"
+        steps.append((copied + ["carry", "mark"] if style == 2 else []) + ["sum"] * len(str(total)))
+        carry = total // 10
+    if carry:
+        steps.append(["carry"])
+    roles = [role for i, step in enumerate(steps) for role in (["mark"] if i else []) + step] if style else []
+    return roles + ["mark"] + ["answer"] * len(str(sum(terms))) + ["mark"]
+
+
 def build_scratchpad_tokenizer():
     """A character-level tokenizer for the scratchpad task: one token per character, so a
     completion's length in tokens is its length in characters (plus the end-of-sequence token)."""
@@ -212,9 +234,11 @@ def scratchpad_correctness_reward(completions, answer, **kwargs) -> list[float]:
 
 
 def supervised_warm_start(model, tokenizer, texts: list[str], *, batch_size: int = 32, lr: float = 3e-3,
-                          losses: list | None = None) -> float:
+                          losses: list | None = None, progress=None, progress_every: int = 100) -> float:
     """One pass of next-token training over ``texts`` in batches; returns the last loss, and appends
-    every batch's loss to ``losses`` when given.
+    every batch's loss to ``losses`` when given. ``progress(step, loss)``, when given, is called every
+    ``progress_every`` steps and after the last (a record that survives a cut run; it reads the loss, one
+    synchronisation each time, and changes nothing in the training).
 
     Position ids follow the attention mask, as in generation with left padding."""
     import torch
@@ -234,6 +258,9 @@ def supervised_warm_start(model, tokenizer, texts: list[str], *, batch_size: int
         optimizer.zero_grad(set_to_none=True)
         if losses is not None:
             batch_losses.append(loss.detach())
+        step = start // batch_size + 1
+        if progress is not None and (step % progress_every == 0 or start + 2 * batch_size > len(texts)):
+            progress(step, float(loss.detach()))
     if batch_losses:  # one device-to-host copy at the end, not a synchronisation every batch
         losses.extend(torch.stack(batch_losses).float().cpu().tolist())
     return float(loss.detach())

@@ -117,11 +117,12 @@ def starting_model(args, settings: Settings, seed: int, device: str) -> str:
     return path
 
 
-def build_task_checkpoint(path: str, settings: Settings, seed: int, device: str) -> dict:
+def build_task_checkpoint(path: str, settings: Settings, seed: int, device: str, progress=None) -> dict:
     """As ``toy.build_scratchpad_checkpoint``, for any task of TASKS: the task's solution styles
     (``SOLUTIONS``; by default toy.worked_solution's three in equal parts), batch 64,
     ``settings.warm_start_steps`` steps. Returns what was done: the loss per step, time, tokens a second,
-    and the saved weights' sha256 (the same seed must give the same start in every GPU call)."""
+    and the saved weights' sha256 (the same seed must give the same start in every GPU call).
+    ``progress(step, loss)``: called every 100 steps (``toy.supervised_warm_start``)."""
     import random
 
     import torch
@@ -150,7 +151,8 @@ def build_task_checkpoint(path: str, settings: Settings, seed: int, device: str)
         attention = sdpa_kernel([SDPBackend.MATH])
     started = time.perf_counter()
     with attention:
-        loss = (toy.supervised_warm_start(model, tokenizer, texts, batch_size=64, lr=settings.warm_start_lr, losses=losses)
+        loss = (toy.supervised_warm_start(model, tokenizer, texts, batch_size=64, lr=settings.warm_start_lr, losses=losses,
+                                            progress=progress)
                 if settings.warm_start_steps else math.nan)
     seconds = time.perf_counter() - started
     torch.use_deterministic_algorithms(deterministic)

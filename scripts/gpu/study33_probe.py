@@ -11,6 +11,10 @@ streams, and study33-probe-runs.tar.gz (logs, summaries, warm-start records): at
 
     python scripts/gpu/study33_probe.py --out "$OUT"            # GPU, the study's settings (~9 min)
     python scripts/gpu/study33_probe.py --out DIR --tiny        # CPU, a tiny model: checks the plumbing
+    python scripts/gpu/study33_probe.py --out "$OUT" --warm-start-lr 3e-4   # the probe again at another warm-start rate
+
+The record also holds the k8 warm start's held-out loss by token role (study33_warmscan.loss_by_role), next to
+the loss of a perfect model and of one that copies nothing from the prompt.
 """
 
 from __future__ import annotations
@@ -44,11 +48,12 @@ TINY = ["--smoke", "--max-completion-length", "40", "--warm-start-steps", "3"]
 TINY_PHASES = {"k1": (["--betas", "0.04", "--methods", "none"], 600), "k8": (["--betas", "0.05,0.2", "--methods", "none"], 600)}
 
 
-def run_phase(name: str, extra: list[str], limit: int, out: str, work: str, tiny: bool) -> dict:
+def run_phase(name: str, extra: list[str], limit: int, out: str, work: str, tiny: bool, warm_start_lr: float | None = None) -> dict:
     folder = os.path.join(work, name)
     stream = os.path.join(out, f"study33-probe-{name}-stream.jsonl")
     argv = [sys.executable, DEMO, "--task", "long", "--loss-type", "dapo", "--seeds", "1", "--steps",
-            str(2 if tiny else STEPS), "--keep-going", "--stream", stream, "--output-dir", folder, *extra, *(TINY if tiny else [])]
+            str(2 if tiny else STEPS), "--keep-going", "--stream", stream, "--output-dir", folder, *extra, *(TINY if tiny else []),
+            *(["--warm-start-lr", repr(warm_start_lr)] if warm_start_lr else [])]
     started = time.perf_counter()
     with open(os.path.join(work, f"{name}.log"), "w") as log:
         try:
@@ -90,7 +95,7 @@ def projection(k8: dict, warm_start_s: float) -> dict:
 
 def markdown(record: dict) -> str:
     lines = ["# Issue 33 probe: the long task's warm start and GRPO step time", "",
-             f"commit {record['commit']}; {record['machine']}", ""]
+             f"commit {record['commit']}; {record['machine']}; warm-start learning rate {record['warm_start_lr']:g}", ""]
     for name, phase in record["phases"].items():
         warm, times = phase["warm_start"], phase["step_times"]
         lines += [f"## {name}: exit {phase['exit']}, {phase['wall_s']:.0f} s", "", "`" + " ".join(phase["argv"]) + "`", ""]
@@ -107,6 +112,11 @@ def markdown(record: dict) -> str:
         lines += [f"- GRPO: {times['runs']} run(s), {times['steps_logged']} steps logged; step time median "
                   f"{times['median_s']} s (max {times['max_s']}), first step {times['first_step_median_s']} s; mean "
                   f"completion length {times['mean_length']}; completions per optimizer step {times['completions_per_step']}", ""]
+    held = record.get("loss_by_role")
+    if held:
+        lines += ["k8's warm start, held-out loss (nats a token): " + f"{held['all']:.3f} (a perfect model "
+                  f"{held['levels']['perfect']:.3f}, one that copies nothing from the prompt {held['levels']['no_copy']:.3f}); "
+                  "by role: " + ", ".join(f"{k} {v:.3f}" for k, v in held["by_role"].items()), ""]
     lines += [f"Same warm start in both invocations: **{record['same_warm_start']}**", "",
               "Projection (section 7's run list at k8's concurrency and step time): `" + json.dumps(record["projection"]) + "`"]
     return "\n".join(lines) + "\n"
@@ -117,12 +127,13 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--work", default="/tmp/study33-probe")
     p.add_argument("--tiny", action="store_true", help="CPU, a tiny model, two steps: the plumbing only")
+    p.add_argument("--warm-start-lr", type=float, help="the warm start's learning rate (default: the long task's)")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     os.makedirs(args.work, exist_ok=True)
     phases = {}
     for name, (extra, limit) in (TINY_PHASES if args.tiny else PHASES).items():
-        phase = run_phase(name, extra, limit, args.out, args.work, args.tiny)
+        phase = run_phase(name, extra, limit, args.out, args.work, args.tiny, args.warm_start_lr)
         phase["step_times"] = step_times(phase.pop("rows"))
         phases[name] = phase
         print(f"{name}: exit {phase['exit']}, {phase['wall_s']:.0f} s, {json.dumps(phase['step_times'])}", flush=True)
@@ -130,8 +141,15 @@ def main(argv=None) -> int:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     import torch
 
+    from demo.settings import TASK_DEFAULTS
+    from study33_warmscan import loss_by_role, settings_for
+
     machine = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
-    record = {"commit": commit or "unknown", "machine": machine, "phases": phases,
+    lr = args.warm_start_lr or TASK_DEFAULTS["long"]["warm_start_lr"]
+    checkpoint = os.path.join(args.work, "k8", "checkpoints", "seed0")
+    held = (loss_by_role(checkpoint, settings_for(lr, args.tiny), 0, "cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+            if os.path.isdir(checkpoint) else None)
+    record = {"commit": commit or "unknown", "machine": machine, "warm_start_lr": lr, "loss_by_role": held, "phases": phases,
               "same_warm_start": len(set(hashes.values())) == 1 and None not in hashes.values(),
               "projection": projection(phases["k8"]["step_times"], (phases["k8"]["warm_start"] or {}).get("build_s", 0.0))}
     with open(os.path.join(args.out, "study33-probe.json"), "w") as f:

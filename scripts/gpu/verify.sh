@@ -31,7 +31,10 @@
 # study33-probe (issue 33, one GPU, <= 560 s): the long task's warm start and GRPO step time before its study
 # (scripts/gpu/study33_probe.py: one run alone, then eight at once, 8 steps each, each invocation warm-starting
 # seed 0); writes study33-probe.md, study33-probe.json, study33-probe-k1-stream.jsonl, study33-probe-k8-stream.jsonl
-# and study33-probe-runs.tar.gz to $OUT.
+# and study33-probe-runs.tar.gz to $OUT. study33-probe:LR: the same at the warm-start learning rate LR (Amendment 2).
+# study33-warmscan:LR,LR (issue 33, one GPU, <= ~450 s): the long task's warm start of seed 0 at each learning rate,
+# all at once, each with its step-0 record and held-out loss by token role (scripts/gpu/study33_warmscan.py; not
+# study data); writes warmscan.md, warmscan.json, warmscan-lrX.json, warmscan-lrX.log, warmscan-progress.jsonl.
 # multi-gpu (2 GPUs): examples/multi_gpu/check_ranks.py for each of MULTI_GPU_RUNS (below): DDP, FSDP2, FSDP2 with a
 # LoRA adapter, DeepSpeed ZeRO-2 and ZeRO-3 (full fine-tuning), and the Unsloth backend (LoRA) under DDP;
 # multi-gpu:NAME,NAME runs those only (6 runs do not fit one 10-minute call: see docs/gpu-verification.md).
@@ -192,6 +195,10 @@ for stage in "$@"; do
       tar czf "$OUT/evidence-pair.tar.gz" -C /tmp/evidence-pair . ;;
     study33-probe)
       timeout 570 python scripts/gpu/study33_probe.py --out "$OUT" 2>&1 | tail -60 ;;
+    study33-probe:*)
+      timeout 570 python scripts/gpu/study33_probe.py --out "$OUT" --warm-start-lr "${stage#study33-probe:}" 2>&1 | tail -60 ;;
+    study33-warmscan:*)
+      timeout 470 python scripts/gpu/study33_warmscan.py --out "$OUT" --lrs "${stage#study33-warmscan:}" 2>&1 | tail -40 ;;
     demo-3seeds)
       timeout 570 python blackwell/test_adaptive_kl_grpo.py --seeds 3 --jobs 21 --output-dir "$OUT/demo-3seeds" 2>&1 | tee "$OUT/demo-3seeds.log" | tail -40 ;;
   esac
