@@ -195,7 +195,9 @@ def _reward_conditioned_step(beta, c, kl, reward, n, *, step=None, latest):
     logistic of the step's mean reward, ``beta_min + (beta - beta_min) / (1 + exp(-(r - midpoint) / width))``."""
     if latest is None or not math.isfinite(latest):
         return beta
-    return c.beta_min + (c.beta - c.beta_min) / (1.0 + math.exp(-(latest - c.reward_beta_midpoint) / c.reward_beta_width))
+    z = (latest - c.reward_beta_midpoint) / c.reward_beta_width
+    logistic = 1.0 / (1.0 + math.exp(-z)) if z >= 0 else math.exp(z) / (1.0 + math.exp(z))  # no overflow either side
+    return c.beta_min + (c.beta - c.beta_min) * logistic
 
 
 NEXT_BETA = {

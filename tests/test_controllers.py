@@ -380,3 +380,21 @@ def test_a_changed_beta_on_resume_names_the_checkpoints_beta(caplog):
         resumed.load_state_dict(saved.state_dict())
     assert resumed.beta == 0.4
     assert "restarts from beta=0.4 instead of the checkpoint's beta=0.15, keeping the rest of its state" in caplog.text
+
+
+def test_reward_conditioned_with_the_default_beta_min_of_zero_never_reaches_zero_and_recovers():
+    """With ``beta_min = 0`` β is ``beta`` times the logistic of the reward: far below the midpoint (where
+    ``exp`` would overflow and the logistic underflow) it stays above 0, so it is not final, and a high reward
+    brings it back, each step against the float64 reference."""
+    import reference
+
+    cfg = reference.controller_config(0.1, reward_beta_midpoint=0.8, reward_beta_width=0.001)
+    assert cfg.beta_min == 0.0  # the default
+    c = make_controller("reward_conditioned", cfg)
+    beta = cfg.beta
+    for reward in (0.0, -5.0, 0.7, 0.9):  # z = -800, -5800, -100, 100
+        c.observe_reward(reward)
+        got = c.update(global_step=1, kl=None, num_completions=8)
+        beta = reference.NEXT_BETA["reward_conditioned"](beta, cfg, None, reward, 8, step=1, latest=reward)
+        assert got > 0.0 and got == pytest.approx(beta, rel=1e-12, abs=1e-300), (reward, got, beta)
+    assert got == pytest.approx(cfg.beta, rel=1e-12)  # recovered to beta at a high reward

@@ -560,7 +560,8 @@ class RewardConditionedBeta(BetaController):
         beta_t = beta_min + (beta - beta_min) / (1 + exp(-(r - reward_beta_midpoint) / reward_beta_width))
 
     β starts at ``beta`` and moves once per new reward; a NaN reward is no observation, ±inf is skipped.
-    ``beta_min > 0``: β = 0 is absorbing (the reference model is no longer run), which a low reward must not reach.
+    β stays above ``beta_min`` (so above 0 with the default ``beta_min = 0``: the logistic is positive, and its
+    argument is floored at -700 so that it cannot underflow to a β of 0, which every controller treats as final).
     """
 
     adapts_beta = True
@@ -568,14 +569,6 @@ class RewardConditionedBeta(BetaController):
     def __init__(self, config: ControllerConfig):
         super().__init__(config)
         self.reward: float | None = None  # the last reward, not yet used by an update
-
-    @classmethod
-    def check_settings(cls, config: ControllerConfig) -> None:
-        if not config.beta_min > 0:
-            raise ValueError(
-                f"beta_min={config.beta_min!r} is not valid with 'reward_conditioned': β = 0 is absorbing (the reference "
-                "model stops), so a low reward would end the KL term for good; allowed: 0 < beta_min <= beta"
-            )
 
     def observe_reward(self, reward: float) -> None:
         if reward != reward:  # NaN: every reward of the batch was None; no observation
@@ -591,7 +584,8 @@ class RewardConditionedBeta(BetaController):
             return self.beta
         z = (self.reward - cfg.reward_beta_midpoint) / cfg.reward_beta_width
         self.reward = None
-        self.beta = cfg.beta_min + (cfg.beta - cfg.beta_min) / (1.0 + math.exp(-z)) if z > -700 else cfg.beta_min
+        # z floored at -700: exp(700) is finite and β stays above beta_min, so above 0 (β = 0 would be final)
+        self.beta = cfg.beta_min + (cfg.beta - cfg.beta_min) / (1.0 + math.exp(-max(z, -700.0)))
         return self.beta
 
     def max_loaded_beta(self) -> float:

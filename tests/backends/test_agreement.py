@@ -39,7 +39,7 @@ CASES = list(itertools.product(LOSS_TYPES, METHODS, ESTIMATORS))
 T = reference.MAX_COMPLETION
 # Small enough that clip (0.4) and sigmoid (target 0.2) act on some tokens and not on others,
 # and bottom_q (q = 0.3) selects 3 of the 10 valid tokens.
-# beta_min > 0: reward_conditioned refuses a floor of 0 (its beta would be absorbed there).
+# beta_min > 0: every controller has a floor it could reach (β does not move within these single loss calls).
 FIELDS = dict(beta=0.3, beta_min=0.01, kl_clip_threshold=0.4, kl_target=0.2, kl_bottom_q=0.3, use_bias_correction_kl=True)
 TOLERANCE = dict(rtol=1e-5, atol=1e-6)  # float32
 
