@@ -77,6 +77,11 @@ def aggregate(x, mask, loss_type, *, num_items, max_completion=MAX_COMPLETION, s
     raise AssertionError(loss_type)
 
 
+#: The estimators' values (Schulman 2020; abs: |r|) as functions of r = log pi_ref - log pi, in float64. The
+#: straight-through k1+ / k3+ and bottom_q (a batch statistic) have references of their own in their tests.
+RAW64 = {"k3": lambda r: torch.exp(r) - r - 1, "k1": lambda r: -r, "k2": lambda r: 0.5 * r**2, "abs": lambda r: r.abs()}
+
+
 def raw_and_shaped_kl(method, logp, ref, old, mask, *, estimator, clip_threshold, kl_target, bias_correction=True, unsloth_clamps=False):
     """Float64 per-token raw KL (estimator x importance ratio) and its shaped value (masked to 0).
 
@@ -86,7 +91,7 @@ def raw_and_shaped_kl(method, logp, ref, old, mask, *, estimator, clip_threshold
     r = ref - logp
     if unsloth_clamps:
         r = r.clamp(-20, 20)
-    raw = {"k3": torch.exp(r) - r - 1, "k1": -r, "k2": 0.5 * r**2, "abs": r.abs()}[estimator]
+    raw = RAW64[estimator](r)
     if bias_correction:
         raw = raw * torch.exp(logp - old)
     if unsloth_clamps:

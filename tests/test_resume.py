@@ -157,7 +157,11 @@ def test_changing_the_controller_on_resume_names_both_methods_and_the_option_tha
     assert f"kl_adaptation_method={method!r} (the {method!r} β controller)" in message
     assert "restart_beta_controller=True" in message
     trainer, states, betas = train(tiny_checkpoint, tmp_path / "fresh", resume_from=none_checkpoint, **fields, restart_beta_controller=True)
-    assert sorted(_resumed(betas)) == [3, 4] and betas[3] == 0.08  # started fresh from the configured beta
+    # started fresh from the configured beta at the checkpoint's step, with no observation yet (a schedule over
+    # optimizer steps is at its step-2 value, the others at 0.08)
+    fresh = reference.NEXT_BETA[method](0.08, reference.controller_config(**fields), None, None, 0, step=SAVED_AT, latest=None)
+    assert sorted(_resumed(betas)) == [3, 4] and betas[3] == pytest.approx(fresh, rel=1e-12)
+    assert method == "schedule" or fresh == 0.08
     if method == "dynamic":  # a fresh window: the two rewards of steps 3 and 4, β halved after each
         assert betas[4] == 0.04 and len(states[4]["controller"]["rewards"]) == 2
     assert trainer.state.global_step == EDITED_STEPS
