@@ -118,3 +118,16 @@ def test_the_step_size_check_and_the_batch_statistic_reach_the_controller_and_th
     ref = torch.tensor([[-1.0, -4.0, -2.0], [-3.0, -9.0, -5.0]])
     mask = torch.tensor([[1, 1, 1], [1, 0, 1]])
     assert bottom.batch_statistic(ref, mask).item() == -4.0  # the 2nd lowest of the 5 valid (-9 is masked): floor(0.5 * 5) = 2
+
+
+def test_the_resume_error_names_both_methods_and_both_ways_out():
+    state = _adaptive("target").state_dict()
+    with pytest.raises(ValueError) as error:
+        _adaptive("dynamic").load_state_dict(state)
+    assert str(error.value) == (
+        "cannot resume: the checkpoint was trained with kl_adaptation_method='target' (the 'target' β controller) and "
+        "this run has kl_adaptation_method='dynamic' (the 'dynamic' β controller); one β controller's state cannot be "
+        "restored into another. Allowed: set restart_beta_controller=True to start the new controller fresh from "
+        "beta=0.2 (the checkpoint's controller state is then not restored), or resume with a method of the "
+        "checkpoint's controller"
+    )
