@@ -194,11 +194,12 @@ def _straight_through_k2(value: torch.Tensor, logp: torch.Tensor, ref_logp: torc
 def k1_plus(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """Forward value of k1, gradient of k2 (straight-through), as in verl's ``kl_penalty("k1+")``.
 
-    Why: used as a *loss* on samples from pi, the gradient of k2 is
-    ``E_pi[(log pi - log pi_ref) grad log pi] = grad KL(pi || pi_ref)``, the unbiased gradient of
-    the reverse KL, whereas k1's gradient ``E_pi[grad log pi]`` is 0 in expectation and k3's
-    gradient is that of a different divergence. The straight-through form keeps the reported
-    value of the chosen estimator and takes the gradient of k2.
+    Why: used as a per-token *loss* on samples from pi, k2's gradient is
+    ``E_pi[(log pi - log pi_ref) grad log pi]`` summed over the tokens: the per-state part of the reverse KL's
+    gradient (not all of it: docs/kl-gradients.md), whereas k1's gradient ``E_pi[grad log pi]`` is 0 in
+    expectation. The straight-through form keeps the reported value of the chosen estimator and takes the gradient
+    of k2, with the importance-ratio correction off (under TRL's ``use_bias_correction_kl=True`` the ratio's own
+    gradient is added: docs/estimators.md).
     """
     return _straight_through_k2(k1(logp, ref_logp), logp, ref_logp)
 
