@@ -181,6 +181,8 @@ def test_smoke_writes_every_step_of_every_method(smoke):
         for r in mine:
             assert 0.0 <= r["reward"] <= 1.0 and r["completions/mean_length"] > 0 and r["step_time"] > 0
             assert r["adaptive_kl/current_beta"] > 0 and r["adaptive_kl/raw_kl"] >= 0
+            # the rollouts are timed inside the step: one generate call per optimizer step (steps_per_generation 1)
+            assert r["generate_calls"] == 1 and 0 < r["generation_time"] < r["step_time"]
     betas = {r["method"]: r["adaptive_kl/current_beta"] for r in rows if r["step"] == steps}
     assert betas["none"] == 0.1 and betas["target"] != 0.1  # the target controller moved β
     # every row records what its trainer trained: 2 prompts x 4 completions, one micro-batch, kl_horizon 10 steps

@@ -55,16 +55,64 @@ def load_policy(spec: dict, cuda: bool):
                                         task_type="CAUSAL_LM")
 
 
-def step_logger(metrics_path: str, spec: dict, trained: dict):
-    """A callback writing one JSON line per logged step (with its wall time) and a progress line."""
+class GenerationClock:
+    """Wall seconds the trainer spends in its policy's ``generate`` (the rollouts), read once per step.
+
+    It wraps ``generate`` on the model instance the trainer generates with (Unsloth's RL context reads the
+    instance attribute and restores it after each call, so the wrapper stays in place). On a GPU each call
+    ends with a synchronisation, so the time is the generation's, not its launch's."""
+
+    def __init__(self, model, cuda: bool):
+        import torch
+
+        self.seconds, self.calls = 0.0, 0
+        self.model = model
+        inner = model.generate
+
+        def timed_generate(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                if cuda:
+                    torch.cuda.synchronize()
+                self.seconds += time.perf_counter() - started
+                self.calls += 1
+
+        model.generate = timed_generate
+
+    def take(self) -> tuple[float, int]:
+        """(seconds, calls) since the last take."""
+        taken = (self.seconds, self.calls)
+        self.seconds, self.calls = 0.0, 0
+        return taken
+
+    def decode_graphs(self) -> dict:
+        """Unsloth's CUDA-graph decode counters (captures, replays, eager steps; totals since the start), summed
+        over the modules that hold them, and why it was disabled if it was; {} where the model has none (TRL,
+        the CPU, an Unsloth without graph decode)."""
+        states = [m.__dict__["_unsloth_decode_graphs"] for m in self.model.modules() if "_unsloth_decode_graphs" in m.__dict__]
+        if not states:
+            return {}
+        return {"decode_graph_captures": sum(s.captures for s in states), "decode_graph_replays": sum(s.replays for s in states),
+                "decode_graph_eager_steps": sum(s.eager_steps for s in states),
+                "decode_graph_disabled": next((str(s.disabled) for s in states if s.disabled is not None), None)}
+
+
+def step_logger(metrics_path: str, spec: dict, trained: dict, clock: GenerationClock | None = None):
+    """A callback writing one JSON line per logged step (with its wall time and, given ``clock``, the part of
+    it spent generating) and a progress line."""
     from transformers import TrainerCallback
 
     class StepLogger(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
             self.started = time.perf_counter()
+            if clock is not None:
+                clock.take()
 
         def on_step_end(self, args, state, control, **kwargs):
             self.seconds = time.perf_counter() - self.started
+            self.generation = clock.take() if clock is not None else (None, None)
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if not logs or "reward" not in logs:  # the end-of-training summary
@@ -72,6 +120,9 @@ def step_logger(metrics_path: str, spec: dict, trained: dict):
             row = {"tag": spec["tag"], "method": spec["method"], "seed": spec["seed"], "step": state.global_step,
                    "step_time": self.seconds, "beta0": spec["settings"]["beta"], "planned_steps": spec["settings"]["steps"],
                    "kl_target": spec["settings"]["kl_target"], **trained}
+            if clock is not None:
+                row["generation_time"], row["generate_calls"] = self.generation
+                row.update(clock.decode_graphs())
             row.update({k: v for k, v in logs.items() if isinstance(v, (int, float)) or v is None})
             line = json.dumps(row) + "\n"
             for path in filter(None, [metrics_path, spec.get("stream")]):
@@ -139,7 +190,8 @@ def train_one(spec_path: str) -> None:
     # copy: this process's id in every row, so that a run started again is a second draw, not a continuation
     # (docs/evidence.md section 7; analysis.read_copies)
     recorded = {**trained.fields(), "kl_horizon": trainer.args.kl_horizon, "copy": uuid.uuid4().hex[:12]}
-    trainer.add_callback(step_logger(spec["metrics_path"], spec, recorded))
+    clock = GenerationClock(trainer.model, cuda)
+    trainer.add_callback(step_logger(spec["metrics_path"], spec, recorded, clock))
     print(f"{spec['method']} seed {spec['seed']}: {type(trainer).__module__}.{type(trainer).__name__}", flush=True)
     print(f"trained: {trained.describe()}; kl_horizon {trainer.args.kl_horizon:g}", flush=True)
     print(f"trainer arguments: {json.dumps(trained_args(trainer))}", flush=True)
