@@ -35,6 +35,8 @@
 # study33-genspeed (issue 33, one GPU, <= 585 s): where a step of the long task spends its time: one warm start,
 # then the demo's runs alone, 8 and 16 at once, and alone without Unsloth's graph decode, generation timed per step
 # (scripts/gpu/study33_genspeed.py; not study data); writes genspeed.md, genspeed.json, genspeed-stream.jsonl.
+# study33-profile (issue 33, one GPU, ~5 min): a lone long-task run's step, profiled (timers, cProfile,
+# torch.profiler; scripts/gpu/study33_profile.py; not study data); writes profile.md and profile.json.
 # study33-warmscan:LR,LR (issue 33, one GPU, <= ~450 s): the long task's warm start of seed 0 at each learning rate,
 # all at once, each with its step-0 record and held-out loss by token role (scripts/gpu/study33_warmscan.py; not
 # study data); writes warmscan.md, warmscan.json, warmscan-lrX.json, warmscan-lrX.log, warmscan-progress.jsonl.
@@ -202,6 +204,8 @@ for stage in "$@"; do
       timeout 570 python scripts/gpu/study33_probe.py --out "$OUT" --warm-start-lr "${stage#study33-probe:}" 2>&1 | tail -60 ;;
     study33-genspeed)
       timeout 585 python scripts/gpu/study33_genspeed.py --out "$OUT" 2>&1 | tail -40 ;;
+    study33-profile)
+      timeout 585 python scripts/gpu/study33_profile.py --out "$OUT" 2>&1 | tail -20 ;;
     study33-warmscan:*)
       timeout 470 python scripts/gpu/study33_warmscan.py --out "$OUT" --lrs "${stage#study33-warmscan:}" 2>&1 | tail -40 ;;
     demo-3seeds)
