@@ -99,6 +99,15 @@ class GenerationClock:
                 "decode_graph_disabled": next((str(s.disabled) for s in states if s.disabled is not None), None)}
 
 
+def compiled_graphs() -> int | None:
+    """torch.compile's graphs made in this process so far (None before dynamo is imported): a count that grows
+    during training means recompiles (a changing shape or a Python value baked into a graph)."""
+    import sys
+
+    utils = sys.modules.get("torch._dynamo.utils")
+    return None if utils is None else int(utils.counters["stats"]["unique_graphs"])
+
+
 def step_logger(metrics_path: str, spec: dict, trained: dict, clock: GenerationClock | None = None):
     """A callback writing one JSON line per logged step (with its wall time and, given ``clock``, the part of
     it spent generating) and a progress line."""
@@ -123,6 +132,7 @@ def step_logger(metrics_path: str, spec: dict, trained: dict, clock: GenerationC
             if clock is not None:
                 row["generation_time"], row["generate_calls"] = self.generation
                 row.update(clock.decode_graphs())
+            row["compiled_graphs"] = compiled_graphs()
             row.update({k: v for k, v in logs.items() if isinstance(v, (int, float)) or v is None})
             line = json.dumps(row) + "\n"
             for path in filter(None, [metrics_path, spec.get("stream")]):

@@ -1,13 +1,15 @@
 """Issue 33: what the non-generation part of a long-task GRPO step spends its time on (not study data).
 
 study33_genspeed.py found a lone run's step at 2.44 s, of which generate() is 0.33 s (Unsloth's CUDA-graph decode
-is on). This call profiles the rest, on one run (`none` at β 0.04, 8 steps) of the demo's own worker, from a short
-warm start (400 steps at the chosen rate: the shapes, not the skill, matter here; its length quantiles are recorded):
+is on); its steps alternate between ~0.7 s and ~2.5 s. This call profiles the rest, on one run (`none` at β 0.04,
+8 steps) of the demo's own worker, from the warm start the study uses (--warm-start-steps, default 2,000; a first
+call with 400 steps saw no slow steps after step 2):
 
   timers    the trainer's own methods timed with a CUDA synchronisation around each (generation and scoring,
-            compute_loss, training_step, the optimizer step), per step
-  cprofile  the same run under cProfile: the top functions by cumulative and by own time
-  torch     torch.profiler over steps 4-5: the top operators by CPU and by CUDA time
+            compute_loss, training_step), per step, with torch.compile's graph count per step and
+            TORCH_LOGS=recompiles (its lines are reported)
+  cprofile  the same run under cProfile: the top functions by cumulative and by own time (--modes)
+  torch     torch.profiler over steps 4-6: the top operators by CPU and by CUDA time
 
 Writes profile.md (every table) and profile.json to --out.
 
@@ -76,24 +78,24 @@ def profile_worker(spec_path: str, mode: str, dump: str) -> None:
     class Steps(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
             totals.clear()
-            if mode == "torch" and state.global_step == 3:
+            if mode == "torch" and state.global_step == 3:  # the callback sees the step before it: steps 4-6
                 self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]
                                                    + ([torch.profiler.ProfilerActivity.CUDA] if cuda else []))
                 self.prof.__enter__()
 
         def on_step_end(self, args, state, control, **kwargs):
             per_step.append({"step": state.global_step, **{k: round(v, 4) for k, v in totals.items()}})
-            if mode == "torch" and state.global_step == 5:
+            if mode == "torch" and state.global_step == 6:
                 self.prof.__exit__(None, None, None)
                 averages = self.prof.key_averages()
-                lines.append("### torch.profiler, steps 4-5, by self CPU time\n\n```\n"
+                lines.append("### torch.profiler, steps 4-6, by self CPU time\n\n```\n"
                              + averages.table(sort_by="self_cpu_time_total", row_limit=35, max_name_column_width=60) + "\n```")
                 if cuda:
                     try:
                         table = averages.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60)
                     except (AttributeError, KeyError, ValueError):  # older torch: the CUDA name
                         table = averages.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60)
-                    lines.append(f"### torch.profiler, steps 4-5, by self CUDA time\n\n```\n{table}\n```")
+                    lines.append(f"### torch.profiler, steps 4-6, by self CUDA time\n\n```\n{table}\n```")
 
     timed_methods(trainer, cuda, totals)
     trainer.add_callback(Steps())
@@ -118,6 +120,8 @@ def main(argv=None) -> int:
     p.add_argument("--work", default="/tmp/study33-profile")
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--warm-start-lr", type=float, default=3e-4)
+    p.add_argument("--warm-start-steps", type=int, default=2000)
+    p.add_argument("--modes", default="timers,torch")
     p.add_argument("--profile-worker", nargs=3, metavar=("SPEC", "MODE", "DUMP"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.profile_worker:
@@ -130,7 +134,8 @@ def main(argv=None) -> int:
     cuda = torch.cuda.is_available()
     os.makedirs(args.out, exist_ok=True)
     os.makedirs(args.work, exist_ok=True)
-    warm_args = genspeed.demo_args(["--warm-start-steps", "3" if args.tiny else "400"], os.path.join(args.work, "warm"),
+    warm_steps = ["--warm-start-steps", str(args.warm_start_steps)]
+    warm_args = genspeed.demo_args(warm_steps, os.path.join(args.work, "warm"),
                                    genspeed.STEPS, args.tiny, args.warm_start_lr)
     os.makedirs(warm_args.output_dir, exist_ok=True)
     checkpoint = tasks.starting_model(warm_args, demo_settings.settings_from(warm_args), 0, "cuda" if cuda else "cpu")
@@ -140,9 +145,9 @@ def main(argv=None) -> int:
         "modes": {}}
     report = [f"# Issue 33: where a lone run's step goes (not study data)\n\n{record['machine']}; warm start "
               f"{json.dumps(record['warm_start'])}; completion length at step 0 {json.dumps(record['start_length'])}\n"]
-    for mode in ("timers", "cprofile", "torch"):
+    for mode in args.modes.split(","):
         folder = os.path.join(args.work, mode)
-        run_args = genspeed.demo_args(["--betas", "0.04", "--methods", "none", "--warm-start-steps", "400"], folder,
+        run_args = genspeed.demo_args(["--betas", "0.04", "--methods", "none", *warm_steps], folder,
                                       2 if args.tiny else genspeed.STEPS, args.tiny, args.warm_start_lr)
         run = scheduler.make_runs(run_args, demo_settings.beta_settings(run_args, demo_settings.settings_from(run_args)),
                                   "unsloth" if cuda else "trl", {0: checkpoint})[0]
@@ -150,11 +155,12 @@ def main(argv=None) -> int:
         started = time.perf_counter()
         with open(run.log_path, "w") as log:
             rc = subprocess.run([sys.executable, os.path.abspath(__file__), "--profile-worker", run.spec_path, mode, dump],
-                                stdout=log, stderr=subprocess.STDOUT, env=scheduler.child_env(8, folder, cuda),
+                                stdout=log, stderr=subprocess.STDOUT,
+                                env={**scheduler.child_env(8, folder, cuda), **({"TORCH_LOGS": "recompiles"} if mode == "timers" else {})},
                                 timeout=200).returncode
         rows = [json.loads(line) for line in open(run.metrics_path)] if os.path.exists(run.metrics_path) else []
         got = json.load(open(dump)) if os.path.exists(dump) else {"per_step": [], "tables": []}
-        steps = [{**t, "step_time": r["step_time"], "generation_time": r.get("generation_time"),
+        steps = [{**t, "step_time": r["step_time"], "generation_time": r.get("generation_time"), "graphs": r.get("compiled_graphs"),
                   "mean_length": r["completions/mean_length"], "max_length": r["completions/max_length"]}
                  for t, r in zip(got["per_step"], rows)]
         record["modes"][mode] = {"exit": rc, "wall_s": time.perf_counter() - started, "steps": steps}
@@ -164,6 +170,9 @@ def main(argv=None) -> int:
                       "timers; `training_step` includes the generation and scoring of its step):\n\n```\n"
                       + "\n".join(json.dumps(s) for s in steps) + "\n```\n")
         report += got["tables"]
+        recompiles = [line for line in open(run.log_path) if "ecompil" in line][:60]
+        if recompiles:
+            report.append(f"### {mode}: recompile lines (first 60)\n\n```\n" + "".join(recompiles)[-12000:] + "\n```\n")
         with open(os.path.join(args.out, "profile.md"), "w") as f:  # as it goes
             f.write("\n".join(report) + "\n")
         with open(os.path.join(args.out, "profile.json"), "w") as f:
