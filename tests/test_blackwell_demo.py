@@ -168,6 +168,8 @@ def test_smoke_reports_the_backend_and_the_gpu_check(smoke):
     _, stdout = smoke
     assert "backend: trl (TRL GRPOTrainer)" in stdout
     assert "GPU: no CUDA GPU: running on the CPU, not on Blackwell" in stdout
+    # the backends' environment switches the run trained with (here the interpreted Triton kernel)
+    assert "environment (the backends' switches): " in stdout and "TRITON_INTERPRET=1" in stdout
 
 
 def test_smoke_writes_every_step_of_every_method(smoke):

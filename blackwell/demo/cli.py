@@ -122,6 +122,8 @@ def header(args, settings: Settings, backend: str, gpu: GpuCheck, tags: list[str
         f"machine: {platform.node()}, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; "
         f"torch {torch.__version__} (CUDA {torch.version.cuda}), transformers {transformers.__version__}, trl {trl.__version__}",
         f"GPU: {gpu.report}",
+        "environment (the backends' switches): " + (", ".join(f"{k}={v}" for k, v in sorted(os.environ.items())
+                                                        if k.startswith(("UNSLOTH_", "TRITON_", "TORCH_"))) or "none set"),
         f"backend: {backend} ({'Unsloth generated GRPOTrainer' if backend == 'unsloth' else 'TRL GRPOTrainer'})",
         f"task: {task}",
         f"settings: {json.dumps(asdict(settings))}",

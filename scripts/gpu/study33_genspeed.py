@@ -16,6 +16,7 @@ Writes genspeed.md, genspeed.json and genspeed-stream.jsonl (every phase's rows,
 
     python scripts/gpu/study33_genspeed.py --out "$OUT"        # GPU (~9 min)
     python scripts/gpu/study33_genspeed.py --out DIR --tiny    # CPU, a tiny model: the plumbing only
+    python scripts/gpu/study33_genspeed.py --out "$OUT" --phases g1,g8,g16 --env UNSLOTH_GRPO_SEQ_PACKING=0
 """
 
 from __future__ import annotations
@@ -134,6 +135,9 @@ def main(argv=None) -> int:
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--warm-start-lr", type=float, default=3e-4)
     p.add_argument("--deadline", type=float, default=555.0, help="seconds from the start after which no phase starts")
+    p.add_argument("--phases", help="comma-separated phase names to run, in this order (default: all)")
+    p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                   help="set in every run of every phase (recorded in the phase's env); repeatable")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
     os.makedirs(args.out, exist_ok=True)
@@ -153,7 +157,12 @@ def main(argv=None) -> int:
     record = {"machine": torch.cuda.get_device_name(0) if cuda else "CPU", "warm_start_lr": args.warm_start_lr,
               "warm_start_s": warm["build_s"], "weights_sha256": warm["weights_sha256"], "phases": {}, "not_run": []}
     stream = os.path.join(args.out, "genspeed-stream.jsonl")
-    for name, extra, env, limit in (TINY_PHASES if args.tiny else PHASES):
+    phases = {name: (extra, env, limit) for name, extra, env, limit in (TINY_PHASES if args.tiny else PHASES)}
+    chosen = args.phases.split(",") if args.phases else list(phases)
+    common = dict(item.split("=", 1) for item in args.env)
+    for name in chosen:
+        extra, env, limit = phases[name]
+        env = {**env, **common}
         if time.perf_counter() - t0 + limit > args.deadline:
             record["not_run"].append(name)
             continue

@@ -204,6 +204,8 @@ for stage in "$@"; do
       timeout 570 python scripts/gpu/study33_probe.py --out "$OUT" --warm-start-lr "${stage#study33-probe:}" 2>&1 | tail -60 ;;
     study33-genspeed)
       timeout 585 python scripts/gpu/study33_genspeed.py --out "$OUT" 2>&1 | tail -40 ;;
+    study33-genspeed-nopack)  # Amendment 5: the same, Unsloth's GRPO sequence packing (and its re-verification) off
+      timeout 585 python scripts/gpu/study33_genspeed.py --out "$OUT" --phases g1,g8,g16 --env UNSLOTH_GRPO_SEQ_PACKING=0 2>&1 | tail -40 ;;
     study33-profile)
       timeout 585 python scripts/gpu/study33_profile.py --out "$OUT" 2>&1 | tail -20 ;;
     study33-warmscan:*)
