@@ -47,8 +47,9 @@ class Target:
 TARGETS = (
     Target(
         "trl", "unsloth_adaptive_kl/backends/trl.py", ("_kl", "_ADD", "_after_aggregation"), "strings",
-        ("tests/backends/test_trl.py", "-k",
-         "bit_identical or kl_part_of_the_loss or metrics_match or length_normalized_changes or beta_reaching_zero"),
+        ("tests/backends/test_trl.py", "tests/backends/test_backend_mutants.py", "-k",
+         "bit_identical or kl_part_of_the_loss or metrics_match or length_normalized_changes or beta_reaching_zero "
+         "or (test_backend_mutants and trl)"),
         900,
     ),
     Target(
@@ -61,9 +62,10 @@ TARGETS = (
         "liger", "unsloth_adaptive_kl/backends/liger.py",
         ("AdaptiveFusedLinearGRPOLoss._loss_terms", "AdaptiveFusedLinearGRPOLoss._evaluate",
          "AdaptiveFusedLinearGRPOLoss.kl_terms", "AdaptiveFusedLinearGRPOLoss.per_token_kl"), "code",
-        ("tests/backends/test_liger.py", "-k",
+        ("tests/backends/test_liger.py", "tests/backends/test_backend_mutants.py", "-k",
          "matches_liger_eager or kl_part_matches or straight_through or bottom_q_threshold or beta_zero or padding_with "
-         "or loss_class_logs_trls_kl or (loss_class_matches_trl_loss_and_grads and (dapo or luspo))"),
+         "or loss_class_logs_trls_kl or (loss_class_matches_trl_loss_and_grads and (dapo or luspo)) "
+         "or (test_backend_mutants and liger)"),
         900,
     ),
 )  # fmt: skip
