@@ -9,8 +9,8 @@ the Liger module's KL lines; each mutant runs in a copy of the package against i
     python scripts/mutation_backends.py ROOT WORKDIR [--jobs N] [--backend trl|unsloth|liger ...] [--budget S] [--list]
 
 A mutant is *killed* when its tests fail (exit 1) or run past the timeout, *survives* when they pass, and is
-*invalid* (left out of the score) when it cannot even be collected (exit 2-5: a replacement that no longer
-compiles). Each backend's tests also run once unmutated: where they fail, its mutants have no verdict.
+*invalid* (left out of the score) when it cannot even be collected (exit 2-5, or a collection error: a replacement
+that no longer compiles, or that the package refuses when it patches). Each backend's tests also run once unmutated: where they fail, its mutants have no verdict.
 ``--budget SECONDS``: mutants not finished by then are *not run* (a partial score). Writes each verdict to
 WORKDIR/backends.jsonl as it comes, then WORKDIR/backends.json and summary.txt (the score and every survivor).
 """
@@ -47,8 +47,9 @@ class Target:
 TARGETS = (
     Target(
         "trl", "unsloth_adaptive_kl/backends/trl.py", ("_kl", "_ADD", "_after_aggregation"), "strings",
-        ("tests/backends/test_trl.py", "-k",
-         "bit_identical or kl_part_of_the_loss or metrics_match or length_normalized_changes or beta_reaching_zero"),
+        ("tests/backends/test_trl.py", "tests/backends/test_backend_mutants.py", "-k",
+         "bit_identical or kl_part_of_the_loss or metrics_match or length_normalized_changes or beta_reaching_zero "
+         "or (test_backend_mutants and trl)"),
         900,
     ),
     Target(
@@ -61,9 +62,10 @@ TARGETS = (
         "liger", "unsloth_adaptive_kl/backends/liger.py",
         ("AdaptiveFusedLinearGRPOLoss._loss_terms", "AdaptiveFusedLinearGRPOLoss._evaluate",
          "AdaptiveFusedLinearGRPOLoss.kl_terms", "AdaptiveFusedLinearGRPOLoss.per_token_kl"), "code",
-        ("tests/backends/test_liger.py", "-k",
+        ("tests/backends/test_liger.py", "tests/backends/test_backend_mutants.py", "-k",
          "matches_liger_eager or kl_part_matches or straight_through or bottom_q_threshold or beta_zero or padding_with "
-         "or loss_class_logs_trls_kl or (loss_class_matches_trl_loss_and_grads and (dapo or luspo))"),
+         "or loss_class_logs_trls_kl or (loss_class_matches_trl_loss_and_grads and (dapo or luspo)) "
+         "or (test_backend_mutants and liger)"),
         900,
     ),
 )  # fmt: skip
@@ -166,6 +168,8 @@ def _pytest(target: Target, copy: str, timeout: float) -> int | str:
         return "timeout"
     if proc.returncode != 0:
         _last_output[target.backend] = output.decode(errors="replace")[-3000:]
+    if proc.returncode == 1 and b"ERROR collecting" in output:
+        return 2  # pytest -x given several files exits 1 on a collection error, given one 2: "cannot be collected" either way
     return proc.returncode
 
 

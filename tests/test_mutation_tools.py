@@ -63,6 +63,21 @@ def test_a_mutant_is_killed_by_failing_tests_or_its_own_timeout_and_survives_pas
     assert (tmp_path / "work" / "slot0" / "unsloth_adaptive_kl" / "line.py").read_text() == "def kl(log_ratio, beta):\n    return beta * log_ratio\n"
 
 
+
+def test_a_mutant_that_cannot_be_imported_is_invalid_whatever_the_number_of_test_files(project, tmp_path, monkeypatch):
+    """A mutant the package refuses at import (as it refuses a replacement reading an undefined name) is a collection
+    error: invalid, also where pytest -x, given several test files, exits 1 on it rather than 2 (it did on trl.py:61)."""
+    (project / "tests" / "test_other.py").write_text("from unsloth_adaptive_kl.line import kl\n\ndef test_other():\n    assert kl(1.0, 1.0) == 1.0\n")
+    refused = "def kl(log_ratio, beta):\n    return beta * log_ratio\n\nraise RuntimeError('refused when patched')\n"
+    monkeypatch.setenv("SLOW_TEST_S", "0")
+    for n, tests in enumerate([("tests/test_line.py",), ("tests/test_line.py", "tests/test_other.py")]):
+        target = backends.Target("fake", "unsloth_adaptive_kl/line.py", ("kl",), "code", tests, 60)
+        mutant = dict(backend="fake", path=target.path, line=4, original="", replacement="", context="", source=refused)
+        result = backends.run_mutant(mutant, str(project), str(tmp_path / f"work{n}"), 0, target, time.time() + 60)
+        assert result["status"] == "invalid", (tests, result)
+        baseline = backends.run_mutant(dict(mutant, source=None), str(project), str(tmp_path / f"work{n}"), 0, target, time.time() + 60)
+        assert baseline["status"] == "survived"
+
 def test_a_mutant_the_runs_budget_stops_or_does_not_start_is_not_run_never_killed(project, tmp_path, monkeypatch):
     monkeypatch.setattr(backends, "_MIN_START_S", 1)
     cut = _run(project, tmp_path, "def kl(log_ratio, beta):\n    return beta / log_ratio\n", budget_s=3, slow_s=30, monkeypatch=monkeypatch)

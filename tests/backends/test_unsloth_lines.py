@@ -56,6 +56,34 @@ def test_the_fused_loss_reports_the_raw_and_the_clipped_kl_in_their_own_slots(me
     assert expected["adapted"] < expected["raw"] - 1e-3  # the clip acted, so the two slots differ
 
 
+
+def test_rollout_rejection_removes_the_rejected_tokens_from_the_adapted_kl_of_the_metrics_and_of_length_normalization(measured):
+    """Unsloth 2026.10's rollout rejection (``rs_keep``, verl's token_k1 here): a rejected token leaves the adapted KL
+    as it leaves Unsloth's own kl, both in the metric sums and in length_normalized's term, whose normaliser keeps every
+    valid token (the rewritten loss passing ``None`` for ``rs_keep`` fails here; issue 38's backend mutants)."""
+    from unsloth_adaptive_kl import metrics
+
+    if "rejection" not in measured:
+        pytest.skip("this Unsloth line has no rollout rejection (before 2026.10)")
+    r = measured["rejection"]
+    assert 0 < r["kept"] < r["valid"] and r["margin"] > 1e-4  # some tokens rejected, none on the bound
+    sums = r["stats"][1:]
+    assert sums[metrics.RAW_SUM] == pytest.approx(r["raw"], rel=1e-5)
+    assert sums[metrics.ADAPTED_SUM] == pytest.approx(r["adapted"], rel=1e-5)
+    assert sums[metrics.TOKENS] == r["valid"]
+    assert abs(r["adapted_without_rejection"] - r["adapted"]) > 1e-3  # the rejection changes the expected sum
+    assert r["length_normalized_kl_part"] == pytest.approx(r["length_normalized_reference"], rel=2e-4, abs=1e-7)
+    assert abs(r["length_normalized_without_rejection"] - r["length_normalized_reference"]) > 1e-4
+
+
+def test_the_fused_forward_carries_the_losss_float64_sums_out_unchanged(measured):
+    """``UnslothEfficientGRPO.forward``'s mean_kl accumulator, rewritten to hold ``[unsloth_kl, sums...]``: float64,
+    and equal bit for bit to the sums its one chunk's loss returned (the clip case above), as the metrics'
+    float64 sums are documented (metrics.local_kl_sums); a float32 accumulator rounds them to 24 bits."""
+    forward = measured["forward_stats"]
+    assert forward["dtype"] == "torch.float64"
+    assert forward["values"] == measured["clip_stats"]
+
 def _installed_config_compat():
     """The installed line's unsloth/models/rl_config_compat.py (stdlib only), loaded from its file
     under a private name: importing it as a package module would run ``import unsloth`` here."""

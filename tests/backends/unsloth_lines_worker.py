@@ -95,5 +95,49 @@ for method in ("clip", "none"):
         bias_correction=bias_correction, unsloth_clamps=True,
     )
     results[f"{method}_reference"] = expected.item()
+
+
+# Unsloth's rollout rejection (2026.10; verl's token_k1 with bounds [1/e^0.3, e^0.3] on pi_old / pi_rollout, the rollout's
+# log-probs standing in as old): a rejected token leaves the adapted KL of the metrics and of length_normalized's term.
+if anchor_set.family == "unsloth 2026.10":
+    BOUND = 0.3
+    rejection = dict(rollout_rs=(("token_k1", -BOUND, BOUND),), rollout_logps_as_old=True)
+    gap = (new0 - inputs["old_per_token_logps"]).abs()
+    kept = mask.bool() & (gap <= BOUND)  # written from verl's rule, not from Unsloth's code
+    _, _, rejected_stats = run(built["grpo_compute_loss"], 1.0, adaptive_kl=fused_inputs("clip", BETA), **rejection)
+    with_kl, _, _ = run(built["grpo_compute_loss"], 1.0, adaptive_kl=fused_inputs("length_normalized", BETA), **rejection)
+    without_kl, _, _ = run(built["grpo_compute_loss"], 0.0, adaptive_kl=fused_inputs("length_normalized", 0.0), **rejection)
+    reference_kl = {}
+    for method in ("clip", "length_normalized"):
+        raw, shaped = reference.raw_and_shaped_kl(
+            method, new0, inputs["ref_per_token_logps"], inputs["old_per_token_logps"], mask, estimator="k3",
+            clip_threshold=CLIP, kl_target=0.1, bias_correction=bias_correction, unsloth_clamps=True,
+        )  # fmt: skip
+        reference_kl[method] = (torch.where(kept, raw, 0.0), torch.where(kept, shaped, 0.0), shaped)
+    raw_kept, clip_kept, clip_all = reference_kl["clip"]
+    _, length_normalized_kept, length_normalized_all = reference_kl["length_normalized"]
+    tokens = mask.sum(-1).clamp(min=1)  # rejected tokens stay in the normaliser, as in Unsloth's loss
+    results["rejection"] = {
+        "valid": int(mask.sum()), "kept": int(kept.sum()), "margin": (gap[mask.bool()] - BOUND).abs().min().item(),
+        "stats": rejected_stats.tolist(),
+        "raw": raw_kept.sum().item(), "adapted": clip_kept.sum().item(), "adapted_without_rejection": clip_all.sum().item(),
+        "length_normalized_kl_part": (with_kl.double() - without_kl.double()).item(),
+        "length_normalized_reference": (BETA * (length_normalized_kept.sum(-1) / tokens).mean()).item(),
+        "length_normalized_without_rejection": (BETA * (length_normalized_all.sum(-1) / tokens).mean()).item(),
+    }  # fmt: skip
+
+
+# The rewritten UnslothEfficientGRPO.forward (eager here: UNSLOTH_COMPILE_DISABLE): its mean_kl accumulator carries
+# the loss's float64 sums out unchanged, as the one chunk's loss returned them.
+class _Context:  # the part of autograd's ctx the forward uses
+    def save_for_backward(self, *tensors):
+        self.saved_tensors = tensors
+
+
+forward_out = built["UnslothEfficientGRPO.forward"](
+    _Context(), new0.clone(), inputs["old_per_token_logps"], inputs["ref_per_token_logps"], None, None, inputs["completion_ids"],
+    mask, advantages, 1.0, None, 1, dict(common, adaptive_kl=fused_inputs("clip", BETA)),
+)  # fmt: skip
+results["forward_stats"] = {"dtype": str(forward_out[2].dtype), "values": forward_out[2].tolist()}
 with open(OUT, "w") as f:
     json.dump(results, f)
