@@ -55,31 +55,37 @@ def load_policy(spec: dict, cuda: bool):
                                         task_type="CAUSAL_LM")
 
 
+def synchronised_timer(fn, cuda: bool, record):
+    """``fn`` wrapped so that each call's wall seconds (ended by a CUDA synchronisation on a GPU, so the time is
+    the work's, not its launch's) are passed to ``record``."""
+    import torch
+
+    def timed(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if cuda:
+                torch.cuda.synchronize()
+            record(time.perf_counter() - started)
+
+    return timed
+
+
 class GenerationClock:
     """Wall seconds the trainer spends in its policy's ``generate`` (the rollouts), read once per step.
 
     It wraps ``generate`` on the model instance the trainer generates with (Unsloth's RL context reads the
-    instance attribute and restores it after each call, so the wrapper stays in place). On a GPU each call
-    ends with a synchronisation, so the time is the generation's, not its launch's."""
+    instance attribute and restores it after each call, so the wrapper stays in place)."""
 
     def __init__(self, model, cuda: bool):
-        import torch
-
         self.seconds, self.calls = 0.0, 0
         self.model = model
-        inner = model.generate
+        model.generate = synchronised_timer(model.generate, cuda, self._add)
 
-        def timed_generate(*args, **kwargs):
-            started = time.perf_counter()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                if cuda:
-                    torch.cuda.synchronize()
-                self.seconds += time.perf_counter() - started
-                self.calls += 1
-
-        model.generate = timed_generate
+    def _add(self, seconds: float) -> None:
+        self.seconds += seconds
+        self.calls += 1
 
     def take(self) -> tuple[float, int]:
         """(seconds, calls) since the last take."""

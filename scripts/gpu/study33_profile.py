@@ -37,24 +37,26 @@ TIMED = ("_generate_and_score_completions", "compute_loss", "training_step", "_c
 
 
 def timed_methods(trainer, cuda: bool, totals: dict) -> None:
-    """Wrap the trainer's methods of TIMED that exist with synchronised wall clocks, summed into ``totals``."""
+    """Wrap the trainer's methods of TIMED that exist with synchronised wall clocks (a synchronisation before the
+    call too, so no earlier work is counted), summed into ``totals``."""
     import torch
+
+    from demo.worker import synchronised_timer
 
     for name in TIMED:
         inner = getattr(trainer, name, None)
         if inner is None:
             continue
 
-        def timed(*args, _inner=inner, _name=name, **kwargs):
+        def add(seconds, _name=name):
+            totals[_name] = totals.get(_name, 0.0) + seconds
+
+        timer = synchronised_timer(inner, cuda, add)
+
+        def timed(*args, _timer=timer, **kwargs):
             if cuda:
                 torch.cuda.synchronize()
-            started = time.perf_counter()
-            try:
-                return _inner(*args, **kwargs)
-            finally:
-                if cuda:
-                    torch.cuda.synchronize()
-                totals[_name] = totals.get(_name, 0.0) + time.perf_counter() - started
+            return _timer(*args, **kwargs)
 
         setattr(trainer, name, timed)
 
