@@ -23,17 +23,13 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 import reference  # noqa: E402
 import unsloth_adaptive_kl  # noqa: E402,F401
-from unsloth_adaptive_kl import BetaController, metrics, register_controller, toy  # noqa: E402
+from unsloth_adaptive_kl import metrics, toy  # noqa: E402
 from unsloth_adaptive_kl.controllers import controller_names  # noqa: E402
 
 
-@register_controller("halve")
-class Halve(BetaController):
-    adapts_beta = True
+from user_controllers import register_halve  # noqa: E402
 
-    def update(self, *, global_step, kl, num_completions):
-        self.beta = self.beta * 0.5
-        return self.beta
+register_halve()
 
 
 CHECKPOINT, OUT = sys.argv[1:3]

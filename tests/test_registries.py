@@ -81,17 +81,11 @@ def test_the_hand_list_check_leaves_chosen_cases_alone(source):
 @pytest.fixture
 def halve():
     """The controller of the issue's example, registered as a user would, with a declared parameter besides."""
-    from unsloth_adaptive_kl import BetaController, register_controller, unregister_controller
+    from user_controllers import register_halve
 
-    @register_controller("halve")
-    class Halve(BetaController):
-        adapts_beta = True
+    from unsloth_adaptive_kl import unregister_controller
 
-        def update(self, *, global_step, kl, num_completions):
-            self.beta = self.beta * 0.5
-            return self.beta
-
-    yield Halve
+    yield register_halve()
     unregister_controller("halve")
 
 

@@ -8,7 +8,7 @@ A controller is registered with :func:`register_controller`, which declares its 
         adapts_beta = True
 
         def update(self, *, global_step, kl, num_completions):
-            self.beta = self.beta * 0.5
+            self.beta *= 0.5  # β halves every optimizer step
             return self.beta
 
 Everything that lists controllers or their parameters (``kl_adaptation_method``'s grammar, the
