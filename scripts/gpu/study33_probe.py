@@ -142,7 +142,7 @@ def main(argv=None) -> int:
     import torch
 
     from demo.settings import TASK_DEFAULTS
-    from study33_warmscan import loss_by_role, settings_for
+    from study33_warmscan import loss_by_role, settings_for, write_record
 
     machine = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     lr = args.warm_start_lr or TASK_DEFAULTS["long"]["warm_start_lr"]
@@ -152,12 +152,7 @@ def main(argv=None) -> int:
     record = {"commit": commit or "unknown", "machine": machine, "warm_start_lr": lr, "loss_by_role": held, "phases": phases,
               "same_warm_start": len(set(hashes.values())) == 1 and None not in hashes.values(),
               "projection": projection(phases["k8"]["step_times"], (phases["k8"]["warm_start"] or {}).get("build_s", 0.0))}
-    with open(os.path.join(args.out, "study33-probe.json"), "w") as f:
-        json.dump(record, f, indent=1)
-    text = markdown(record)
-    with open(os.path.join(args.out, "study33-probe.md"), "w") as f:
-        f.write(text)
-    print(text, flush=True)
+    write_record(args.out, "study33-probe", record, markdown(record))
     with tarfile.open(os.path.join(args.out, "study33-probe-runs.tar.gz"), "w:gz") as tar:
         for path in sorted(glob.glob(os.path.join(args.work, "*.log")) + glob.glob(os.path.join(args.work, "*", "*.json"))
                            + glob.glob(os.path.join(args.work, "*", "summary.md")) + glob.glob(os.path.join(args.work, "*", "runs", "*", "*.txt"))

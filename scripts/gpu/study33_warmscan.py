@@ -208,6 +208,16 @@ def choose(lrs: list[float], records: dict) -> tuple[float | None, bool]:
     return None, True
 
 
+def write_record(out: str, stem: str, record: dict, text: str) -> None:
+    """OUT/STEM.json (the record) and OUT/STEM.md (its text), then the text on stdout: every study33 call's
+    record, written the same way."""
+    with open(os.path.join(out, f"{stem}.json"), "w") as f:
+        json.dump(record, f, indent=1)
+    with open(os.path.join(out, f"{stem}.md"), "w") as f:
+        f.write(text)
+    print(text, flush=True)
+
+
 def markdown(record: dict) -> str:
     lines = ["# Issue 33 warm-start scan (not study data)", "", f"commit {record['commit']}; {record['machine']}; "
              f"candidates in order {record['lrs']}; chosen: **{record['chosen']}**"
@@ -297,12 +307,7 @@ def main(argv=None) -> int:
                "candidates": {str(k): v for k, v in records.items()},
                "entry": {str(lr): entry(records.get(lr)) for lr in lrs}, "progress": progress,
                "chosen": choose(lrs, records)[0], "decided": choose(lrs, records)[1]}
-    with open(os.path.join(args.out, "warmscan.json"), "w") as f:
-        json.dump(summary, f, indent=1)
-    text = markdown(summary)
-    with open(os.path.join(args.out, "warmscan.md"), "w") as f:
-        f.write(text)
-    print(text, flush=True)
+    write_record(args.out, "warmscan", summary, markdown(summary))
     return 0 if all(v == 0 for v in exits.values()) else 1
 
 

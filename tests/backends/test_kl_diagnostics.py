@@ -9,7 +9,7 @@ import pytest
 import reference
 import torch
 from test_tail import exact_tail
-from test_trl import _capture_logps, grpo_config, loss_and_grads, loss_inputs, make_trainer, set_method
+from test_trl import _capture_logps, grpo_config, loss_and_grads, loss_inputs, loss_test_trainer, make_trainer, set_method
 
 import unsloth_adaptive_kl
 from unsloth_adaptive_kl import metrics, tail, toy
@@ -23,10 +23,7 @@ BIAS_CORRECTION = "use_bias_correction_kl" in GRPOConfig.__dataclass_fields__
 
 @pytest.fixture(scope="module")
 def trainer(tiny_checkpoint, tmp_path_factory):
-    t = make_trainer(tiny_checkpoint, tmp_path_factory.mktemp("diagnostics"))
-    t.model.train()
-    t.current_gradient_accumulation_steps = 1
-    return t
+    return loss_test_trainer(tiny_checkpoint, tmp_path_factory.mktemp("diagnostics"))
 
 
 def assert_tail(logged: dict, valid_raw: torch.Tensor):

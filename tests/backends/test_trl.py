@@ -53,12 +53,17 @@ def make_trainer(checkpoint, tmp_path, **overrides):
     )
 
 
-@pytest.fixture(scope="module")
-def trainer(tiny_checkpoint, tmp_path_factory):
-    t = make_trainer(tiny_checkpoint, tmp_path_factory.mktemp("trl"))
+def loss_test_trainer(checkpoint, folder):
+    """A trainer whose loss the tests call directly: in training mode, one micro-batch per optimizer step."""
+    t = make_trainer(checkpoint, folder)
     t.model.train()
     t.current_gradient_accumulation_steps = 1
     return t
+
+
+@pytest.fixture(scope="module")
+def trainer(tiny_checkpoint, tmp_path_factory):
+    return loss_test_trainer(tiny_checkpoint, tmp_path_factory.mktemp("trl"))
 
 
 def loss_inputs(trainer, seed=0):
