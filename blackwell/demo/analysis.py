@@ -267,15 +267,29 @@ def read_copies(paths: list[str]) -> dict[str, dict[tuple[str, int], list[list[d
     return out
 
 
+def logged_kl(row: dict) -> bool:
+    """Whether a row carries a KL: at β = 0 TRL computes none, and the row has no ``adaptive_kl/raw_kl`` (TRL's
+    backend), or None (Unsloth's: the package logs NaN, which TRL's ``log`` turns into None), or NaN."""
+    value = row.get("adaptive_kl/raw_kl")
+    return value is not None and not math.isnan(value)
+
+
 def copy_numbers(rows: list[dict], planned_steps: int, kl_threshold: float | None, fraction: float = 0.25) -> dict:
     """One copy's pre-registered numbers: final-window means (None when the copy stopped before the window),
-    whether it was complete, and its runaway step."""
+    whether it was complete, and its runaway step. The runaway rule (section 7): at β = 0 (the rows'
+    ``beta0``; rows without it: a copy that logged no KL) the reward condition alone; at β > 0 the KL and
+    the reward conditions, so without a ``kl_threshold`` (no natural KL) it is not assessed (None)."""
     window = final_window(rows, planned_steps, fraction)
-    has_kl = any(r.get("adaptive_kl/raw_kl") is not None for r in rows)
+    has_kl = any(logged_kl(r) for r in rows)
+    beta0 = rows[0].get("beta0")
+    reward_only = float(beta0) == 0 if beta0 is not None else not has_kl
     mean = (lambda key: _mean(r.get(key) for r in window) if window else None)  # noqa: E731
+    if reward_only:
+        runaway = runaway_step(rows, None)
+    else:
+        runaway = runaway_step(rows, kl_threshold) if kl_threshold is not None else None
     return {"complete": rows[-1]["step"] >= planned_steps, "last_step": rows[-1]["step"], "reward": mean("reward"),
-            "length": mean(LENGTH), "kl": mean("adaptive_kl/raw_kl") if has_kl else None,
-            "runaway_step": runaway_step(rows, kl_threshold if has_kl else None)}
+            "length": mean(LENGTH), "kl": mean("adaptive_kl/raw_kl") if has_kl else None, "runaway_step": runaway}
 
 
 def seed_values(copies: list[list[dict]], planned_steps: int, key: str, kl_threshold: float | None = None) -> float | None:
@@ -342,7 +356,9 @@ def study_report(paths: list[str]) -> str:
         out += [f"## {family} ({steps} planned steps; final window: steps {final_window_start(steps) + 1}-{steps})", "",
                 f"Best fixed β (highest seed-mean final reward of `none`): {best[1]:g}" if best else "No `none` runs.",
                 f"Natural KL (best fixed β > 0, {natural_key[1]:g}): {natural:.4g}; runaway threshold "
-                f"{RUNAWAY_KL_FACTOR:g} x = {threshold:.4g}" if threshold else "No natural KL (no `none` run with β > 0).", "",
+                f"{RUNAWAY_KL_FACTOR:g} x = {threshold:.4g} (β = 0 logs no KL: the reward condition alone)" if threshold else
+                "No natural KL (no `none` run with β > 0): runaways at β > 0 not assessed; at β = 0 the reward condition "
+                "alone.", "",
                 "| method | β0 | kl_target | seeds | copies (complete) | final reward | final length | final KL | runaways |",
                 "|---|---|---|---|---|---|---|---|---|"]
         for (method, beta, kt), cell in sorted(cells.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] or 0)):
@@ -350,9 +366,11 @@ def study_report(paths: list[str]) -> str:
             ran = [f"seed {s} step {copy_numbers(rows, steps, threshold)['runaway_step']}" for s, copies in cell.items()
                    for rows in copies if copy_numbers(rows, steps, threshold)["runaway_step"] is not None]
             col = lambda key, fmt: cell_text([seed_values(c, steps, key) for c in cell.values()], fmt)  # noqa: E731
+            runaways = ("— (no natural KL)" if threshold is None and beta > 0 else
+                        f"{len(ran)}{': ' + ', '.join(ran) if ran else ''}")
             out.append(f"| `{method}` | {beta:g} | {kt if kt is not None else '—'} | {len(cell)} | {len(numbers)} "
                        f"({sum(n['complete'] for n in numbers)}) | {col('reward', '.3f')} | {col('length', '.1f')} | "
-                       f"{col('kl', '.4f')} | {len(ran)}{': ' + ', '.join(ran) if ran else ''} |")
+                       f"{col('kl', '.4f')} | {runaways} |")
         out += ["", f"**(a) Length slope after saturation** (tokens / 100 steps, from the first step whose 10-step mean "
                     f"reward reaches the final-window mean - 0.02; seeds with >= 50 such steps). TOST margin ±{LENGTH_MARGIN:g}.", "",
                 "| β | seeds | slope: mean | 90 % CI | 95 % CI | verdict |", "|---|---|---|---|---|---|"]

@@ -17,8 +17,8 @@ from .grid import analyze_grid, plot_grid
 from .gpu import GpuCheck, choose_backend, probe_gpu
 from .plot import plot, plot_analysis
 from .scheduler import default_jobs, make_runs, run_all
-from .settings import (ALL_METHODS, HUB, SMOKE, SOLUTIONS, TASKS, Settings, beta_settings, method_fields, parse_betas, seed_list,
-                       settings_from, validate_methods)
+from .settings import (ALL_METHODS, HUB, SMOKE, SOLUTIONS, TASKS, Settings, beta_settings, method_fields, parse_betas, parse_runs,
+                       seed_list, settings_from, validate_methods)
 from .summary import markdown_table, read_metrics, table_notes, trained_batch_lines
 from .tasks import starting_model
 from .worker import train_one
@@ -26,7 +26,11 @@ from .worker import train_one
 
 def parse_args(argv=None, description: str | None = None):
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--methods", default=",".join(ALL_METHODS), help="comma-separated kl_adaptation_method values")
+    p.add_argument("--methods", help=f"comma-separated kl_adaptation_method values (default: {','.join(ALL_METHODS)})")
+    p.add_argument("--runs", help="an explicit list of runs instead of --methods x --betas: comma-separated METHOD@BETA "
+                   "(initial β), e.g. none@0,none@0.04,clip@0.04, every pair from the same starting model per seed, each β "
+                   "its own setting tag; β 0 (TRL's default: no KL computed or logged) only with none; replaces "
+                   "--methods, --beta and --betas")
     p.add_argument("--steps", type=int, help=f"GRPO steps per run (default {Settings.steps}; smoke {SMOKE['steps']})")
     p.add_argument("--beta", type=float, help=f"initial β, the same for every method (default {Settings.beta})")
     p.add_argument("--betas", help="several initial β, comma-separated (e.g. 0.01,0.1,1): every (β, method) pair "
@@ -85,7 +89,18 @@ def parse_args(argv=None, description: str | None = None):
                                                         "says nothing about the methods")
     p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: train one run from its spec file
     args = p.parse_args(argv)
-    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if args.runs is not None:
+        given = [name for name, value in (("--methods", args.methods), ("--beta", args.beta), ("--betas", args.betas))
+                 if value is not None]
+        if given:
+            p.error(f"--runs replaces {', '.join(given)}: give the method and β of each run in --runs")
+        try:
+            args.runs = parse_runs(args.runs)
+        except ValueError as e:
+            p.error(str(e))
+        args.methods = list(dict.fromkeys(method for method, _ in args.runs))
+    else:
+        args.methods = [m.strip() for m in (args.methods or ",".join(ALL_METHODS)).split(",") if m.strip()]
     if args.betas is not None:
         if args.beta is not None:
             p.error("--betas replaces --beta: give one of them")
@@ -133,6 +148,8 @@ def header(args, settings: Settings, backend: str, gpu: GpuCheck, tags: list[str
         f"method fields (every run, sized for {planned_completions(settings)} completions a step): "
         f"{json.dumps(method_fields(settings, completions_per_step=planned_completions(settings)))}",
         *([f"initial β (--betas, each its own setting; 'beta' above is the first): {args.betas}"] if args.betas else []),
+        *([f"runs (--runs, method@initial β, each β its own setting; 'beta' above is the first's): "
+           f"{', '.join(f'{m}@{b:g}' for m, b in args.runs)}"] if args.runs else []),
         f"methods: {', '.join(args.methods)}; seeds: {seed_list(args)}; tag{'s' if len(tags) > 1 else ''}: {', '.join(tags)}",
     ])
 

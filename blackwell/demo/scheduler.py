@@ -10,7 +10,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
-from .settings import Settings
+from .settings import Settings, run_pairs
 
 ENTRY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "test_adaptive_kl_grpo.py")
 
@@ -32,27 +32,27 @@ class Run:
 
 
 def make_runs(args, settings_list: list[tuple[Settings, str]], backend: str, checkpoints: dict[int, str]) -> list[Run]:
-    """A run per (seed, initial β, method): ``settings_list`` holds (settings, tag) per β
+    """A run per seed and (initial β, method) pair (:func:`~demo.settings.run_pairs`: ``--runs``'s pairs, or
+    ``--methods`` x ``--betas``): ``settings_list`` holds (settings, tag) per β
     (:func:`~demo.settings.beta_settings`); with several, each run's directory and name carry its β."""
     runs = []
     several = len(settings_list) > 1
     for seed, model in checkpoints.items():
-        for settings, tag in settings_list:
-            for method in args.methods:
-                beta = settings.beta if several else None
-                run_dir = os.path.join(args.output_dir, "runs", f"{method}-seed{seed}" + (f"-b{beta:g}" if several else ""))
-                os.makedirs(run_dir, exist_ok=True)
-                run = Run(method, seed, os.path.join(run_dir, "spec.json"), os.path.join(run_dir, "log.txt"),
-                          os.path.join(run_dir, "metrics.jsonl"), beta=beta)
-                spec = dict(method=method, seed=seed, backend=backend, model=model, dataset=args.dataset,
-                            settings=asdict(settings), run_dir=run_dir, metrics_path=run.metrics_path,
-                            max_seq_length=512 if args.model else settings.max_seq_length, tag=tag,
-                            stream=os.path.abspath(args.stream) if args.stream else None)
-                with open(run.spec_path, "w") as f:
-                    json.dump(spec, f, indent=1)
-                if os.path.exists(run.metrics_path):
-                    os.remove(run.metrics_path)
-                runs.append(run)
+        for settings, tag, method in run_pairs(args, settings_list):
+            beta = settings.beta if several else None
+            run_dir = os.path.join(args.output_dir, "runs", f"{method}-seed{seed}" + (f"-b{beta:g}" if several else ""))
+            os.makedirs(run_dir, exist_ok=True)
+            run = Run(method, seed, os.path.join(run_dir, "spec.json"), os.path.join(run_dir, "log.txt"),
+                      os.path.join(run_dir, "metrics.jsonl"), beta=beta)
+            spec = dict(method=method, seed=seed, backend=backend, model=model, dataset=args.dataset,
+                        settings=asdict(settings), run_dir=run_dir, metrics_path=run.metrics_path,
+                        max_seq_length=512 if args.model else settings.max_seq_length, tag=tag,
+                        stream=os.path.abspath(args.stream) if args.stream else None)
+            with open(run.spec_path, "w") as f:
+                json.dump(spec, f, indent=1)
+            if os.path.exists(run.metrics_path):
+                os.remove(run.metrics_path)
+            runs.append(run)
     return runs
 
 

@@ -134,12 +134,14 @@ def default_tag(settings: Settings) -> str:
 
 
 def beta_settings(args, settings: Settings) -> list[tuple[Settings, str]]:
-    """(settings, tag) for each initial β of the invocation: ``--betas`` gives several, each its own
-    setting tag (the default tag, or ``--tag`` followed by ``-bβ``); otherwise the one of ``--beta``."""
-    if not args.betas:
+    """(settings, tag) for each initial β of the invocation: ``--betas`` gives several, and ``--runs`` the
+    distinct β of its pairs in the order given, each its own setting tag (the default tag, or ``--tag``
+    followed by ``-bβ``); otherwise the one of ``--beta``."""
+    betas = args.betas or (list(dict.fromkeys(beta for _, beta in args.runs)) if getattr(args, "runs", None) else None)
+    if not betas:
         return [(settings, args.tag or default_tag(settings))]
     out = []
-    for beta in args.betas:
+    for beta in betas:
         one = replace(settings, beta=beta)
         out.append((one, f"{args.tag}-b{beta:g}" if args.tag else default_tag(one)))
     return out
@@ -154,6 +156,54 @@ def parse_betas(text: str) -> list[float]:
     if not betas or any(not b > 0 for b in betas) or len(set(betas)) != len(betas):
         raise ValueError(f"--betas={text!r}: allowed: distinct numbers > 0, e.g. 0.01,0.1,1")
     return betas
+
+
+RUNS_HELP = "comma-separated METHOD@BETA pairs, e.g. none@0,none@0.04,clip@0.04"
+
+
+def parse_runs(text: str) -> list[tuple[str, float]]:
+    """``--runs``: an explicit list of (method, initial β), in the order given. β >= 0; β = 0 (TRL's default:
+    no reference model, no KL computed or logged) only with ``none``, as the package refuses an adaptive
+    method at β = 0; no pair twice."""
+    from unsloth_adaptive_kl.method import parse_method
+
+    runs = []
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        method, at, beta_text = item.rpartition("@")
+        if not at or not method.strip():
+            raise ValueError(f"--runs={text!r}: {item!r} is not METHOD@BETA; allowed: {RUNS_HELP}")
+        method = method.strip()
+        try:
+            parse_method(method)
+        except ValueError as e:
+            raise ValueError(f"--runs={text!r}: {item!r}: {e}") from e
+        try:
+            beta = float(beta_text)
+        except ValueError as e:
+            raise ValueError(f"--runs={text!r}: {item!r}: initial β {beta_text!r} is not a number; allowed: a number "
+                             ">= 0") from e
+        if not (beta >= 0 and beta != float("inf")):
+            raise ValueError(f"--runs={text!r}: {item!r}: initial β {beta_text}; allowed: a finite number >= 0")
+        if beta == 0 and method != "none":
+            raise ValueError(f"--runs={text!r}: {item!r}: initial β 0 with method {method!r}; allowed: β = 0 only with "
+                             "'none' (β = 0 removes the KL term an adaptive method acts on)")
+        if (method, beta) in runs:
+            raise ValueError(f"--runs={text!r}: {item!r} is given twice; allowed: each METHOD@BETA once")
+        runs.append((method, beta))
+    if not runs:
+        raise ValueError(f"--runs={text!r}: no run; allowed: {RUNS_HELP}")
+    return runs
+
+
+def run_pairs(args, settings_list: list[tuple[Settings, str]]) -> list[tuple[Settings, str, str]]:
+    """(settings, tag, method) of every run of one seed: ``--runs``'s pairs in the order given, each with its
+    β's settings and tag; otherwise every method at every β (``--methods`` x ``--betas``)."""
+    if getattr(args, "runs", None):
+        by_beta = {one.beta: (one, tag) for one, tag in settings_list}
+        return [(*by_beta[beta], method) for method, beta in args.runs]
+    return [(one, tag, method) for one, tag in settings_list for method in args.methods]
 
 
 def seed_list(args) -> list[int]:

@@ -28,6 +28,10 @@
 # kl-diagnostics (issue 36, one GPU, <= 580 s): bench_trl.py (LoRA and full FT, 16 completions) and bench_unsloth.py
 # (LoRA, 16 completions) with the rows stock, none (tail metrics on), stock beta=0, kl_monitor (both backends) and
 # kl_exclude_token_ids; writes bench-trl-kl-diagnostics.md and bench-unsloth-kl-diagnostics.md (+ .json, .log).
+# study33:NAME (issue 33's study, one GPU, <= ~575 s): evidence:NAME with UNSLOTH_GRPO_SEQ_PACKING=0 exported (Amendment 5)
+# and EVIDENCE_TIMEOUT=560, then --analyze --study of its stream; writes NAME-stream.jsonl, NAME.log, NAME-analysis.md,
+# NAME-runs.tar.gz and NAME-study.md. study33-pair:A,B (a 2-GPU machine): study33:A on GPU 0 and study33:B on GPU 1 at
+# once; writes A-stream.jsonl, B-stream.jsonl, A-study.md, B-study.md and study33-pair.tar.gz (everything else).
 # study33-probe (issue 33, one GPU, <= 560 s): the long task's warm start and GRPO step time before its study
 # (scripts/gpu/study33_probe.py: one run alone, then eight at once, 8 steps each, each invocation warm-starting
 # seed 0); writes study33-probe.md, study33-probe.json, study33-probe-k1-stream.jsonl, study33-probe-k8-stream.jsonl
@@ -198,6 +202,25 @@ for stage in "$@"; do
         tail -25 "$OUT/$name-grid.md" 2>/dev/null
       done
       tar czf "$OUT/evidence-pair.tar.gz" -C /tmp/evidence-pair . ;;
+    study33:*)  # issue 33's study (docs/evidence.md section 7, Amendments 5-6): evidence:NAME with Unsloth's GRPO sequence
+      # packing off and a 560 s limit (one invocation a list line: one warm start, its runs at once), then the study's
+      # own analysis of the stream (--analyze --study) into NAME-study.md
+      name=${stage#study33:}
+      UNSLOTH_GRPO_SEQ_PACKING=0 EVIDENCE_TIMEOUT=560 evidence "$name"
+      python blackwell/test_adaptive_kl_grpo.py --analyze "${EVIDENCE_STREAM_DIR:-$OUT}/$name-stream.jsonl" --study \
+        > "$OUT/$name-study.md" 2>&1
+      echo "study analysis exit status $?"; head -40 "$OUT/$name-study.md" ;;
+    study33-pair:*)  # study33-pair:A,B (a 2-GPU machine): study33:A on GPU 0 and study33:B on GPU 1 at once; writes
+      # A-stream.jsonl and B-stream.jsonl (as they grow), A-study.md, B-study.md and study33-pair.tar.gz (the rest)
+      pair=${stage#study33-pair:}; first=${pair%%,*}; second=${pair#*,}
+      CUDA_VISIBLE_DEVICES=0 EVIDENCE_STREAM_DIR=$OUT bash "$0" /tmp/study33-pair "study33:$first" > "/tmp/study33-pair-$first.txt" 2>&1 &
+      CUDA_VISIBLE_DEVICES=1 EVIDENCE_STREAM_DIR=$OUT bash "$0" /tmp/study33-pair "study33:$second" > "/tmp/study33-pair-$second.txt" 2>&1
+      wait
+      for name in "$first" "$second"; do
+        cp "/tmp/study33-pair/$name-study.md" "$OUT/" 2>/dev/null; mv "/tmp/study33-pair-$name.txt" /tmp/study33-pair/
+        head -20 "$OUT/$name-study.md" 2>/dev/null
+      done
+      tar czf "$OUT/study33-pair.tar.gz" -C /tmp/study33-pair . ;;
     study33-probe)
       timeout 570 python scripts/gpu/study33_probe.py --out "$OUT" 2>&1 | tail -60 ;;
     study33-probe:*)

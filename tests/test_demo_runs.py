@@ -1,0 +1,212 @@
+"""The demo's explicit run list (--runs METHOD@BETA,...; issue 33's phase 1 in one invocation), β = 0 runs (TRL's
+default: no KL computed or logged) through training and the study's analysis, and the phase-1 GPU lists
+(scripts/gpu/evidence/study33-p1-seed*.txt) against the settings docs/evidence.md section 7 pre-registers."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "blackwell", "test_adaptive_kl_grpo.py")
+sys.path.insert(0, os.path.join(ROOT, "blackwell"))
+
+from demo import analysis, grid, scheduler, settings  # noqa: E402
+from demo.cli import parse_args  # noqa: E402
+
+PHASE1 = [("none", 0.0), ("none", 0.001), ("none", 0.01), ("none", 0.04), ("none", 0.1), ("none", 0.3),
+          ("clip", 0.04), ("soft_clip", 0.04), ("length_normalized", 0.04)]  # section 7's run list, phase 1
+
+
+# -- the option ------------------------------------------------------------------------------------------
+def test_runs_give_the_listed_pairs_in_order_each_beta_its_own_tag():
+    args = parse_args(["--task", "long", "--runs", "none@0,none@0.001,clip@0.04,none@0.04,soft_clip@1e-3"])
+    assert args.runs == [("none", 0.0), ("none", 0.001), ("clip", 0.04), ("none", 0.04), ("soft_clip", 0.001)]
+    assert args.methods == ["none", "clip", "soft_clip"]
+    one = settings.settings_from(args)
+    per_beta = settings.beta_settings(args, one)
+    assert [s.beta for s, _ in per_beta] == [0.0, 0.001, 0.04]  # the distinct β, in the order first given
+    pairs = settings.run_pairs(args, per_beta)
+    assert [(m, s.beta) for s, _, m in pairs] == args.runs
+    for s, tag, method in pairs:
+        assert tag == settings.default_tag(s) and grid.split_tag(tag)[1] == s.beta  # the β is in the tag
+    assert {grid.split_tag(tag)[0] for _, tag, _ in pairs} == {"long-dapo-b*-h768x6-L192-s200-wlr0.001"}
+    assert [tag for _, tag in settings.beta_settings(parse_args(["--runs", "none@0,clip@0.1", "--tag", "mine"]), one)] \
+        == ["mine-b0", "mine-b0.1"]
+
+
+def test_one_beta_in_runs_still_carries_it_in_the_tag():
+    args = parse_args(["--runs", "none@0.3,clip@0.3", "--tag", "mine"])
+    (one, tag), = settings.beta_settings(args, settings.settings_from(args))
+    assert one.beta == 0.3 and tag == "mine-b0.3"
+
+
+@pytest.mark.parametrize("text, message", [
+    ("clip@0", "initial β 0 with method 'clip'; allowed: β = 0 only with 'none'"),
+    ("none@0,none@0.0", "'none@0.0' is given twice"),
+    ("none", "'none' is not METHOD@BETA; allowed: comma-separated METHOD@BETA"),
+    ("@0.1", "'@0.1' is not METHOD@BETA"),
+    ("nope@0.1", "kl_adaptation_method='nope' has unknown part(s)"),
+    ("none@-0.1", "initial β -0.1; allowed: a finite number >= 0"),
+    ("none@inf", "initial β inf; allowed: a finite number >= 0"),
+    ("none@nan", "initial β nan; allowed: a finite number >= 0"),
+    ("none@x", "initial β 'x' is not a number; allowed: a number >= 0"),
+    (",", "no run; allowed"),
+])
+def test_a_bad_run_list_names_the_value_and_what_is_allowed(text, message):
+    with pytest.raises(ValueError) as e:
+        settings.parse_runs(text)
+    assert f"--runs={text!r}" in str(e.value) and message in str(e.value)
+
+
+@pytest.mark.parametrize("extra", [["--methods", "none"], ["--beta", "0.1"], ["--betas", "0.1,1"]])
+def test_runs_replace_methods_and_betas(extra, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--runs", "none@0", *extra])
+    assert f"--runs replaces {extra[0]}" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # the argparse error of a bad pair
+        parse_args(["--runs", "target@0"])
+    assert "allowed: β = 0 only with 'none'" in capsys.readouterr().err
+
+
+def test_methods_and_betas_still_make_their_product():
+    args = parse_args(["--betas", "0.01,0.1", "--methods", "none,clip"])
+    assert args.runs is None
+    pairs = settings.run_pairs(args, settings.beta_settings(args, settings.settings_from(args)))
+    assert [(m, s.beta) for s, _, m in pairs] == [("none", 0.01), ("clip", 0.01), ("none", 0.1), ("clip", 0.1)]
+    assert parse_args([]).methods == settings.ALL_METHODS
+
+
+def test_make_runs_writes_one_spec_per_listed_pair_and_seed(tmp_path):
+    args = parse_args(["--task", "long", "--seeds", "2", "--runs", "none@0,clip@0.04,none@0.04",
+                       "--output-dir", str(tmp_path)])
+    per_beta = settings.beta_settings(args, settings.settings_from(args))
+    runs = scheduler.make_runs(args, per_beta, "trl", {0: "ckpt0", 1: "ckpt1"})
+    assert [r.name for r in runs] == ["none/seed0/b0", "clip/seed0/b0.04", "none/seed0/b0.04",
+                                      "none/seed1/b0", "clip/seed1/b0.04", "none/seed1/b0.04"]
+    for run in runs:
+        spec = json.loads(open(run.spec_path).read())
+        assert (spec["method"], spec["settings"]["beta"], spec["seed"]) == (run.method, run.beta, run.seed)
+        assert spec["model"] == f"ckpt{run.seed}" and grid.split_tag(spec["tag"])[1] == run.beta
+        assert run.spec_path.startswith(str(tmp_path / "runs" / f"{run.method}-seed{run.seed}-b{run.beta:g}"))
+
+
+# -- a β = 0 run trains (CPU smoke) -----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def smoke_runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo-runs")
+    env = dict(os.environ, TRITON_INTERPRET="1", TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run([sys.executable, SCRIPT, "--smoke", "--runs", "none@0,clip@0.1", "--stream",
+                           str(out / "stream.jsonl"), "--output-dir", str(out)],
+                          capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out, proc.stdout
+
+
+def test_smoke_runs_train_beta_zero_without_a_kl(smoke_runs):
+    out, stdout = smoke_runs
+    assert stdout.count("seed 0: tiny Llama") == 1 and "2 runs, " in stdout  # one warm start for both runs
+    assert "runs (--runs, method@initial β, each β its own setting; 'beta' above is the first's): none@0, clip@0.1" in stdout
+    rows = [json.loads(line) for line in (out / "stream.jsonl").read_text().splitlines()]
+    steps = settings.SMOKE["steps"]
+    zero = [r for r in rows if r["beta0"] == 0.0]
+    clip = [r for r in rows if r["beta0"] == 0.1]
+    assert {(r["method"], r["tag"]) for r in zero} == {("none", f"easy-dapo-b0-h32x2-L24-s{steps}")}
+    assert {(r["method"], r["tag"]) for r in clip} == {("clip", f"easy-dapo-b0.1-h32x2-L24-s{steps}")}
+    for mine in (zero, clip):
+        assert sorted(r["step"] for r in mine) == list(range(1, steps + 1))
+    # β = 0: TRL makes no reference model and computes no KL; the package logs β 0 and no KL value (TRL's log drops
+    # the NaN it records, so the key is absent here; Unsloth's generated trainer writes None)
+    assert all(r["adaptive_kl/current_beta"] == 0.0 and r.get("adaptive_kl/raw_kl") is None and "kl" not in r for r in zero)
+    assert all(r["adaptive_kl/current_beta"] == 0.1 and r["adaptive_kl/raw_kl"] >= 0 for r in clip)
+    assert (out / "runs" / "none-seed0-b0" / "log.txt").exists() and (out / "runs" / "clip-seed0-b0.1" / "log.txt").exists()
+    summary = (out / "summary.md").read_text()
+    assert "(initial β 0)" in summary and "(initial β 0.1)" in summary
+    report = analysis.study_report([str(out / "stream.jsonl")])  # the study's analysis takes the smoke stream
+    assert f"| `none` | 0 | — | 1 | 1 (1) |" in report and "| — | 0 |" in report
+
+
+# -- the study's analysis with β = 0 rows ------------------------------------------------------------------
+def _stream(path, with_natural=True):
+    """3 seeds x 100 planned steps. `none` at β 0 logs no KL (seed 0: the key absent, as TRL's backend writes it;
+    seed 1: None, as Unsloth's; seed 2: NaN) and its reward falls from 0.8 to 0.6 after step 50; `clip` at 0.1 falls
+    the same way with its KL at 0.2; `none` at 0.1 holds 0.8 at KL 0.2 (the natural KL: runaway threshold 2)."""
+    lines = []
+
+    def run(method, beta, seed, falls, kl):
+        for s in range(1, 101):
+            row = {"tag": f"long-dapo-b{beta:g}-h768x6-L192-s100", "method": method, "seed": seed, "step": s,
+                   "beta0": beta, "planned_steps": 100, "kl_target": 0.1, "copy": f"{method}{beta}{seed}",
+                   "reward": 0.6 if falls and s > 50 else 0.8, analysis.LENGTH: 100.0, "adaptive_kl/current_beta": beta}
+            if kl != "absent":
+                row["adaptive_kl/raw_kl"] = kl
+            lines.append(row)
+
+    for seed, no_kl in enumerate(["absent", None, math.nan]):
+        run("none", 0.0, seed, True, no_kl)
+        run("clip", 0.1, seed, True, 0.2)
+        if with_natural:
+            run("none", 0.1, seed, False, 0.2)
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    return str(path)
+
+
+def test_beta_zero_runs_have_no_final_kl_and_run_away_on_the_reward_alone(tmp_path):
+    text = analysis.study_report([_stream(tmp_path / "s.jsonl")])
+    assert "Natural KL (best fixed β > 0, 0.1): 0.2; runaway threshold 10 x = 2 (β = 0 logs no KL" in text
+    # β 0: the 10-step mean reward is 0.8 - 0.02 k at step 50 + k, 0.1 below its best at k = 5: step 55 in every
+    # seed, whichever way the row says "no KL"; the final KL is missing, not 0 or NaN
+    assert ("| `none` | 0 | — | 3 | 3 (3) | 0.600 ± 0.000 | 100.0 ± 0.0 | — | 3: seed 0 step 55, seed 1 step 55, "
+            "seed 2 step 55 |") in text
+    # clip at 0.1: the same fall, but its KL (0.2) stays below the threshold: no runaway
+    assert "| `clip` | 0.1 | — | 3 | 3 (3) | 0.600 ± 0.000 | 100.0 ± 0.0 | 0.2000 ± 0.0000 | 0 |" in text
+    assert "| 0 | 3 | 0.00 |" in text  # (a) has a length slope for β 0
+    for seed in range(3):
+        copies = analysis.read_copies([str(tmp_path / "s.jsonl")])["long-dapo-b0-h768x6-L192-s100"][("none", seed)]
+        numbers = analysis.copy_numbers(copies[0], 100, 2.0)
+        assert numbers["kl"] is None and numbers["runaway_step"] == 55
+
+
+def test_without_a_natural_kl_runaways_at_positive_beta_are_not_assessed(tmp_path):
+    text = analysis.study_report([_stream(tmp_path / "s.jsonl", with_natural=False)])
+    assert "No natural KL (no `none` run with β > 0): runaways at β > 0 not assessed" in text
+    assert "| 0.2000 ± 0.0000 | — (no natural KL) |" in text  # clip: not flagged on its reward alone
+    assert "| — | 3: seed 0 step 55, seed 1 step 55, seed 2 step 55 |" in text  # β 0: the reward rule still applies
+
+
+# -- the phase-1 GPU lists ---------------------------------------------------------------------------------
+def _list_args(seed):
+    path = os.path.join(ROOT, "scripts", "gpu", "evidence", f"study33-p1-seed{seed}.txt")
+    with open(path) as f:
+        lines = [line.split() for line in f if line.strip() and not line.lstrip().startswith("#")]
+    assert len(lines) == 1, path  # one invocation: one warm start per call
+    return parse_args(lines[0])
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_phase1_lists_run_section_7s_settings(seed):
+    args = _list_args(seed)
+    assert args.runs == PHASE1 and (args.first_seed, args.seeds) == (seed, 1) and args.backend == "unsloth"
+    one = settings.settings_from(args)
+    per_beta = settings.beta_settings(args, one)
+    pairs = settings.run_pairs(args, per_beta)
+    assert [(m, s.beta) for s, _, m in pairs] == PHASE1
+    assert len({grid.split_tag(tag)[0] for _, tag, _ in pairs}) == 1  # one family: study_report reads them together
+    for s, _, _ in pairs:  # section 7, "Task, model, settings", and Amendment 3's warm-start rate
+        assert (s.task, s.hidden_size, s.layers, s.heads, s.warm_start_steps, s.warm_start_lr) == ("long", 768, 6, 12, 2000, 3e-4)
+        assert (s.lora_rank, s.learning_rate, s.prompts_per_step, s.num_generations, s.gradient_accumulation_steps) == (32, 1e-3, 8, 8, 1)
+        assert (s.max_completion_length, s.temperature, s.loss_type, s.optim, s.weight_decay) == (192, 1.0, "dapo", "adamw_torch", 0.0)
+        assert (s.epsilon_high, s.mask_truncated_completions, s.steps) == (0.2, False, 200)
+        fields = settings.method_fields(s, completions_per_step=s.prompts_per_step * s.num_generations)
+        assert (fields["kl_estimator"], fields["kl_clip_threshold"], fields["reward_window"], fields["beta_min"]) == ("k3", 1.0, 5, 0.0)
+        assert fields["kl_horizon"] == 640  # 10 steps of 64 completions: target moves β at most x1.02 / x0.98 a step
+    assert analysis.final_window_start(one.steps) == 150  # the final window: steps 151-200
+
+
+def test_verify_sh_has_the_study_stage_with_packing_off():
+    text = open(os.path.join(ROOT, "scripts", "gpu", "verify.sh")).read()
+    stage = text[text.index("    study33:*)"):text.index("    study33-pair:*)")]
+    assert 'UNSLOTH_GRPO_SEQ_PACKING=0 EVIDENCE_TIMEOUT=560 evidence "$name"' in stage and "--study" in stage
