@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Installs everything into .venv (CPU torch 2.13 from this machine's disk, never a CUDA build)
 # and runs the test suite. Extra arguments go to pytest.
+# Two pytest-xdist workers, each given whole files (--dist loadfile): the files' module-scoped fixtures and
+# worker-result caches (one subprocess training run serves many tests) then run once, as in one process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/_venv.sh
-python -m pytest -q -p no:cacheprovider "$@"
+python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile "$@"
