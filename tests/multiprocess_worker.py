@@ -135,6 +135,8 @@ def main():
         torch.distributed.barrier()
     with open(os.path.join(OUT, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()  # here, not at exit, where gloo's threads can abort a rank
 
 
 if __name__ == "__main__":

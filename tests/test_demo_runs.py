@@ -25,7 +25,7 @@ PHASE1 = [("none", 0.0), ("none", 0.001), ("none", 0.01), ("none", 0.04), ("none
 def test_runs_give_the_listed_pairs_in_order_each_beta_its_own_tag():
     args = parse_args(["--task", "long", "--runs", "none@0,none@0.001,clip@0.04,none@0.04,soft_clip@1e-3"])
     assert args.runs == [("none", 0.0), ("none", 0.001), ("clip", 0.04), ("none", 0.04), ("soft_clip", 0.001)]
-    assert args.methods == ["none", "clip", "soft_clip"]
+    assert args.methods == list(dict.fromkeys(method for method, _ in args.runs))  # each method once, in order
     one = settings.settings_from(args)
     per_beta = settings.beta_settings(args, one)
     assert [s.beta for s, _ in per_beta] == [0.0, 0.001, 0.04]  # the distinct β, in the order first given

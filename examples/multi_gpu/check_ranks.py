@@ -295,6 +295,11 @@ def worker(args):
         del trainer
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():  # torn down here, not at the interpreter's exit, where a
+        dist.barrier()  # gloo group's threads can abort a rank ("terminate called without an active exception")
+        dist.destroy_process_group()
 
 
 # -- the checks (one process) ----------------------------------------------------------------------------
