@@ -419,3 +419,36 @@ def test_a_run_in_several_files_counts_whole_from_its_longest_copy(tmp_path):
     assert len(rows) == 45 and {r["adaptive_kl/raw_kl"] for r in rows} == {1.0}  # the 45-step copy, not steps 31-45 spliced on
     g = grid.read_grid([shorter, cut])["medium-dapo-b*-h128x4-L48-s60-kt0.2"]
     assert g["incomplete"] == ["none/seed0/b0.1 (step 45 of 60)"] and g["runs"][("none", 0.1, 0)]["kl"] == 1.0
+
+
+# -- the generation clock -----------------------------------------------------------------------------
+def test_the_generation_clock_times_each_generate_call_and_sums_unsloths_decode_graph_counters():
+    import time
+    from types import SimpleNamespace
+
+    import torch
+
+    from demo.worker import GenerationClock
+
+    class Policy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = torch.nn.Linear(1, 1)
+
+        def generate(self, seconds):
+            time.sleep(seconds)
+            return seconds
+
+    policy = Policy()
+    clock = GenerationClock(policy, cuda=False)
+    assert clock.decode_graphs() == {}  # no Unsloth decode state: nothing reported
+    assert policy.generate(0.05) == 0.05 and policy.generate(0.02) == 0.02  # the wrapper returns what generate did
+    seconds, calls = clock.take()
+    assert calls == 2 and 0.07 <= seconds < 1.0
+    assert clock.take() == (0.0, 0)  # read once: the next step starts from zero
+    # Unsloth keeps its counters on the CausalLM under any wrapper: summed over the modules that hold them
+    policy.__dict__["_unsloth_decode_graphs"] = SimpleNamespace(captures=1, replays=130, eager_steps=1, disabled=None)
+    policy.inner.__dict__["_unsloth_decode_graphs"] = SimpleNamespace(captures=2, replays=5, eager_steps=3,
+                                                                       disabled="model type")
+    assert clock.decode_graphs() == {"decode_graph_captures": 3, "decode_graph_replays": 135,
+                                     "decode_graph_eager_steps": 4, "decode_graph_disabled": "model type"}
