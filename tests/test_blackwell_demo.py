@@ -348,15 +348,19 @@ def test_betas_replace_beta_and_must_be_positive():
             demo.parse_args(bad)
 
 
-@pytest.fixture(scope="module")
-def smoke_betas(tmp_path_factory):
-    out = tmp_path_factory.mktemp("demo-betas")
+def run_smoke(out, *args: str):
+    """The demo's ``--smoke`` run with ``args``, its stream in OUT/stream.jsonl: (out, stdout); a failed run fails."""
     env = dict(os.environ, TRITON_INTERPRET="1", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run([sys.executable, SCRIPT, "--smoke", "--betas", "0.05,0.2", "--methods", "none,target",
-                           "--kl-target", "0.3", "--stream", str(out / "stream.jsonl"), "--output-dir", str(out)],
-                          capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
+    proc = subprocess.run([sys.executable, SCRIPT, "--smoke", *args, "--stream", str(out / "stream.jsonl"), "--output-dir",
+                           str(out)], capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out, proc.stdout
+
+
+@pytest.fixture(scope="module")
+def smoke_betas(tmp_path_factory):
+    return run_smoke(tmp_path_factory.mktemp("demo-betas"), "--betas", "0.05,0.2", "--methods", "none,target",
+                     "--kl-target", "0.3")
 
 
 def test_smoke_betas_warm_start_once_and_tag_each_beta(smoke_betas):

@@ -5,13 +5,11 @@ default: no KL computed or logged) through training and the study's analysis, an
 import json
 import math
 import os
-import subprocess
 import sys
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "blackwell", "test_adaptive_kl_grpo.py")
 sys.path.insert(0, os.path.join(ROOT, "blackwell"))
 
 from demo import analysis, grid, scheduler, settings  # noqa: E402
@@ -97,13 +95,9 @@ def test_make_runs_writes_one_spec_per_listed_pair_and_seed(tmp_path):
 # -- a β = 0 run trains (CPU smoke) -----------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def smoke_runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("demo-runs")
-    env = dict(os.environ, TRITON_INTERPRET="1", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run([sys.executable, SCRIPT, "--smoke", "--runs", "none@0,clip@0.1", "--stream",
-                           str(out / "stream.jsonl"), "--output-dir", str(out)],
-                          capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return out, proc.stdout
+    from test_blackwell_demo import run_smoke
+
+    return run_smoke(tmp_path_factory.mktemp("demo-runs"), "--runs", "none@0,clip@0.1")
 
 
 def test_smoke_runs_train_beta_zero_without_a_kl(smoke_runs):
