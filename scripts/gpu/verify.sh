@@ -91,6 +91,19 @@ evidence() {  # $1: NAME; the stream goes to $EVIDENCE_STREAM_DIR (default $OUT)
   fi
   (cd "$work" && tar czf "$OUT/$name-runs.tar.gz" --exclude=checkpoints --exclude=unsloth_compiled_cache --exclude='*.safetensors' .)
 }
+pair() {  # pair KIND REPORT A,B SHOW: the stages KIND:A on GPU 0 and KIND:B on GPU 1 at once (a 2-GPU machine), their
+  # streams to $OUT as they grow, A-REPORT.md and B-REPORT.md to $OUT (each shown with SHOW, e.g. "tail -25"), every
+  # other file packed into $OUT/KIND-pair.tar.gz
+  local kind=$1 report=$2 first=${3%%,*} second=${3#*,} show=$4 work=/tmp/$1-pair name
+  CUDA_VISIBLE_DEVICES=0 EVIDENCE_STREAM_DIR=$OUT bash "$0" "$work" "$kind:$first" > "/tmp/$kind-pair-$first.txt" 2>&1 &
+  CUDA_VISIBLE_DEVICES=1 EVIDENCE_STREAM_DIR=$OUT bash "$0" "$work" "$kind:$second" > "/tmp/$kind-pair-$second.txt" 2>&1
+  wait
+  for name in "$first" "$second"; do
+    cp "$work/$name-$report.md" "$OUT/" 2>/dev/null; mv "/tmp/$kind-pair-$name.txt" "$work/"
+    $show "$OUT/$name-$report.md" 2>/dev/null
+  done
+  tar czf "$OUT/$kind-pair.tar.gz" -C "$work" .
+}
 set -uo pipefail
 OUT=$1; shift
 mkdir -p "$OUT"
@@ -193,15 +206,7 @@ for stage in "$@"; do
     evidence-pair:*)  # evidence-pair:A,B: two evidence lists at once, A on GPU 0 and B on GPU 1 (a 2-GPU machine).
       # A call returns at most 8 files, and two evidence stages write 12: the streams go to $OUT as they grow (all a
       # timeout leaves), A-grid.md and B-grid.md follow, the rest is packed into evidence-pair.tar.gz.
-      pair=${stage#evidence-pair:}; first=${pair%%,*}; second=${pair#*,}
-      CUDA_VISIBLE_DEVICES=0 EVIDENCE_STREAM_DIR=$OUT bash "$0" /tmp/evidence-pair "evidence:$first" > "/tmp/evidence-pair-$first.txt" 2>&1 &
-      CUDA_VISIBLE_DEVICES=1 EVIDENCE_STREAM_DIR=$OUT bash "$0" /tmp/evidence-pair "evidence:$second" > "/tmp/evidence-pair-$second.txt" 2>&1
-      wait
-      for name in "$first" "$second"; do
-        cp "/tmp/evidence-pair/$name-grid.md" "$OUT/" 2>/dev/null; mv "/tmp/evidence-pair-$name.txt" /tmp/evidence-pair/
-        tail -25 "$OUT/$name-grid.md" 2>/dev/null
-      done
-      tar czf "$OUT/evidence-pair.tar.gz" -C /tmp/evidence-pair . ;;
+      pair evidence grid "${stage#evidence-pair:}" "tail -25" ;;
     study33:*)  # issue 33's study (docs/evidence.md section 7, Amendments 5-6): evidence:NAME with Unsloth's GRPO sequence
       # packing off and a 560 s limit (one invocation a list line: one warm start, its runs at once), then the study's
       # own analysis of the stream (--analyze --study) into NAME-study.md
@@ -212,15 +217,7 @@ for stage in "$@"; do
       echo "study analysis exit status $?"; head -40 "$OUT/$name-study.md" ;;
     study33-pair:*)  # study33-pair:A,B (a 2-GPU machine): study33:A on GPU 0 and study33:B on GPU 1 at once; writes
       # A-stream.jsonl and B-stream.jsonl (as they grow), A-study.md, B-study.md and study33-pair.tar.gz (the rest)
-      pair=${stage#study33-pair:}; first=${pair%%,*}; second=${pair#*,}
-      CUDA_VISIBLE_DEVICES=0 EVIDENCE_STREAM_DIR=$OUT bash "$0" /tmp/study33-pair "study33:$first" > "/tmp/study33-pair-$first.txt" 2>&1 &
-      CUDA_VISIBLE_DEVICES=1 EVIDENCE_STREAM_DIR=$OUT bash "$0" /tmp/study33-pair "study33:$second" > "/tmp/study33-pair-$second.txt" 2>&1
-      wait
-      for name in "$first" "$second"; do
-        cp "/tmp/study33-pair/$name-study.md" "$OUT/" 2>/dev/null; mv "/tmp/study33-pair-$name.txt" /tmp/study33-pair/
-        head -20 "$OUT/$name-study.md" 2>/dev/null
-      done
-      tar czf "$OUT/study33-pair.tar.gz" -C /tmp/study33-pair . ;;
+      pair study33 study "${stage#study33-pair:}" "head -20" ;;
     study33-probe)
       timeout 570 python scripts/gpu/study33_probe.py --out "$OUT" 2>&1 | tail -60 ;;
     study33-probe:*)
