@@ -172,22 +172,37 @@ def test_without_a_natural_kl_runaways_at_positive_beta_are_not_assessed(tmp_pat
 
 
 # -- the phase-1 GPU lists ---------------------------------------------------------------------------------
-def _list_args(seed):
-    path = os.path.join(ROOT, "scripts", "gpu", "evidence", f"study33-p1-seed{seed}.txt")
+def _list_args(name):
+    path = os.path.join(ROOT, "scripts", "gpu", "evidence", f"{name}.txt")
     with open(path) as f:
         lines = [line.split() for line in f if line.strip() and not line.lstrip().startswith("#")]
     assert len(lines) == 1, path  # one invocation: one warm start per call
     return parse_args(lines[0])
 
 
-@pytest.mark.parametrize("seed", range(5))
-def test_phase1_lists_run_section_7s_settings(seed):
-    args = _list_args(seed)
-    assert args.runs == PHASE1 and (args.first_seed, args.seeds) == (seed, 1) and args.backend == "unsloth"
+# Seed 0 ran first as one call of all nine runs (cut at steps 131-143); by Amendment 6's rule (Amendment 7) every seed
+# then runs as two calls: the six `none` runs, then the three shaping runs.
+@pytest.mark.parametrize("names, seed", [(["study33-p1-seed0"], 0)]
+                         + [([f"study33-p1-seed{s}-none", f"study33-p1-seed{s}-shape"], s) for s in range(5)])
+def test_phase1_lists_run_section_7s_settings(names, seed):
+    runs, checked = [], []
+    for name in names:
+        args = _list_args(name)
+        assert (args.first_seed, args.seeds) == (seed, 1) and args.backend == "unsloth"
+        runs += args.runs
+        checked.append(args)
+    assert runs == PHASE1  # the calls of a seed together run section 7's list, each run once
+    if len(names) == 2:
+        assert {m for m, _ in checked[0].runs} == {"none"} and "none" not in {m for m, _ in checked[1].runs}
+    for args in checked:
+        _check_section_7_settings(args)
+
+
+def _check_section_7_settings(args):
     one = settings.settings_from(args)
     per_beta = settings.beta_settings(args, one)
     pairs = settings.run_pairs(args, per_beta)
-    assert [(m, s.beta) for s, _, m in pairs] == PHASE1
+    assert [(m, s.beta) for s, _, m in pairs] == args.runs
     assert len({grid.split_tag(tag)[0] for _, tag, _ in pairs}) == 1  # one family: study_report reads them together
     for s, _, _ in pairs:  # section 7, "Task, model, settings", and Amendment 3's warm-start rate
         assert (s.task, s.hidden_size, s.layers, s.heads, s.warm_start_steps, s.warm_start_lr) == ("long", 768, 6, 12, 2000, 3e-4)
