@@ -180,10 +180,16 @@ def _list_args(name):
     return parse_args(lines[0])
 
 
-# Seed 0 ran first as one call of all nine runs (cut at steps 131-143); by Amendment 6's rule (Amendment 7) every seed
-# then runs as two calls: the six `none` runs, then the three shaping runs.
-@pytest.mark.parametrize("names, seed", [(["study33-p1-seed0"], 0)]
-                         + [([f"study33-p1-seed{s}-none", f"study33-p1-seed{s}-shape"], s) for s in range(5)])
+# The calls that give each seed its nine runs once. Seed 0 ran first as one call of all nine (cut at steps 131-143);
+# by Amendment 6's rule (Amendment 7) every seed then ran as two calls, the six `none` runs and the three shaping
+# runs; seed 2's six-run call was cut at steps 182-196, so by Amendment 7's rule (Amendment 8) the `none` lists still
+# to run are two calls of three. The superseded lists that ran are checked too (their copies are draws).
+P = "study33-p1-seed"
+CALLS = [([f"{P}0"], 0), ([f"{P}2-none"], 2)] + [([f"{P}{s}-none", f"{P}{s}-shape"], s) for s in (0, 1)] + [
+    ([f"{P}{s}-none-a", f"{P}{s}-none-b", f"{P}{s}-shape"], s) for s in (2, 3, 4)]
+
+
+@pytest.mark.parametrize("names, seed", CALLS)
 def test_phase1_lists_run_section_7s_settings(names, seed):
     runs, checked = [], []
     for name in names:
@@ -191,11 +197,20 @@ def test_phase1_lists_run_section_7s_settings(names, seed):
         assert (args.first_seed, args.seeds) == (seed, 1) and args.backend == "unsloth"
         runs += args.runs
         checked.append(args)
-    assert runs == PHASE1  # the calls of a seed together run section 7's list, each run once
-    if len(names) == 2:
-        assert {m for m, _ in checked[0].runs} == {"none"} and "none" not in {m for m, _ in checked[1].runs}
+    if names == [f"{P}2-none"]:
+        assert runs == PHASE1[:6]  # the cut six-run call
+    else:
+        assert runs == PHASE1  # the calls of a seed together run section 7's list, each run once
+    for args in checked[:-1]:
+        assert {m for m, _ in args.runs} == {"none"}
     for args in checked:
         _check_section_7_settings(args)
+
+
+def test_every_phase1_list_is_checked():
+    folder = os.path.join(ROOT, "scripts", "gpu", "evidence")
+    on_disk = {f[:-4] for f in os.listdir(folder) if f.startswith(P) and f.endswith(".txt")}
+    assert on_disk == {name for names, _ in CALLS for name in names}
 
 
 def _check_section_7_settings(args):
