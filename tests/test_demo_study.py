@@ -125,7 +125,26 @@ def test_the_study_report_applies_the_pre_registered_tests(tmp_path):
     # (c) clip - none by seed: (0.7 + 0.3) / 2 - 0.8 = -0.3, 0, 0: mean -0.1, se 0.1: 90 % ± 0.292
     assert "| `clip` | 0.1 | reward | -0.100 | [-0.392, 0.192] | [-0.530, 0.330] | inconclusive |" in text
     assert "| `clip` | 0.1 | length | 0.000 | [0.000, 0.000] | [0.000, 0.000] | equivalent |" in text
+    # (c)'s raw KL, 95 % interval only: clip's seed 0 is (0.2 + 5.0) / 2 = 2.6 (its second copy's window KL is 5.0):
+    # differences 2.4, 0, 0: mean 0.8, sd 1.385641, se 0.8, 95 % ± 3.4424
+    assert "| `clip` | 0.1 | raw KL | 0.8000 | — | [-2.6424, 4.2424] | not different |" in text
     assert math.isclose(analysis.KL_RATIO_MARGIN, math.log(1.25))
+
+
+def test_a_seed_with_two_copies_gives_question_a_one_slope(tmp_path):
+    # reward 0.8 throughout: saturation at step 1; the length grows 0.1 or 0.2 tokens a step in seed 0's two
+    # copies (10 and 20 tokens / 100 steps), 0 in seeds 1 and 2: seed values 15, 0, 0, not four draws.
+    # mean 5, sd 8.660254, se 5: 90 % ± 14.60, 95 % ± 21.515
+    lines = [{"tag": "long-dapo-b0.1-h768x6-L192-s100", "method": "none", "seed": seed, "step": s, "beta0": 0.1,
+              "planned_steps": 100, "copy": f"{seed}-{rate}", "reward": 0.8, analysis.LENGTH: 100.0 + rate * s,
+              "adaptive_kl/raw_kl": 0.2}
+             for seed, rate in ((0, 0.1), (0, 0.2), (1, 0.0), (2, 0.0)) for s in range(1, 101)]
+    path = tmp_path / "a.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    copies = analysis.read_copies([str(path)])["long-dapo-b0.1-h768x6-L192-s100"][("none", 0)]
+    assert analysis.seed_slope(copies, 100) == pytest.approx(15.0)
+    text = analysis.study_report([str(path)])
+    assert "| 0.1 | 3 | 5.00 | [-9.60, 19.60] | [-16.52, 26.52] | inconclusive |" in text
 
 
 # -- the long task's solutions -----------------------------------------------------------------------------

@@ -299,6 +299,14 @@ def seed_values(copies: list[list[dict]], planned_steps: int, key: str, kl_thres
     return sum(values) / len(values) if values else None
 
 
+def seed_slope(copies: list[list[dict]], planned_steps: int) -> float | None:
+    """Question (a)'s value of one seed: the mean length slope after saturation over its copies that have one
+    (every copy a draw; a seed counts once however many copies it has)."""
+    slopes = [drift_after_saturation(rows, planned_steps)["slope"] for rows in copies]
+    slopes = [s for s in slopes if s is not None]
+    return sum(slopes) / len(slopes) if slopes else None
+
+
 def paired_by_seed(a: dict[int, list[list[dict]]], b: dict[int, list[list[dict]]], planned_steps: int, key: str) -> list[float]:
     """``key``'s seed value of ``a`` minus ``b``'s, for every seed both have a value for, by seed."""
     out = []
@@ -316,6 +324,15 @@ def fmt_equivalence(e: Equivalence, fmt: str = ".3f") -> str:
             f"[{format(e.low95, fmt)}, {format(e.high95, fmt)}] | {e.verdict}")
 
 
+def fmt_difference(differences: list[float], fmt: str = ".4f") -> str:
+    """A paired difference with its 95 % t interval and no margin: "different" when the interval excludes 0."""
+    if len(differences) < 2:
+        return f"{format(differences[0], fmt)} (n=1) | — | — | too few seeds" if differences else "— | — | — | no seeds"
+    mean, low, high = t_interval(differences)
+    verdict = "different" if low > 0 or high < 0 else "not different"
+    return f"{format(mean, fmt)} | — | [{format(low, fmt)}, {format(high, fmt)}] | {verdict}"
+
+
 # The numbers section 7 pre-registers (docs/evidence.md); the report below applies them and nothing else.
 REWARD_MARGIN = 0.05  # equivalence margin for the final-window reward (reward in [0, 1])
 LENGTH_MARGIN = 5.0  # tokens: final-window length, and tokens per 100 steps for the drift slope
@@ -329,11 +346,9 @@ def _family(tag: str) -> str:
     return KT_IN_TAG.sub("", BETA_IN_TAG.sub("-b*", tag))
 
 
-def study_report(paths: list[str]) -> str:
-    """Markdown: the pre-registered analysis of section 7, per family of settings (tags that differ only in
-    the initial β and kl_target): every run's final-window numbers and runaways, (a) the length slope after
-    saturation of every fixed β, (b) target's KL / kl_target and its reward against the best fixed β, (c)
-    every other method against `none` at the same β; paired by seed, TOST at the pre-registered margins."""
+def study_cells(paths: list[str]) -> tuple[dict, dict[str, int]]:
+    """The study's runs by family (tags that differ only in the initial β and kl_target):
+    ({family: {(method, β0, kl_target or None): {seed: copies}}}, {family: planned steps})."""
     runs: dict[str, dict[tuple[str, float, float | None], dict[int, list[list[dict]]]]] = {}
     planned: dict[str, int] = {}
     for tag, by_run in read_copies(paths).items():
@@ -343,15 +358,35 @@ def study_report(paths: list[str]) -> str:
             key = (method, float(first["beta0"]), first.get("kl_target") if method == "target" else None)
             runs.setdefault(family, {}).setdefault(key, {})[seed] = copies
             planned[family] = max(planned.get(family, 0), int(first["planned_steps"]))
+    return runs, planned
+
+
+def cell_mean(cell: dict[int, list[list[dict]]], steps: int, key: str) -> float:
+    """The seed mean of ``key``'s seed values (each seed: the mean over its copies that reached the window)."""
+    return _mean(seed_values(copies, steps, key) for copies in cell.values())
+
+
+def natural_kl(cells: dict, steps: int) -> tuple[tuple | None, tuple | None, float]:
+    """Section 7's reference points from the `none` cells: the best fixed β (highest seed-mean final reward, β = 0
+    included), the best fixed β > 0, and the natural KL K_nat (that β's seed-mean final KL; nan if none)."""
+    fixed = {k: v for k, v in cells.items() if k[0] == "none"}
+    best = max(fixed, key=lambda k: cell_mean(fixed[k], steps, "reward")) if fixed else None
+    positive = [k for k in fixed if k[1] > 0]
+    natural_key = max(positive, key=lambda k: cell_mean(fixed[k], steps, "reward")) if positive else None
+    return best, natural_key, cell_mean(fixed[natural_key], steps, "kl") if natural_key else math.nan
+
+
+def study_report(paths: list[str]) -> str:
+    """Markdown: the pre-registered analysis of section 7, per family of settings (tags that differ only in
+    the initial β and kl_target): every run's final-window numbers and runaways, (a) the length slope after
+    saturation of every fixed β, (b) target's KL / kl_target and its reward against the best fixed β, (c)
+    every other method against `none` at the same β; paired by seed, TOST at the pre-registered margins."""
+    runs, planned = study_cells(paths)
     out = []
     for family, cells in runs.items():
         steps = planned[family]
-        seed_mean = lambda cell, key: _mean(seed_values(c, steps, key) for c in cell.values())  # noqa: E731
         fixed = {k: v for k, v in cells.items() if k[0] == "none"}
-        best = max(fixed, key=lambda k: seed_mean(fixed[k], "reward")) if fixed else None
-        positive = [k for k in fixed if k[1] > 0]
-        natural_key = max(positive, key=lambda k: seed_mean(fixed[k], "reward")) if positive else None
-        natural = seed_mean(fixed[natural_key], "kl") if natural_key else math.nan
+        best, natural_key, natural = natural_kl(cells, steps)
         threshold = RUNAWAY_KL_FACTOR * natural if not math.isnan(natural) else None
         out += [f"## {family} ({steps} planned steps; final window: steps {final_window_start(steps) + 1}-{steps})", "",
                 f"Best fixed β (highest seed-mean final reward of `none`): {best[1]:g}" if best else "No `none` runs.",
@@ -372,10 +407,11 @@ def study_report(paths: list[str]) -> str:
                        f"({sum(n['complete'] for n in numbers)}) | {col('reward', '.3f')} | {col('length', '.1f')} | "
                        f"{col('kl', '.4f')} | {runaways} |")
         out += ["", f"**(a) Length slope after saturation** (tokens / 100 steps, from the first step whose 10-step mean "
-                    f"reward reaches the final-window mean - 0.02; seeds with >= 50 such steps). TOST margin ±{LENGTH_MARGIN:g}.", "",
+                    f"reward reaches the final-window mean - 0.02; a seed's slope: the mean over its copies with >= 50 such "
+                    f"steps). TOST margin ±{LENGTH_MARGIN:g}.", "",
                 "| β | seeds | slope: mean | 90 % CI | 95 % CI | verdict |", "|---|---|---|---|---|---|"]
         for (method, beta, _), cell in sorted(fixed.items(), key=lambda kv: kv[0][1]):
-            slopes = [drift_after_saturation(rows, steps)["slope"] for copies in cell.values() for rows in copies]
+            slopes = [seed_slope(copies, steps) for copies in cell.values()]
             slopes = [s for s in slopes if s is not None]
             out.append(f"| {beta:g} | {len(slopes)} | {fmt_equivalence(tost(slopes, LENGTH_MARGIN), '.2f')} |")
         targets = {k: v for k, v in cells.items() if k[0] == "target"}
@@ -394,12 +430,15 @@ def study_report(paths: list[str]) -> str:
         others = {k: v for k, v in cells.items() if k[0] not in ("none", "target") and ("none", k[1], None) in cells}
         if others:
             out += ["", f"**(c) Against `none` at the same β**, paired by seed: Δ final reward (margin ±{REWARD_MARGIN:g}), "
-                        f"Δ final length (margin ±{LENGTH_MARGIN:g} tokens).", "",
+                        f"Δ final length (margin ±{LENGTH_MARGIN:g} tokens), Δ final raw KL (95 % interval only: no margin "
+                        "was set).", "",
                     "| method | β0 | quantity | Δ mean | 90 % CI | 95 % CI | verdict |", "|---|---|---|---|---|---|---|"]
             for (method, beta, _), cell in sorted(others.items()):
                 for key, margin in (("reward", REWARD_MARGIN), ("length", LENGTH_MARGIN)):
                     e = tost(paired_by_seed(cell, cells[("none", beta, None)], steps, key), margin)
                     out.append(f"| `{method}` | {beta:g} | {key} | {fmt_equivalence(e)} |")
+                out.append(f"| `{method}` | {beta:g} | raw KL | "
+                           f"{fmt_difference(paired_by_seed(cell, cells[('none', beta, None)], steps, 'kl'))} |")
         out.append("")
     return "\n".join(out)
 
