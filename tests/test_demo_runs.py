@@ -22,13 +22,14 @@ PHASE1 = [("none", 0.0), ("none", 0.001), ("none", 0.01), ("none", 0.04), ("none
 # -- the option ------------------------------------------------------------------------------------------
 def test_runs_give_the_listed_pairs_in_order_each_beta_its_own_tag():
     args = parse_args(["--task", "long", "--runs", "none@0,none@0.001,clip@0.04,none@0.04,soft_clip@1e-3"])
-    assert args.runs == [("none", 0.0), ("none", 0.001), ("clip", 0.04), ("none", 0.04), ("soft_clip", 0.001)]
-    assert args.methods == list(dict.fromkeys(method for method, _ in args.runs))  # each method once, in order
+    assert args.runs == [settings.RunSpec(m, b) for m, b in [("none", 0.0), ("none", 0.001), ("clip", 0.04), ("none", 0.04),
+                                                              ("soft_clip", 0.001)]]  # no overrides: kt None, loss, k3
+    assert args.methods == list(dict.fromkeys(run.method for run in args.runs))  # each method once, in order
     one = settings.settings_from(args)
     per_beta = settings.beta_settings(args, one)
     assert [s.beta for s, _ in per_beta] == [0.0, 0.001, 0.04]  # the distinct β, in the order first given
     pairs = settings.run_pairs(args, per_beta)
-    assert [(m, s.beta) for s, _, m in pairs] == args.runs
+    assert [(m, s.beta) for s, _, m in pairs] == [run[:2] for run in args.runs]
     for s, tag, method in pairs:
         assert tag == settings.default_tag(s) and grid.split_tag(tag)[1] == s.beta  # the β is in the tag
     assert {grid.split_tag(tag)[0] for _, tag, _ in pairs} == {"long-dapo-b*-h768x6-L192-s200-wlr0.001"}
@@ -103,7 +104,7 @@ def smoke_runs(tmp_path_factory):
 def test_smoke_runs_train_beta_zero_without_a_kl(smoke_runs):
     out, stdout = smoke_runs
     assert stdout.count("seed 0: tiny Llama") == 1 and "2 runs, " in stdout  # one warm start for both runs
-    assert "runs (--runs, method@initial β, each β its own setting; 'beta' above is the first's): none@0, clip@0.1" in stdout
+    assert "runs (--runs, method@initial β[:overrides], each β and override its own setting; 'beta' above is the first's): none@0, clip@0.1" in stdout
     rows = [json.loads(line) for line in (out / "stream.jsonl").read_text().splitlines()]
     steps = settings.SMOKE["steps"]
     zero = [r for r in rows if r["beta0"] == 0.0]
@@ -198,11 +199,11 @@ def test_phase1_lists_run_section_7s_settings(names, seed):
         runs += args.runs
         checked.append(args)
     if names == [f"{P}2-none"]:
-        assert runs == PHASE1[:6]  # the cut six-run call
+        assert runs == [settings.RunSpec(*run) for run in PHASE1[:6]]  # the cut six-run call
     else:
-        assert runs == PHASE1  # the calls of a seed together run section 7's list, each run once
+        assert runs == [settings.RunSpec(*run) for run in PHASE1]  # the calls of a seed together run section 7's list, each run once
     for args in checked[:-1]:
-        assert {m for m, _ in args.runs} == {"none"}
+        assert {run.method for run in args.runs} == {"none"}
     for args in checked:
         _check_section_7_settings(args)
 
@@ -217,7 +218,7 @@ def _check_section_7_settings(args):
     one = settings.settings_from(args)
     per_beta = settings.beta_settings(args, one)
     pairs = settings.run_pairs(args, per_beta)
-    assert [(m, s.beta) for s, _, m in pairs] == args.runs
+    assert [(m, s.beta) for s, _, m in pairs] == [run[:2] for run in args.runs]
     assert len({grid.split_tag(tag)[0] for _, tag, _ in pairs}) == 1  # one family: study_report reads them together
     for s, _, _ in pairs:  # section 7, "Task, model, settings", and Amendment 3's warm-start rate
         assert (s.task, s.hidden_size, s.layers, s.heads, s.warm_start_steps, s.warm_start_lr) == ("long", 768, 6, 12, 2000, 3e-4)

@@ -8,6 +8,7 @@ import json
 import math
 import statistics
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from .summary import _mean, cell, summarize_run
 
@@ -342,20 +343,50 @@ RUNAWAY_KL_FACTOR = 10.0  # a runaway's KL threshold: this x the natural KL (the
 
 def _family(tag: str) -> str:
     from .grid import BETA_IN_TAG, KT_IN_TAG
+    from .settings import ESTIMATOR_IN_TAG, PLACEMENT_IN_TAG
 
-    return KT_IN_TAG.sub("", BETA_IN_TAG.sub("-b*", tag))
+    return ESTIMATOR_IN_TAG.sub("", PLACEMENT_IN_TAG.sub("", KT_IN_TAG.sub("", BETA_IN_TAG.sub("-b*", tag))))
+
+
+# The KL placement and estimator of rows written before the demo recorded them: the demo's only ones then.
+DEFAULT_PLACEMENT, DEFAULT_ESTIMATOR = "loss", "k3"
+
+
+class CellKey(NamedTuple):
+    """A cell of the study: a method at an initial β (and, for `target`, a kl_target), with a KL placement and
+    estimator; the defaults (loss, k3) are every run of phase 1."""
+
+    method: str
+    beta: float
+    kl_target: float | None
+    placement: str = DEFAULT_PLACEMENT
+    estimator: str = DEFAULT_ESTIMATOR
+
+    @property
+    def default_placement(self) -> bool:
+        return (self.placement, self.estimator) == (DEFAULT_PLACEMENT, DEFAULT_ESTIMATOR)
+
+    def baseline(self) -> "CellKey":
+        """The same method, β and kl_target with the default placement and estimator: what (d) compares with."""
+        return self._replace(placement=DEFAULT_PLACEMENT, estimator=DEFAULT_ESTIMATOR)
+
+    def label(self) -> str:
+        """The method as the tables write it: `none`, or `none` (KL in the reward, k1) for another placement."""
+        return f"`{self.method}`" + ("" if self.default_placement else f" (KL in the {self.placement}, {self.estimator})")
 
 
 def study_cells(paths: list[str]) -> tuple[dict, dict[str, int]]:
-    """The study's runs by family (tags that differ only in the initial β and kl_target):
-    ({family: {(method, β0, kl_target or None): {seed: copies}}}, {family: planned steps})."""
-    runs: dict[str, dict[tuple[str, float, float | None], dict[int, list[list[dict]]]]] = {}
+    """The study's runs by family (tags that differ only in the initial β, kl_target, KL placement and estimator):
+    ({family: {CellKey(method, β0, kl_target or None, placement, estimator): {seed: copies}}}, {family: planned
+    steps}). Rows without ``kl_placement`` / ``kl_estimator`` are the demo's defaults then, loss and k3."""
+    runs: dict[str, dict[CellKey, dict[int, list[list[dict]]]]] = {}
     planned: dict[str, int] = {}
     for tag, by_run in read_copies(paths).items():
         family = _family(tag)
         for (method, seed), copies in by_run.items():
             first = copies[0][0]
-            key = (method, float(first["beta0"]), first.get("kl_target") if method == "target" else None)
+            key = CellKey(method, float(first["beta0"]), first.get("kl_target") if method == "target" else None,
+                          first.get("kl_placement") or DEFAULT_PLACEMENT, first.get("kl_estimator") or DEFAULT_ESTIMATOR)
             runs.setdefault(family, {}).setdefault(key, {})[seed] = copies
             planned[family] = max(planned.get(family, 0), int(first["planned_steps"]))
     return runs, planned
@@ -367,13 +398,19 @@ def cell_mean(cell: dict[int, list[list[dict]]], steps: int, key: str) -> float:
 
 
 def natural_kl(cells: dict, steps: int) -> tuple[tuple | None, tuple | None, float]:
-    """Section 7's reference points from the `none` cells: the best fixed β (highest seed-mean final reward, β = 0
-    included), the best fixed β > 0, and the natural KL K_nat (that β's seed-mean final KL; nan if none)."""
-    fixed = {k: v for k, v in cells.items() if k[0] == "none"}
+    """Section 7's reference points from the `none` cells with the KL in the loss (k3; (d)'s other placements are
+    not fixed-β runs of (a)): the best fixed β (highest seed-mean final reward, β = 0 included), the best fixed
+    β > 0, and the natural KL K_nat (that β's seed-mean final KL; nan if none)."""
+    fixed = fixed_cells(cells)
     best = max(fixed, key=lambda k: cell_mean(fixed[k], steps, "reward")) if fixed else None
     positive = [k for k in fixed if k[1] > 0]
     natural_key = max(positive, key=lambda k: cell_mean(fixed[k], steps, "reward")) if positive else None
     return best, natural_key, cell_mean(fixed[natural_key], steps, "kl") if natural_key else math.nan
+
+
+def fixed_cells(cells: dict) -> dict:
+    """The fixed-β runs of (a): `none` with the default KL placement and estimator."""
+    return {k: v for k, v in cells.items() if k.method == "none" and k.default_placement}
 
 
 def study_report(paths: list[str]) -> str:
@@ -385,7 +422,7 @@ def study_report(paths: list[str]) -> str:
     out = []
     for family, cells in runs.items():
         steps = planned[family]
-        fixed = {k: v for k, v in cells.items() if k[0] == "none"}
+        fixed = fixed_cells(cells)
         best, natural_key, natural = natural_kl(cells, steps)
         threshold = RUNAWAY_KL_FACTOR * natural if not math.isnan(natural) else None
         out += [f"## {family} ({steps} planned steps; final window: steps {final_window_start(steps) + 1}-{steps})", "",
@@ -396,52 +433,83 @@ def study_report(paths: list[str]) -> str:
                 "alone.", "",
                 "| method | β0 | kl_target | seeds | copies (complete) | final reward | final length | final KL | runaways |",
                 "|---|---|---|---|---|---|---|---|---|"]
-        for (method, beta, kt), cell in sorted(cells.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] or 0)):
+        for key, cell in sorted(cells.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] or 0, *kv[0][3:])):
+            beta, kt = key.beta, key.kl_target
             numbers = [copy_numbers(rows, steps, threshold) for copies in cell.values() for rows in copies]
             ran = [f"seed {s} step {copy_numbers(rows, steps, threshold)['runaway_step']}" for s, copies in cell.items()
                    for rows in copies if copy_numbers(rows, steps, threshold)["runaway_step"] is not None]
             col = lambda key, fmt: cell_text([seed_values(c, steps, key) for c in cell.values()], fmt)  # noqa: E731
             runaways = ("— (no natural KL)" if threshold is None and beta > 0 else
                         f"{len(ran)}{': ' + ', '.join(ran) if ran else ''}")
-            out.append(f"| `{method}` | {beta:g} | {kt if kt is not None else '—'} | {len(cell)} | {len(numbers)} "
+            out.append(f"| {key.label()} | {beta:g} | {kt if kt is not None else '—'} | {len(cell)} | {len(numbers)} "
                        f"({sum(n['complete'] for n in numbers)}) | {col('reward', '.3f')} | {col('length', '.1f')} | "
                        f"{col('kl', '.4f')} | {runaways} |")
         out += ["", f"**(a) Length slope after saturation** (tokens / 100 steps, from the first step whose 10-step mean "
                     f"reward reaches the final-window mean - 0.02; a seed's slope: the mean over its copies with >= 50 such "
                     f"steps). TOST margin ±{LENGTH_MARGIN:g}.", "",
                 "| β | seeds | slope: mean | 90 % CI | 95 % CI | verdict |", "|---|---|---|---|---|---|"]
-        for (method, beta, _), cell in sorted(fixed.items(), key=lambda kv: kv[0][1]):
+        for (_, beta, *_), cell in sorted(fixed.items(), key=lambda kv: kv[0][1]):
             slopes = [seed_slope(copies, steps) for copies in cell.values()]
             slopes = [s for s in slopes if s is not None]
             out.append(f"| {beta:g} | {len(slopes)} | {fmt_equivalence(tost(slopes, LENGTH_MARGIN), '.2f')} |")
-        targets = {k: v for k, v in cells.items() if k[0] == "target"}
+        targets = {k: v for k, v in cells.items() if k.method == "target" and k.default_placement}
         if targets and best:
             out += ["", f"**(b) `target`**: final KL / kl_target (geometric mean; TOST on the log ratio, margin ±ln 1.25) "
                         f"and Δ final reward against the best fixed β {best[1]:g} by seed (margin ±{REWARD_MARGIN:g}).", "",
                     "| kl_target | β0 | seeds | KL / kl_target | log ratio: 90 % CI | verdict | Δ reward | 90 % CI | 95 % CI | verdict |",
                     "|---|---|---|---|---|---|---|---|---|---|"]
-            for (_, beta, kt), cell in sorted(targets.items(), key=lambda kv: (kv[0][2], kv[0][1])):
+            for (_, beta, kt, *_), cell in sorted(targets.items(), key=lambda kv: (kv[0][2], kv[0][1])):
                 logs = [math.log(v / kt) for v in (seed_values(c, steps, "kl") for c in cell.values()) if v and v > 0]
                 hold = tost(logs, KL_RATIO_MARGIN)
                 ratio = f"{math.exp(hold.mean):.2f}" if logs else "—"
                 ci = f"[{math.exp(hold.low90):.2f}, {math.exp(hold.high90):.2f}]" if hold.n >= 2 else "—"
                 reward = tost(paired_by_seed(cell, fixed[best], steps, "reward"), REWARD_MARGIN)
                 out.append(f"| {kt:g} | {beta:g} | {len(cell)} | {ratio} | {ci} | {hold.verdict} | {fmt_equivalence(reward)} |")
-        others = {k: v for k, v in cells.items() if k[0] not in ("none", "target") and ("none", k[1], None) in cells}
+        others = {k: v for k, v in cells.items() if k.method not in ("none", "target") and k.default_placement
+                  and CellKey("none", k.beta, None) in cells}
         if others:
             out += ["", f"**(c) Against `none` at the same β**, paired by seed: Δ final reward (margin ±{REWARD_MARGIN:g}), "
                         f"Δ final length (margin ±{LENGTH_MARGIN:g} tokens), Δ final raw KL (95 % interval only: no margin "
                         "was set).", "",
                     "| method | β0 | quantity | Δ mean | 90 % CI | 95 % CI | verdict |", "|---|---|---|---|---|---|---|"]
-            for (method, beta, _), cell in sorted(others.items()):
-                for key, margin in (("reward", REWARD_MARGIN), ("length", LENGTH_MARGIN)):
-                    e = tost(paired_by_seed(cell, cells[("none", beta, None)], steps, key), margin)
-                    out.append(f"| `{method}` | {beta:g} | {key} | {fmt_equivalence(e)} |")
-                out.append(f"| `{method}` | {beta:g} | raw KL | "
-                           f"{fmt_difference(paired_by_seed(cell, cells[('none', beta, None)], steps, 'kl'))} |")
+            for (method, beta, *_), cell in sorted(others.items()):
+                out += _against(f"`{method}`", beta, cell, cells[CellKey("none", beta, None)], steps)
+        moved = {k: v for k, v in cells.items() if not k.default_placement and k.baseline() in cells}
+        if moved:
+            out += ["", f"**(d) KL placement and estimator**: each run against the same method at the same β with the KL "
+                        f"in the loss ({DEFAULT_ESTIMATOR}), paired by seed, the tests of (c): Δ final reward (margin "
+                        f"±{REWARD_MARGIN:g}), Δ final length (margin ±{LENGTH_MARGIN:g} tokens), Δ final raw KL (95 % "
+                        "interval only).", "",
+                    "| method | β0 | quantity | Δ mean | 90 % CI | 95 % CI | verdict |", "|---|---|---|---|---|---|---|"]
+            for key, cell in sorted(moved.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] or 0, *kv[0][3:])):
+                out += _against(key.label(), key.beta, cell, cells[key.baseline()], steps)
+            out += [_raw_kl_note(key) for key in sorted({k._replace(beta=0.0, kl_target=None) for k in moved})
+                    if key.estimator != DEFAULT_ESTIMATOR]
         out.append("")
     return "\n".join(out)
 
 
 def cell_text(values: list[float | None], fmt: str) -> str:
     return cell([v for v in values if v is not None], fmt)
+
+
+def _against(label: str, beta: float, cell: dict, baseline: dict, steps: int) -> list[str]:
+    """The rows of (c) and (d): Δ final reward and length (TOST at their margins) and Δ final raw KL (95 % only)."""
+    rows = [f"| {label} | {beta:g} | {key} | {fmt_equivalence(tost(paired_by_seed(cell, baseline, steps, key), margin))} |"
+            for key, margin in (("reward", REWARD_MARGIN), ("length", LENGTH_MARGIN))]
+    return rows + [f"| {label} | {beta:g} | raw KL | {fmt_difference(paired_by_seed(cell, baseline, steps, 'kl'))} |"]
+
+
+def _raw_kl_note(key: CellKey) -> str:
+    """What (d)'s Δ raw KL compares when the two runs log it with different estimators: ``adaptive_kl/raw_kl`` is
+    the per-token KL in the loss by the run's own ``kl_estimator``, whatever the placement (docs/kl-placement.md,
+    "Metrics")."""
+    head = (f"Note on Δ raw KL of {key.label()}: its `adaptive_kl/raw_kl` is the per-token KL in the loss as "
+            f"{key.estimator} measures it, the baseline's as {DEFAULT_ESTIMATOR} measures it (docs/kl-placement.md, "
+            "\"Metrics\"). ")
+    if key.estimator == "k1":
+        return head + ("On the policy's own samples (one optimizer step per generation batch, as section 7 runs) k1 "
+                       "(log π/π_ref) and k3 are both unbiased for the same per-token KL(π‖π_ref), so the row compares "
+                       "the two runs' KL; k1's per-token values can be negative and vary more, which widens the interval.")
+    return head + (f"{key.estimator} need not estimate the quantity {DEFAULT_ESTIMATOR} estimates (docs/estimators.md): "
+                   "the row compares two measurements, not one KL.")

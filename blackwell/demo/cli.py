@@ -18,7 +18,7 @@ from .gpu import GpuCheck, choose_backend, probe_gpu
 from .plot import plot, plot_analysis
 from .scheduler import default_jobs, make_runs, run_all
 from .settings import (ALL_METHODS, HUB, SMOKE, SOLUTIONS, TASKS, Settings, beta_settings, method_fields, parse_betas, parse_runs,
-                       seed_list, settings_from, validate_methods)
+                       seed_list, setting_labels, settings_from, validate_methods)
 from .summary import markdown_table, read_metrics, table_notes, trained_batch_lines
 from .tasks import starting_model
 from .worker import train_one
@@ -27,16 +27,19 @@ from .worker import train_one
 def parse_args(argv=None, description: str | None = None):
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--methods", help=f"comma-separated kl_adaptation_method values (default: {','.join(ALL_METHODS)})")
-    p.add_argument("--runs", help="an explicit list of runs instead of --methods x --betas: comma-separated METHOD@BETA "
-                   "(initial β), e.g. none@0,none@0.04,clip@0.04, every pair from the same starting model per seed, each β "
-                   "its own setting tag; β 0 (TRL's default: no KL computed or logged) only with none; replaces "
+    p.add_argument("--runs", help="an explicit list of runs instead of --methods x --betas: comma-separated "
+                   "METHOD@BETA[:kt=FLOAT][:placement=loss|reward][:estimator=NAME] (initial β, and per run: kl_target, "
+                   "kl_placement, kl_estimator; defaults --kl-target, loss, k3), e.g. none@0,none@0.04,clip@0.04,"
+                   "target@0.1:kt=0.02,none@0.04:placement=reward:estimator=k1, every run from the same starting model per "
+                   "seed, each distinct (β, kt, placement, estimator) its own setting tag (-ktK, -plPLACEMENT, -estNAME "
+                   "where not the default); β 0 (TRL's default: no KL computed or logged) only with none; replaces "
                    "--methods, --beta and --betas")
     p.add_argument("--steps", type=int, help=f"GRPO steps per run (default {Settings.steps}; smoke {SMOKE['steps']})")
     p.add_argument("--beta", type=float, help=f"initial β, the same for every method (default {Settings.beta})")
     p.add_argument("--betas", help="several initial β, comma-separated (e.g. 0.01,0.1,1): every (β, method) pair "
                    "from the same starting model per seed, each β its own setting tag; replaces --beta")
     p.add_argument("--kl-target", type=float, help=f"the target controller's kl_target (default {Settings.kl_target}); "
-                   "a non-default value adds -ktK to the tag")
+                   "a non-default value adds -ktK to the tag; with --runs, the kl_target of the runs without :kt=")
     p.add_argument("--learning-rate", type=float, help=f"default {Settings.learning_rate} (hub model: {HUB['learning_rate']})")
     p.add_argument("--seeds", type=int, default=1, help="seeds 0..N-1 (from --first-seed): each its own starting "
                                                          "model, shared by every method")
@@ -98,7 +101,7 @@ def parse_args(argv=None, description: str | None = None):
             args.runs = parse_runs(args.runs)
         except ValueError as e:
             p.error(str(e))
-        args.methods = list(dict.fromkeys(method for method, _ in args.runs))
+        args.methods = list(dict.fromkeys(run.method for run in args.runs))
     else:
         args.methods = [m.strip() for m in (args.methods or ",".join(ALL_METHODS)).split(",") if m.strip()]
     if args.betas is not None:
@@ -148,8 +151,8 @@ def header(args, settings: Settings, backend: str, gpu: GpuCheck, tags: list[str
         f"method fields (every run, sized for {planned_completions(settings)} completions a step): "
         f"{json.dumps(method_fields(settings, completions_per_step=planned_completions(settings)))}",
         *([f"initial β (--betas, each its own setting; 'beta' above is the first): {args.betas}"] if args.betas else []),
-        *([f"runs (--runs, method@initial β, each β its own setting; 'beta' above is the first's): "
-           f"{', '.join(f'{m}@{b:g}' for m, b in args.runs)}"] if args.runs else []),
+        *([f"runs (--runs, method@initial β[:overrides], each β and override its own setting; 'beta' above is the first's): "
+           f"{', '.join(run.text() for run in args.runs)}"] if args.runs else []),
         f"methods: {', '.join(args.methods)}; seeds: {seed_list(args)}; tag{'s' if len(tags) > 1 else ''}: {', '.join(tags)}",
     ])
 
@@ -197,18 +200,20 @@ def main(argv=None, description: str | None = None) -> None:
     runs = run_all(runs, jobs, settings.steps, cuda, poll_seconds=2.0 if args.smoke else 10.0, keep_going=args.keep_going)
 
     tables, plotted, all_metrics = [], [], {}
+    labels = {tag: label if len(settings_list) > 1 else None  # as make_runs names each setting's runs
+              for (_, tag), label in zip(settings_list, setting_labels(settings_list))}
     for one, tag in settings_list:
         beta = one.beta if len(settings_list) > 1 else None
-        mine = [r for r in runs if r.beta == beta]
+        mine = [r for r in runs if r.label == labels[tag]]
         finished = {(r.method, r.seed) for r in mine}  # with --keep-going: the table keeps methods done on every seed
         methods = [m for m in args.methods if all((m, s) in finished for s in seeds)]
         metrics = read_metrics([r for r in mine if r.method in methods])
-        all_metrics.update({(m, s, beta): rows for (m, s), rows in metrics.items()})
+        all_metrics.update({(m, s, labels[tag]): rows for (m, s), rows in metrics.items()})
         table = markdown_table(metrics, methods, seeds, one.summary_window)
         tables.append(table if beta is None else f"**{tag}** (initial β {beta:g})\n\n{table}")
         title = (f"adaptive-KL GRPO, backend {backend}, β0={one.beta}, loss {one.loss_type}, task {one.task}, "
                  f"Llama {one.hidden_size}x{one.layers}")
-        png = "curves.png" if beta is None else f"curves-b{beta:g}.png"
+        png = "curves.png" if beta is None else f"curves-{labels[tag]}.png"
         plotted.append(plot(metrics, methods, seeds, one.steps, os.path.join(args.output_dir, png), title))
     with open(os.path.join(args.output_dir, "metrics.jsonl"), "w") as f:
         for rows in all_metrics.values():

@@ -10,7 +10,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
-from .settings import Settings, run_pairs
+from .settings import Settings, run_pairs, setting_labels
 
 ENTRY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "test_adaptive_kl_grpo.py")
 
@@ -24,26 +24,29 @@ class Run:
     metrics_path: str
     process: subprocess.Popen | None = None
     started: float = 0.0
-    beta: float | None = None  # the initial β, where the invocation runs several (--betas)
+    beta: float | None = None  # the initial β, where the invocation runs several settings (--betas, --runs)
+    label: str | None = None  # its setting's short name (settings.setting_labels), where the invocation runs several
 
     @property
     def name(self) -> str:
-        return f"{self.method}/seed{self.seed}" + (f"/b{self.beta:g}" if self.beta is not None else "")
+        return f"{self.method}/seed{self.seed}" + (f"/{self.label}" if self.label is not None else "")
 
 
 def make_runs(args, settings_list: list[tuple[Settings, str]], backend: str, checkpoints: dict[int, str]) -> list[Run]:
     """A run per seed and (initial β, method) pair (:func:`~demo.settings.run_pairs`: ``--runs``'s pairs, or
     ``--methods`` x ``--betas``): ``settings_list`` holds (settings, tag) per β
-    (:func:`~demo.settings.beta_settings`); with several, each run's directory and name carry its β."""
+    (:func:`~demo.settings.beta_settings`); with several, each run's directory and name carry its setting's label
+    (its β, and its kl_target, placement and estimator where those differ: :func:`~demo.settings.setting_labels`)."""
     runs = []
     several = len(settings_list) > 1
+    labels = {tag: label for (_, tag), label in zip(settings_list, setting_labels(settings_list))}
     for seed, model in checkpoints.items():
         for settings, tag, method in run_pairs(args, settings_list):
-            beta = settings.beta if several else None
-            run_dir = os.path.join(args.output_dir, "runs", f"{method}-seed{seed}" + (f"-b{beta:g}" if several else ""))
+            beta, label = (settings.beta, labels[tag]) if several else (None, None)
+            run_dir = os.path.join(args.output_dir, "runs", f"{method}-seed{seed}" + (f"-{label}" if several else ""))
             os.makedirs(run_dir, exist_ok=True)
             run = Run(method, seed, os.path.join(run_dir, "spec.json"), os.path.join(run_dir, "log.txt"),
-                      os.path.join(run_dir, "metrics.jsonl"), beta=beta)
+                      os.path.join(run_dir, "metrics.jsonl"), beta=beta, label=label)
             spec = dict(method=method, seed=seed, backend=backend, model=model, dataset=args.dataset,
                         settings=asdict(settings), run_dir=run_dir, metrics_path=run.metrics_path,
                         max_seq_length=512 if args.model else settings.max_seq_length, tag=tag,

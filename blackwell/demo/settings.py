@@ -3,7 +3,9 @@ adaptive-KL fields, the methods, and how the command line fills them in."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 from unsloth_adaptive_kl import toy
 from unsloth_adaptive_kl.method import method_names
@@ -47,6 +49,10 @@ class Settings:
     # kl_horizon in optimizer steps: kl_horizon = kl_horizon_steps x the completions a step trains, so that
     # target moves β by at most 0.2 / kl_horizon_steps a step (2 %) whatever the batch.
     kl_horizon_steps: float = 10.0
+    # Where β·KL acts (the package's kl_placement: "loss", TRL's place, or "reward") and the per-token estimator
+    # (kl_estimator, a name the package's estimator registry knows); per run with --runs METHOD@BETA:placement=...
+    kl_placement: str = "loss"
+    kl_estimator: str = "k3"
 
     def check(self) -> None:
         """ValueError naming the field when the batch cannot be split as asked."""
@@ -114,7 +120,8 @@ def method_fields(settings: Settings, *, completions_per_step: int) -> dict:
     completions, so that it can move β by up to 0.2 / kl_horizon_steps a step (2 % by default; with the
     package's 10 000 completions it could barely move in the run)."""
     return dict(
-        kl_estimator="k3",
+        kl_estimator=settings.kl_estimator,
+        kl_placement=settings.kl_placement,
         kl_clip_threshold=1.0,
         kl_target=settings.kl_target,
         reward_threshold=0.8,
@@ -130,21 +137,80 @@ def default_tag(settings: Settings) -> str:
     return (f"{settings.task}-{settings.loss_type}-b{settings.beta:g}-h{settings.hidden_size}x{settings.layers}"
             f"-L{settings.max_completion_length}-s{settings.steps}"
             + (f"-wlr{settings.warm_start_lr:g}" if settings.warm_start_lr != Settings.warm_start_lr else "")
-            + (f"-kt{settings.kl_target:g}" if settings.kl_target != Settings.kl_target else ""))
+            + (f"-kt{settings.kl_target:g}" if settings.kl_target != Settings.kl_target else "")
+            + placement_suffix(settings))
+
+
+def placement_suffix(settings: Settings) -> str:
+    """The tag's part for a KL placement or estimator other than the defaults (loss, k3): ``-plPLACEMENT`` and
+    ``-estNAME``; empty for the defaults, so the tags of runs made before these options are unchanged."""
+    return ((f"-pl{settings.kl_placement}" if settings.kl_placement != Settings.kl_placement else "")
+            + (f"-est{settings.kl_estimator}" if settings.kl_estimator != Settings.kl_estimator else ""))
+
+
+# What placement_suffix writes, for the analyses that group tags into families (analysis._family).
+PLACEMENT_IN_TAG = re.compile(r"-pl[a-z]+(?=-|$)")
+ESTIMATOR_IN_TAG = re.compile(r"-est[^-]+(?=-|$)")
 
 
 def beta_settings(args, settings: Settings) -> list[tuple[Settings, str]]:
-    """(settings, tag) for each initial β of the invocation: ``--betas`` gives several, and ``--runs`` the
-    distinct β of its pairs in the order given, each its own setting tag (the default tag, or ``--tag``
-    followed by ``-bβ``); otherwise the one of ``--beta``."""
-    betas = args.betas or (list(dict.fromkeys(beta for _, beta in args.runs)) if getattr(args, "runs", None) else None)
-    if not betas:
+    """(settings, tag) for each setting of the invocation: ``--betas`` gives one per initial β, and ``--runs`` one per
+    distinct (β, kt, placement, estimator) of its runs in the order given (:func:`run_keys`), each its own setting
+    tag (the default tag, or ``--tag`` followed by ``-bβ`` and the run's overrides); otherwise the one of ``--beta``.
+    Two runs of one method that come to the same settings (``:kt=`` equal to the invocation's ``kl_target``) raise
+    ValueError."""
+    if getattr(args, "runs", None):
+        out, made = [], {}
+        for key in run_keys(args.runs):
+            one = run_settings(key, settings)
+            if one in made:
+                raise ValueError(f"--runs: {key.text()} and {made[one].text()} are the same setting (kl_target "
+                                 f"{settings.kl_target:g} is the invocation's); allowed: give :kt= only where it differs")
+            made[one] = key
+            tag = (f"{args.tag}-b{one.beta:g}" + override_suffix(one, settings)) if args.tag else default_tag(one)
+            out.append((one, tag))
+        return _distinct_tags(out)
+    if not args.betas:
         return [(settings, args.tag or default_tag(settings))]
     out = []
-    for beta in betas:
+    for beta in args.betas:
         one = replace(settings, beta=beta)
         out.append((one, f"{args.tag}-b{beta:g}" if args.tag else default_tag(one)))
     return out
+
+
+def override_suffix(one: Settings, base: Settings) -> str:
+    """A --tag'ed setting's part beyond ``-bβ``: ``-ktK`` where its kl_target is not the invocation's, and the
+    placement and estimator where they are not the defaults."""
+    return (f"-kt{one.kl_target:g}" if one.kl_target != base.kl_target else "") + placement_suffix(one)
+
+
+def _distinct_tags(settings_list: list[tuple[Settings, str]]) -> list[tuple[Settings, str]]:
+    tags = [tag for _, tag in settings_list]
+    if len(set(tags)) != len(tags):
+        raise ValueError(f"--runs: settings {tags} share a tag (a number written with 6 significant digits); allowed: "
+                         "values that differ in their first 6 digits")
+    return settings_list
+
+
+def run_settings(run: "RunSpec", base: Settings) -> Settings:
+    """The settings of one ``--runs`` entry: the invocation's, with its initial β and its overrides."""
+    return replace(base, beta=run.beta, kl_target=base.kl_target if run.kl_target is None else run.kl_target,
+                   kl_placement=run.kl_placement, kl_estimator=run.kl_estimator)
+
+
+def run_keys(runs: list["RunSpec"]) -> list["RunSpec"]:
+    """The distinct settings of ``--runs``'s entries in the order first given, each as its entry without the method:
+    one setting per (β, kt, placement, estimator)."""
+    return list(dict.fromkeys(run._replace(method="") for run in runs))
+
+
+def setting_labels(settings_list: list[tuple[Settings, str]]) -> list[str]:
+    """A short name per setting for its runs' directories and progress lines: ``bβ``, then ``-ktK`` where the
+    invocation's settings differ in kl_target, and the placement and estimator where not the defaults."""
+    several_kt = len({one.kl_target for one, _ in settings_list}) > 1
+    return [f"b{one.beta:g}" + (f"-kt{one.kl_target:g}" if several_kt else "") + placement_suffix(one)
+            for one, _ in settings_list]
 
 
 def parse_betas(text: str) -> list[float]:
@@ -158,20 +224,70 @@ def parse_betas(text: str) -> list[float]:
     return betas
 
 
-RUNS_HELP = "comma-separated METHOD@BETA pairs, e.g. none@0,none@0.04,clip@0.04"
+RUNS_HELP = ("comma-separated METHOD@BETA[:kt=FLOAT][:placement=loss|reward][:estimator=NAME], e.g. "
+             "none@0,none@0.04,clip@0.04,target@0.1:kt=0.02,none@0.04:placement=reward:estimator=k1")
 
 
-def parse_runs(text: str) -> list[tuple[str, float]]:
-    """``--runs``: an explicit list of (method, initial β), in the order given. β >= 0; β = 0 (TRL's default:
-    no reference model, no KL computed or logged) only with ``none``, as the package refuses an adaptive
-    method at β = 0; no pair twice."""
+class RunSpec(NamedTuple):
+    """One ``--runs`` entry: the method, the initial β, and the per-run overrides (kt: None is the invocation's
+    ``--kl-target``; placement and estimator: the defaults unless given)."""
+
+    method: str
+    beta: float
+    kl_target: float | None = None
+    kl_placement: str = Settings.kl_placement
+    kl_estimator: str = Settings.kl_estimator
+
+    def text(self) -> str:
+        """As written on the command line, the defaults left out."""
+        return (f"{self.method}@{self.beta:g}" + (f":kt={self.kl_target:g}" if self.kl_target is not None else "")
+                + (f":placement={self.kl_placement}" if self.kl_placement != Settings.kl_placement else "")
+                + (f":estimator={self.kl_estimator}" if self.kl_estimator != Settings.kl_estimator else ""))
+
+
+def _override(where: str, key: str, value: str):
+    """One ``:KEY=VALUE`` of a run, checked: kt a finite number > 0; placement one of the package's kl_placement
+    values; estimator a name the package's estimator registry knows (its canonical name: an alias counts as it)."""
+    from unsloth_adaptive_kl.config import PLACEMENTS
+    from unsloth_adaptive_kl.estimators import get_estimator
+
+    if key == "kt":
+        try:
+            kt = float(value)
+        except ValueError:
+            kt = None
+        if kt is None or not (kt > 0 and kt != float("inf")):
+            raise ValueError(f"{where}: kt={value!r}; allowed: a finite number > 0 (the run's kl_target)")
+        return "kl_target", kt
+    if key == "placement":
+        if value not in PLACEMENTS:
+            raise ValueError(f"{where}: placement={value!r}; allowed: one of {list(PLACEMENTS)} (the package's kl_placement)")
+        return "kl_placement", value
+    if key == "estimator":
+        try:
+            return "kl_estimator", get_estimator(value).name
+        except ValueError as e:
+            raise ValueError(f"{where}: estimator={value!r}: {e}") from e
+    raise ValueError(f"{where}: unknown key {key!r}; allowed: kt, placement, estimator")
+
+
+def parse_runs(text: str) -> list[RunSpec]:
+    """``--runs``: an explicit list of runs, in the order given: METHOD@BETA and optional ``:KEY=VALUE`` overrides
+    (kt, placement, estimator; :func:`_override`). β >= 0; β = 0 (TRL's default: no reference model, no KL
+    computed or logged) only with ``none``, as the package refuses an adaptive method at β = 0; the package's own
+    check of the fields (``config.validate``) refuses what it would refuse in the run (e.g. placement=reward at
+    β = 0); no run twice."""
+    from types import SimpleNamespace
+
+    from unsloth_adaptive_kl.config import DEFAULTS, validate
     from unsloth_adaptive_kl.method import parse_method
 
     runs = []
     for item in (part.strip() for part in text.split(",")):
         if not item:
             continue
-        method, at, beta_text = item.rpartition("@")
+        head, *options = item.split(":")
+        method, at, beta_text = head.rpartition("@")
         if not at or not method.strip():
             raise ValueError(f"--runs={text!r}: {item!r} is not METHOD@BETA; allowed: {RUNS_HELP}")
         method = method.strip()
@@ -189,20 +305,41 @@ def parse_runs(text: str) -> list[tuple[str, float]]:
         if beta == 0 and method != "none":
             raise ValueError(f"--runs={text!r}: {item!r}: initial β 0 with method {method!r}; allowed: β = 0 only with "
                              "'none' (β = 0 removes the KL term an adaptive method acts on)")
-        if (method, beta) in runs:
-            raise ValueError(f"--runs={text!r}: {item!r} is given twice; allowed: each METHOD@BETA once")
-        runs.append((method, beta))
+        fields, where = {}, f"--runs={text!r}: {item!r}"
+        for option in options:
+            key, eq, value = (part.strip() for part in option.partition("="))
+            if not eq or not key or not value:
+                raise ValueError(f"{where}: {option!r} is not KEY=VALUE; allowed: {RUNS_HELP}")
+            name, checked = _override(where, key, value)
+            if name in fields:
+                raise ValueError(f"{where}: key {key!r} is given twice; allowed: each key once per run")
+            fields[name] = checked
+        run = RunSpec(method, beta, **fields)
+        try:  # what the run's trainer would refuse at its start, refused here, before the warm start
+            validate(SimpleNamespace(**{**DEFAULTS, "kl_adaptation_method": method, "kl_estimator": run.kl_estimator,
+                                        "kl_placement": run.kl_placement,
+                                        "kl_target": run.kl_target or DEFAULTS["kl_target"]}, beta=beta))
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from e
+        if run in runs:
+            raise ValueError(f"--runs={text!r}: {item!r} is given twice; allowed: each run once")
+        runs.append(run)
     if not runs:
         raise ValueError(f"--runs={text!r}: no run; allowed: {RUNS_HELP}")
     return runs
 
 
 def run_pairs(args, settings_list: list[tuple[Settings, str]]) -> list[tuple[Settings, str, str]]:
-    """(settings, tag, method) of every run of one seed: ``--runs``'s pairs in the order given, each with its
-    β's settings and tag; otherwise every method at every β (``--methods`` x ``--betas``)."""
+    """(settings, tag, method) of every run of one seed: ``--runs``'s entries in the order given, each with its
+    setting's settings and tag (``settings_list`` as :func:`beta_settings` makes it: one per :func:`run_keys`
+    entry, in that order); otherwise every method at every β (``--methods`` x ``--betas``)."""
     if getattr(args, "runs", None):
-        by_beta = {one.beta: (one, tag) for one, tag in settings_list}
-        return [(*by_beta[beta], method) for method, beta in args.runs]
+        keys = run_keys(args.runs)
+        if len(keys) != len(settings_list):
+            raise ValueError(f"run_pairs: {len(settings_list)} settings for the {len(keys)} settings of --runs; "
+                             "allowed: beta_settings(args, ...)'s list")
+        by_key = dict(zip(keys, settings_list))
+        return [(*by_key[run._replace(method="")], run.method) for run in args.runs]
     return [(one, tag, method) for one, tag in settings_list for method in args.methods]
 
 

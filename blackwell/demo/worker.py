@@ -205,7 +205,9 @@ def train_one(spec_path: str) -> None:
     trainer, trained = build_trainer(spec, cuda)
     # copy: this process's id in every row, so that a run started again is a second draw, not a continuation
     # (docs/evidence.md section 7; analysis.read_copies)
-    recorded = {**trained.fields(), "kl_horizon": trainer.args.kl_horizon, "copy": uuid.uuid4().hex[:12]}
+    # kl_placement and kl_estimator as the trainer holds them: the study's (d) compares runs that differ in them
+    recorded = {**trained.fields(), "kl_horizon": trainer.args.kl_horizon, "kl_placement": trainer.args.kl_placement,
+                "kl_estimator": trainer.args.kl_estimator, "copy": uuid.uuid4().hex[:12]}
     clock = GenerationClock(trainer.model, cuda)
     trainer.add_callback(step_logger(spec["metrics_path"], spec, recorded, clock))
     print(f"{spec['method']} seed {spec['seed']}: {type(trainer).__module__}.{type(trainer).__name__}", flush=True)
