@@ -161,12 +161,15 @@ def beta_settings(args, settings: Settings) -> list[tuple[Settings, str]]:
     ValueError."""
     if getattr(args, "runs", None):
         out, made = [], {}
+        first = {}  # each setting's first run, to name it
+        for run in args.runs:
+            first.setdefault(run._replace(method=""), run)
         for key in run_keys(args.runs):
             one = run_settings(key, settings)
             if one in made:
-                raise ValueError(f"--runs: {key.text()} and {made[one].text()} are the same setting (kl_target "
+                raise ValueError(f"--runs: {first[key].text()} and {made[one].text()} are the same setting (kl_target "
                                  f"{settings.kl_target:g} is the invocation's); allowed: give :kt= only where it differs")
-            made[one] = key
+            made[one] = first[key]
             tag = (f"{args.tag}-b{one.beta:g}" + override_suffix(one, settings)) if args.tag else default_tag(one)
             out.append((one, tag))
         return _distinct_tags(out)
