@@ -10,6 +10,7 @@ import statistics
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from .settings import Settings
 from .summary import _mean, cell, summarize_run
 
 LENGTH = "completions/mean_length"
@@ -348,8 +349,9 @@ def _family(tag: str) -> str:
     return ESTIMATOR_IN_TAG.sub("", PLACEMENT_IN_TAG.sub("", KT_IN_TAG.sub("", BETA_IN_TAG.sub("-b*", tag))))
 
 
-# The KL placement and estimator of rows written before the demo recorded them: the demo's only ones then.
-DEFAULT_PLACEMENT, DEFAULT_ESTIMATOR = "loss", "k3"
+# The KL placement and estimator of rows written before the demo recorded them: the demo's only ones then, its
+# defaults now.
+DEFAULT_PLACEMENT, DEFAULT_ESTIMATOR = Settings.kl_placement, Settings.kl_estimator
 
 
 class CellKey(NamedTuple):
@@ -415,9 +417,11 @@ def fixed_cells(cells: dict) -> dict:
 
 def study_report(paths: list[str]) -> str:
     """Markdown: the pre-registered analysis of section 7, per family of settings (tags that differ only in
-    the initial β and kl_target): every run's final-window numbers and runaways, (a) the length slope after
+    the initial β, kl_target, KL placement and estimator): every run's final-window numbers and runaways, (a) the length slope after
     saturation of every fixed β, (b) target's KL / kl_target and its reward against the best fixed β, (c)
-    every other method against `none` at the same β; paired by seed, TOST at the pre-registered margins."""
+    every other method against `none` at the same β, (d) each run with another KL placement or estimator against
+    the same method and β with the KL in the loss (k3); paired by seed, TOST at the pre-registered margins.
+    (a), (b), (c) and K_nat read only runs with the KL in the loss (k3)."""
     runs, planned = study_cells(paths)
     out = []
     for family, cells in runs.items():
