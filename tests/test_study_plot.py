@@ -64,17 +64,17 @@ def _streams(tmp_path):
 
 
 def test_cells_are_keyed_as_the_study_report_keys_them(tmp_path):
-    families = study_plot.study_cells(_streams(tmp_path))
+    families, planned = analysis.study_cells(_streams(tmp_path))
     assert sorted(families) == ["easy-dapo-b*-h32x2-L24-s10", FAMILY]
-    planned, cells = families[FAMILY]
-    assert planned == 10
+    cells = families[FAMILY]
+    assert planned[FAMILY] == 10
     assert sorted(cells) == [("clip", 0.04, None), ("none", 0.0, None), ("none", 0.04, None), ("target", 0.1, 0.05)]
     none = cells[("none", 0.04, None)]
     assert sorted(none) == [0, 1, 2] and [len(c) for c in none[0]] == [10, 4]  # seed 0: both copies, B cut
 
 
 def test_the_curve_averages_copies_within_a_seed_then_seeds(tmp_path):
-    cell = study_plot.study_cells(_streams(tmp_path))[FAMILY][1][("none", 0.04, None)]
+    cell = analysis.study_cells(_streams(tmp_path))[0][FAMILY][("none", 0.04, None)]
     steps, values = study_plot.step_curve(cell, analysis.LENGTH)
     assert steps == list(range(1, 11))
     # steps 1-4: seed 0 = ((100 + s) + (120 + s)) / 2 = 110 + s, seed 1 = 90, seed 2 = 60 + 2 s: (260 + 3 s) / 3;
@@ -88,7 +88,7 @@ def test_the_curve_averages_copies_within_a_seed_then_seeds(tmp_path):
 
 
 def test_a_seed_without_a_value_at_a_step_adds_nothing_there(tmp_path):
-    cells = study_plot.study_cells(_streams(tmp_path))[FAMILY][1]
+    cells = analysis.study_cells(_streams(tmp_path))[0][FAMILY]
     steps, values = study_plot.step_curve(cells[("none", 0.04, None)], KL)
     # step 1: seed 0 = (0.01 + 0.03) / 2 = 0.02, seed 1 = 0.02, seed 2 = 0.05: 0.03; step 3: seed 1 logged None:
     # seed 0 = (0.03 + 0.03) / 2, seed 2 = 0.05: 0.04 (not 0.0267, as a None read as 0 would give);

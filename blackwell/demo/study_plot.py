@@ -8,29 +8,14 @@ from __future__ import annotations
 
 import math
 
-from .analysis import LENGTH, _family, _mean, final_window_start, logged_kl, read_copies, trailing_means
+from .analysis import LENGTH, _mean, final_window_start, logged_kl, study_cells, trailing_means
 
 RAW_KL = "adaptive_kl/raw_kl"
 SMOOTH = 10  # steps: the trailing mean of the pre-registered runaway and saturation rules
 AVERAGING = "mean over seeds, copies averaged within a seed"
 
 Cell = dict[int, list[list[dict]]]  # seed -> copies, each a list of rows sorted by step
-CellKey = tuple[str, float, "float | None"]  # (method, beta0, kl_target for `target`, else None), as study_report
-
-
-def study_cells(paths: list[str]) -> dict[str, tuple[int, dict[CellKey, Cell]]]:
-    """{family: (planned steps, {cell key: {seed: copies}})}: the streams grouped as ``study_report`` groups them."""
-    out: dict[str, tuple[int, dict[CellKey, Cell]]] = {}
-    for tag, by_run in read_copies(paths).items():
-        family = _family(tag)
-        planned, cells = out.get(family, (0, {}))
-        for (method, seed), copies in by_run.items():
-            first = copies[0][0]
-            key = (method, float(first["beta0"]), first.get("kl_target") if method == "target" else None)
-            cells.setdefault(key, {})[seed] = copies
-            planned = max(planned, int(first["planned_steps"]))
-        out[family] = (planned, cells)
-    return out
+CellKey = tuple[str, float, "float | None"]  # (method, beta0, kl_target for `target`, else None): analysis.study_cells
 
 
 def step_curve(cell: Cell, key: str) -> tuple[list[int], list[float]]:
@@ -84,7 +69,8 @@ def plot_study(paths: list[str], path: str) -> str:
         import matplotlib.pyplot as plt
     except ImportError:
         return "PNG skipped: matplotlib is not installed (pip install matplotlib)."
-    families = study_cells(paths)
+    runs, planned_steps = study_cells(paths)
+    families = {family: (planned_steps[family], cells) for family, cells in runs.items()}
     if not families:
         raise ValueError(f"--study --plot: no rows in {', '.join(paths)}")
     fig = plt.figure(figsize=(24, 6 * len(families)), layout="constrained")
