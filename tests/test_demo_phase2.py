@@ -231,3 +231,20 @@ def test_without_a_loss_placement_baseline_there_is_no_d_row(tmp_path):
     text = analysis.study_report([str(only)])
     assert "**(d)" not in text and "No natural KL (no `none` run with β > 0)" in text  # the (d) run is not a fixed β
     assert "| `none` (KL in the reward, k1) | 0.1 | — | 3 | 3 (3) |" in text
+
+
+def test_the_study_figure_draws_no_d_run_as_a_fixed_beta_or_c_method(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    from demo import study_plot
+
+    drawn = []
+    line = study_plot._line
+
+    def record(ax, cell, key, **style):
+        drawn.append((style.get("label", ""), {r.get("kl_placement") for copies in cell.values() for rows in copies for r in rows}))
+        return line(ax, cell, key, **style)
+
+    monkeypatch.setattr(study_plot, "_line", record)
+    assert study_plot.plot_study([_stream(tmp_path / "s.jsonl")], str(tmp_path / "f.png")) == f"plot: {tmp_path / 'f.png'}"
+    assert drawn and all("reward" not in placements for _, placements in drawn)  # the figure shows (a)-(c), not (d)
+    assert {label.split(" (")[0] for label, _ in drawn} == {"none β=0.1", "clip β=0.1"}

@@ -19,6 +19,7 @@ from .plot import plot, plot_analysis
 from .scheduler import default_jobs, make_runs, run_all
 from .settings import (ALL_METHODS, HUB, SMOKE, SOLUTIONS, TASKS, Settings, beta_settings, method_fields, parse_betas, parse_runs,
                        seed_list, setting_labels, settings_from, validate_methods)
+from .study_plot import plot_study
 from .summary import markdown_table, read_metrics, table_notes, trained_batch_lines
 from .tasks import starting_model
 from .worker import train_one
@@ -79,7 +80,8 @@ def parse_args(argv=None, description: str | None = None):
                    "saturation, (b) target's KL / kl_target and reward, (c) methods against none; TOST by seed")
     p.add_argument("--plot", metavar="PNG", help="with --analyze: also draw the curves (every method of one setting, "
                                                  "or the baseline of each setting) into this file; with --grid, the "
-                                                 "final KL and reward against the initial β")
+                                                 "final KL and reward against the initial β; with --study, the "
+                                                 "curves behind (a), (b) and (c) per family")
     p.add_argument("--backend", choices=["auto", "unsloth", "trl"], default="auto")
     p.add_argument("--jobs", type=int, help="runs at a time (default: all of them, at most 24 on a GPU and one "
                                             "per core on the CPU)")
@@ -115,6 +117,8 @@ def parse_args(argv=None, description: str | None = None):
         p.error("--grid and --study go with --analyze FILE...")
     if args.grid and args.study:
         p.error("--grid and --study are two analyses: give one")
+    if args.plot and not args.analyze:
+        p.error("--plot goes with --analyze FILE...: a training run draws its curves into --output-dir")
     if args.dataset and not args.model:
         p.error("--dataset needs --model: the offline tiny Llama only knows the synthetic task's characters")
     if args.smoke and (args.model or args.dataset):
@@ -164,7 +168,8 @@ def main(argv=None, description: str | None = None) -> None:
         return train_one(args.worker)
     if args.analyze:
         if args.study:
-            return print(study_report(args.analyze))
+            print(study_report(args.analyze))
+            return print(plot_study(args.analyze, args.plot)) if args.plot else None
         if args.grid:
             print(analyze_grid(args.analyze))
             return print(plot_grid(args.analyze, args.plot)) if args.plot else None
