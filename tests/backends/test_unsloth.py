@@ -496,6 +496,50 @@ def test_reward_placement_lowers_each_reward_by_beta_times_its_summed_kl_on_the_
     assert scored["kl_penalty"] == [pytest.approx(penalty.mean().item(), rel=1e-6)]
 
 
+def test_reward_placement_reads_each_completions_own_log_probs_when_unsloth_left_packs_the_prompts(tmp_path_factory):
+    """Prompts of two lengths: Unsloth scores on its left-packed layout (every pad token moved to the row's end),
+    wider than the completion mask by the longest left padding. The penalty reads, token for token, the log-probs
+    Unsloth's own loss reads for each completion (the columns unsloth_zoo's create_completion_attention_mask keeps),
+    for the policy and the reference; a sampled pad token, which Unsloth scores as padding, is left out. Before the
+    fix the scoring crashed on the width mismatch."""
+    import torch
+
+    left = _reward_placement(tmp_path_factory)["scored"]["left_padded"]
+    assert max(left["prompt_pads"]) > 0 and left["own_width"] == left["mask_width"] + max(left["prompt_pads"])
+    mask, zoo_mask, trl_mask = (torch.tensor(left[k]).bool() for k in ("mask", "zoo_mask", "trl_mask"))
+    ids = torch.tensor(left["completion_ids"])
+    assert torch.equal(mask, trl_mask & (ids != left["pad_token_id"]))
+    assert mask.sum() > 10 and ((ids == left["pad_token_id"]) & trl_mask).any()  # the batch has a sampled pad token
+    for seen, unsloths in (("logp", "own"), ("ref", "trl_ref")):
+        got, want = torch.tensor(left[seen]), torch.tensor(left[unsloths])
+        for row in range(got.shape[0]):
+            assert got[row][mask[row]].tolist() == want[row][zoo_mask[row]].tolist(), (seen, row)
+    penalty, _ = reference.reward_penalty64("clip", torch.tensor(left["logp"], dtype=torch.float64),
+                                            torch.tensor(left["ref"], dtype=torch.float64), mask.double(),
+                                            estimator="k1", beta=0.5, clip_threshold=0.05, kl_target=0.02)
+    rewards = torch.tensor(left["rewards_per_func"], dtype=torch.float64).sum(1)
+    advantages = torch.tensor(left["advantages"], dtype=torch.float64)
+    assert torch.allclose(advantages, reference.group_advantages64(rewards - penalty, 4), rtol=1e-4, atol=1e-4)
+
+
+def test_completion_columns_takes_each_rows_completion_from_the_left_packed_layout():
+    import torch
+
+    from unsloth_adaptive_kl._source_patch import PatchError
+    from unsloth_adaptive_kl.backends.reward_placement import completion_columns
+
+    # completions of width 3, longest left padding 2 (pad id 0). Row 0: 2 prompt pads, completion [5, 6, 7] at
+    # columns 0-2. Row 1: no prompt pad, completion [5, 0, 7]: its sampled pad moved to the end, so 5 and 7 are at
+    # columns 2 and 3. Row 2: no prompt pad, completion [5, 6, 0] (a trailing pad): columns 2-3.
+    packed = torch.tensor([[10.0, 11.0, 12.0, -1.0, -1.0], [-1.0, -1.0, 20.0, 22.0, -1.0], [-1.0, -1.0, 30.0, 31.0, -1.0]])
+    ids = torch.tensor([[5, 6, 7], [5, 0, 7], [5, 6, 0]])
+    values, kept = completion_columns(packed, torch.tensor([2, 0, 0]), 2, ids, 0)
+    assert values.tolist() == [[10.0, 11.0, 12.0], [20.0, 0.0, 22.0], [30.0, 31.0, 0.0]]
+    assert kept.tolist() == [[True, True, True], [True, False, True], [True, True, False]]
+    with pytest.raises(PatchError, match="unsloth_zoo .*5 columns, expected the completion's 4 plus the longest left padding 2"):
+        completion_columns(packed, torch.tensor([2, 0, 0]), 2, torch.ones(3, 4, dtype=torch.long), 0)
+
+
 def test_the_rewritten_scoring_function_of_the_generated_trainer_calls_super_with_its_class(tmp_path_factory):
     """Unsloth's copy of TRL's _generate_and_score_completions calls super()._prepare_inputs in its VLM branches; the
     reward placement's rewrite, compiled outside the class (no __class__ cell), makes them name the class."""

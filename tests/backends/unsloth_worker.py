@@ -756,6 +756,24 @@ def scenario_user_code():
     results["user_code"] = out
 
 
+def unsloths_columns(out):
+    """Which columns of Unsloth's left-packed log-probs its own loss reads as completion tokens, by unsloth_zoo's
+    own functions (``left_pack_padding``, ``create_completion_attention_mask``)."""
+    from unsloth_zoo.rl_replacements import create_completion_attention_mask, left_pack_padding
+
+    pads = (out["prompt_mask"] == 0).sum(1)
+    ids = torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1)
+    window = left_pack_padding(ids, TOKENIZER.pad_token_id)[:, -(out["completion_ids"].shape[1] + int(pads.max())) :]
+    return create_completion_attention_mask(window, pads, int(pads.max()), TOKENIZER.pad_token_id)
+
+
+def reads_unsloths_columns(seen, packed, mask, out):
+    """Whether the log-probs the penalty saw (on TRL's layout, under its mask) are, row by row and in order, those
+    Unsloth's loss reads from its left-packed ``packed``."""
+    columns = unsloths_columns(out)
+    return all(seen[r][mask[r].bool()].tolist() == packed[r][columns[r]].tolist() for r in range(seen.shape[0]))
+
+
 def scenario_reward_placement():
     """kl_placement='reward' on the generated trainer: one scored generation batch (what the penalty saw, the
     rewards, the advantages, the metric), the loss against the same trainer's at beta 0, and a short run."""
@@ -801,11 +819,37 @@ def scenario_reward_placement():
     plain = torch.log_softmax(logits, -1).gather(-1, out["completion_ids"].unsqueeze(-1)).squeeze(-1)
     scored = {
         "logp": logp.tolist(), "ref": ref.tolist(), "mask": mask.tolist(), "coef_is_none": coef is None,
-        "ref_is_trls": bool(torch.equal(ref, out["ref_per_token_logps"])), "plain_logp": plain.tolist(),
-        "logp_is_unsloths_own": bool(torch.equal(logp, own)), "completion_ids": out["completion_ids"].tolist(),
+        "ref_is_trls": reads_unsloths_columns(ref, out["ref_per_token_logps"], mask, out), "plain_logp": plain.tolist(),
+        "logp_is_unsloths_own": reads_unsloths_columns(logp, own, mask, out), "completion_ids": out["completion_ids"].tolist(),
         "pad_token_id": TOKENIZER.pad_token_id,
         "rewards_per_func": seen["rewards_per_func"].tolist(), "advantages": out["advantages"].tolist(),
         "kl_penalty": list(t._metrics["train"]["adaptive_kl/kl_penalty"]), "num_generations": t.num_generations,
+    }  # fmt: skip
+
+    # Prompts of two lengths: Unsloth scores the old and reference log-probs on its left-packed layout (the
+    # short prompt's pads moved to the row's end), wider than the completion mask. The penalty must read each
+    # completion's own tokens: compared below with plain forwards of the policy and the reference on TRL's layout.
+    seen.clear()
+    KLTerm.per_token = per_token_spy
+    mixed = [{"prompt": "16+66=", "answer": "82"}, {"prompt": "1+4=", "answer": "5"}]
+    torch.manual_seed(1)
+    out = t._generate_and_score_completions([row for row in mixed for _ in range(4)])
+    KLTerm.per_token = per_token
+    ((logp, ref, mask, _),) = seen["scored"]
+    ids = torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1)
+    attention = torch.cat([out["prompt_mask"], out["completion_mask"]], dim=1)
+    length = out["completion_ids"].shape[1]
+    pads = (out["prompt_mask"] == 0).sum(1)
+    with torch.no_grad():
+        own = t._get_per_token_logps_and_entropies(t.model, ids, attention, length, batch_size=8)[0]
+    zoo_mask = unsloths_columns(out)
+    scored["left_padded"] = {
+        "prompt_pads": pads.tolist(), "own_width": own.shape[1], "mask_width": mask.shape[1],
+        "logp": logp.tolist(), "ref": ref.tolist(), "mask": mask.tolist(), "own": own.tolist(),
+        "trl_ref": out["ref_per_token_logps"].tolist(), "zoo_mask": zoo_mask.tolist(), "trl_mask": out["completion_mask"].tolist(),
+        "rewards_per_func": seen["rewards_per_func"].tolist(),
+        "completion_ids": out["completion_ids"].tolist(), "pad_token_id": TOKENIZER.pad_token_id,
+        "advantages": out["advantages"].tolist(),
     }  # fmt: skip
 
     # The loss: with the KL in the reward, the same as this trainer's at beta 0 (no KL term at all).

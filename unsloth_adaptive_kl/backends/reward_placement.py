@@ -61,6 +61,16 @@ def explicit_super(target: str, library: str, line: str) -> Rewrite:
     )
 
 
+#: Unsloth scores the old and reference log-probs of a left-padded batch on its left-packed layout: each row's
+#: leading pads moved to its end, the last ``logits_to_keep + max_left_pad`` columns kept. The rewrite hands the
+#: pads over so that the penalty reads each completion's own columns (``completion_columns``).
+_LEFT_PAD = {
+    "trl": "",
+    "unsloth": "                left_pad=(left_pad_tokens_per_prompt, max_left_pad, completion_ids, self.processing_class.pad_token_id)\n"
+    "                if max_left_pad is not None else None,\n",
+}
+
+
 def _rewrites(target: str, library: str) -> tuple[Rewrite, ...]:
     return (
         *(explicit_super(target, library, line) for line in SUPER_CALLS),
@@ -79,7 +89,7 @@ def _rewrites(target: str, library: str) -> tuple[Rewrite, ...]:
                     num_images=num_images, num_tiles=num_tiles, **forward_kwargs,
                 )[0],
                 mode,
-            )
+""" + _LEFT_PAD[library] + """            )
 """,
             "each completion's KL penalty, from the policy's and the reference's log-probs at scoring time",
         ),
@@ -166,6 +176,26 @@ def completions_per_update(args, num_processes: int, num_iterations: int) -> int
     return generation_batch * max(1, -(-args.gradient_accumulation_steps // generate_every))
 
 
+def completion_columns(logps: torch.Tensor, left_pads: torch.Tensor, max_left_pad: int, completion_ids: torch.Tensor,
+                       pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each completion's log-probs, ``(B, L)`` as ``completion_ids``, from Unsloth's left-packed layout, and which
+    tokens it scored. Unsloth moves every pad token of a row to its end (unsloth_zoo's ``left_pack_padding``) and
+    keeps the last ``L + max_left_pad`` columns: a row's ``p`` prompt pads put its completion at column
+    ``max_left_pad - p``, and a pad token sampled inside the completion is taken out (its later tokens move one
+    column left; Unsloth's loss skips it). Returned: the log-probs on TRL's layout (0 at a pad token) and the mask
+    of the non-pad tokens."""
+    width = completion_ids.shape[1]
+    if logps.shape[1] != width + max_left_pad:
+        raise PatchError(
+            f"unsloth_zoo {version_of('unsloth_zoo')}: left-packed log-probs have {logps.shape[1]} columns, expected the "
+            f"completion's {width} plus the longest left padding {max_left_pad}; kl_placement='reward' cannot align them"
+        )
+    kept = completion_ids != pad_id
+    start = (max_left_pad - left_pads.to(device=logps.device, dtype=torch.long)).view(-1, 1)
+    column = (start + kept.long().cumsum(1) - 1).clamp(min=0, max=logps.shape[1] - 1)
+    return torch.where(kept, logps.gather(1, column), 0.0), kept
+
+
 class RewardPlacement:
     """What a trainer's adaptive-KL runtime (``backends/_trainer.TrainerAdaptiveKL``) does under
     ``kl_placement="reward"``; the rewritten ``_generate_and_score_completions`` calls these."""
@@ -197,23 +227,39 @@ class RewardPlacement:
         num_iterations = getattr(trainer, "num_iterations", 1)
         self.check_step_size(completions_per_update(trainer.args, trainer.accelerator.num_processes, num_iterations))
 
-    def scoring_penalty(self, ref_logps, old_logps, mask, policy_logps, mode: str) -> torch.Tensor | None:
+    def scoring_penalty(self, ref_logps, old_logps, mask, policy_logps, mode: str, left_pad=None) -> torch.Tensor | None:
         """Each local completion's penalty, ``(B,)`` float64 (None while β is 0: no reference log-probs).
 
         ``old_logps``: TRL's ``old_per_token_logps`` (the policy at scoring time) or None, then
         ``policy_logps()`` computes them. In training the generation batch's KL sums go to the β
         controller (but not those of a batch TRL regenerated on resume: the uninterrupted run saw
-        the original's before the checkpoint)."""
+        the original's before the checkpoint). ``left_pad``: Unsloth's ``(left pads per row, their
+        maximum)`` when its log-probs are on its left-packed layout (see ``completion_columns``)."""
         beta = float(self.trainer.beta)
         if ref_logps is None or beta == 0.0:
             return None
         logps = old_logps if old_logps is not None else policy_logps()
+        if left_pad is not None:
+            pads, max_left_pad, completion_ids, pad_id = left_pad
+            (logps, kept), (ref_logps, _) = (completion_columns(x, pads, max_left_pad, completion_ids, pad_id) for x in (logps, ref_logps))
+            mask = mask * kept.to(mask.dtype)  # a sampled pad token: Unsloth scores it as padding, its loss skips it
+        if logps.shape != mask.shape or ref_logps.shape != mask.shape:
+            raise PatchError(
+                f"{self.libraries()}: at scoring time the policy's log-probs "
+                f"have shape {tuple(logps.shape)} and the reference's {tuple(ref_logps.shape)}, the completion mask "
+                f"{tuple(mask.shape)}; kl_placement='reward' cannot match them"
+            )
         with torch.no_grad():
             raw, adapted = self.term.per_token(logps, ref_logps, mask, None, self.term.batch_statistic(ref_logps, mask))
             if mode == "train" and not getattr(self.trainer, "_adaptive_kl_regenerated_batch", False):
                 faults = bool(self.term.user_shaping_steps)  # a user method's NaN on a finite KL: refused by name, as in the loss
                 self.observe_scoring_sums(metrics.local_kl_sums(raw, adapted, mask, count_shaping_faults=faults))
             return self.term.reward_penalty(adapted, mask, beta=beta)
+
+    def libraries(self) -> str:
+        """The versions a shape mismatch at scoring time is to be read against."""
+        unsloth = "unsloth" in type(self.trainer).__module__.lower() or "unsloth" in type(self.trainer).__name__.lower()
+        return f"trl {version_of('trl')}" + (f", unsloth_zoo {version_of('unsloth_zoo')}" if unsloth else "")
 
     def penalized_rewards(self, rewards: torch.Tensor, local_penalty: torch.Tensor | None, mode: str) -> torch.Tensor:
         """``rewards`` (all processes' completions, gathered) less every completion's penalty; logs
@@ -233,4 +279,4 @@ class RewardPlacement:
         return (rewards.double() - penalty).to(rewards.dtype)
 
 
-__all__ = ["TRL_PLAN", "UNSLOTH_PLAN", "RewardPlacement", "completions_per_update", "install", "unavailable_reason"]
+__all__ = ["TRL_PLAN", "UNSLOTH_PLAN", "RewardPlacement", "completion_columns", "completions_per_update", "install", "unavailable_reason"]
