@@ -415,6 +415,22 @@ def fixed_cells(cells: dict) -> dict:
     return {k: v for k, v in cells.items() if k.method == "none" and k.default_placement}
 
 
+def target_cells(cells: dict) -> dict:
+    """The `target` runs of (b): the default KL placement and estimator."""
+    return {k: v for k, v in cells.items() if k.method == "target" and k.default_placement}
+
+
+def compared_cells(cells: dict) -> dict:
+    """The runs of (c): every other method (default placement and estimator) that has `none` at its β."""
+    return {k: v for k, v in cells.items() if k.method not in ("none", "target") and k.default_placement
+            and CellKey("none", k.beta, None) in cells}
+
+
+def _cell_order(item: tuple[CellKey, dict]) -> tuple:
+    key = item[0]
+    return key.method, key.beta, key.kl_target or 0, key.placement, key.estimator
+
+
 def study_report(paths: list[str]) -> str:
     """Markdown: the pre-registered analysis of section 7, per family of settings (tags that differ only in
     the initial β, kl_target, KL placement and estimator): every run's final-window numbers and runaways, (a) the length slope after
@@ -437,7 +453,7 @@ def study_report(paths: list[str]) -> str:
                 "alone.", "",
                 "| method | β0 | kl_target | seeds | copies (complete) | final reward | final length | final KL | runaways |",
                 "|---|---|---|---|---|---|---|---|---|"]
-        for key, cell in sorted(cells.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] or 0, *kv[0][3:])):
+        for key, cell in sorted(cells.items(), key=_cell_order):
             beta, kt = key.beta, key.kl_target
             numbers = [copy_numbers(rows, steps, threshold) for copies in cell.values() for rows in copies]
             ran = [f"seed {s} step {copy_numbers(rows, steps, threshold)['runaway_step']}" for s, copies in cell.items()
@@ -456,7 +472,7 @@ def study_report(paths: list[str]) -> str:
             slopes = [seed_slope(copies, steps) for copies in cell.values()]
             slopes = [s for s in slopes if s is not None]
             out.append(f"| {beta:g} | {len(slopes)} | {fmt_equivalence(tost(slopes, LENGTH_MARGIN), '.2f')} |")
-        targets = {k: v for k, v in cells.items() if k.method == "target" and k.default_placement}
+        targets = target_cells(cells)
         if targets and best:
             out += ["", f"**(b) `target`**: final KL / kl_target (geometric mean; TOST on the log ratio, margin ±ln 1.25) "
                         f"and Δ final reward against the best fixed β {best[1]:g} by seed (margin ±{REWARD_MARGIN:g}).", "",
@@ -469,8 +485,7 @@ def study_report(paths: list[str]) -> str:
                 ci = f"[{math.exp(hold.low90):.2f}, {math.exp(hold.high90):.2f}]" if hold.n >= 2 else "—"
                 reward = tost(paired_by_seed(cell, fixed[best], steps, "reward"), REWARD_MARGIN)
                 out.append(f"| {kt:g} | {beta:g} | {len(cell)} | {ratio} | {ci} | {hold.verdict} | {fmt_equivalence(reward)} |")
-        others = {k: v for k, v in cells.items() if k.method not in ("none", "target") and k.default_placement
-                  and CellKey("none", k.beta, None) in cells}
+        others = compared_cells(cells)
         if others:
             out += ["", f"**(c) Against `none` at the same β**, paired by seed: Δ final reward (margin ±{REWARD_MARGIN:g}), "
                         f"Δ final length (margin ±{LENGTH_MARGIN:g} tokens), Δ final raw KL (95 % interval only: no margin "
@@ -485,7 +500,7 @@ def study_report(paths: list[str]) -> str:
                         f"±{REWARD_MARGIN:g}), Δ final length (margin ±{LENGTH_MARGIN:g} tokens), Δ final raw KL (95 % "
                         "interval only).", "",
                     "| method | β0 | quantity | Δ mean | 90 % CI | 95 % CI | verdict |", "|---|---|---|---|---|---|---|"]
-            for key, cell in sorted(moved.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] or 0, *kv[0][3:])):
+            for key, cell in sorted(moved.items(), key=_cell_order):
                 out += _against(key.label(), key.beta, cell, cells[key.baseline()], steps)
             out += [_raw_kl_note(key) for key in sorted({k._replace(beta=0.0, kl_target=None) for k in moved})
                     if key.estimator != DEFAULT_ESTIMATOR]

@@ -206,7 +206,7 @@ def main(argv=None, description: str | None = None) -> None:
 
     tables, plotted, all_metrics = [], [], {}
     labels = {tag: label if len(settings_list) > 1 else None  # as make_runs names each setting's runs
-              for (_, tag), label in zip(settings_list, setting_labels(settings_list))}
+              for tag, label in setting_labels(settings_list).items()}
     for one, tag in settings_list:
         beta = one.beta if len(settings_list) > 1 else None
         mine = [r for r in runs if r.label == labels[tag]]

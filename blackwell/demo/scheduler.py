@@ -39,7 +39,7 @@ def make_runs(args, settings_list: list[tuple[Settings, str]], backend: str, che
     (its β, and its kl_target, placement and estimator where those differ: :func:`~demo.settings.setting_labels`)."""
     runs = []
     several = len(settings_list) > 1
-    labels = {tag: label for (_, tag), label in zip(settings_list, setting_labels(settings_list))}
+    labels = setting_labels(settings_list)
     for seed, model in checkpoints.items():
         for settings, tag, method in run_pairs(args, settings_list):
             beta, label = (settings.beta, labels[tag]) if several else (None, None)

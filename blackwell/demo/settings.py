@@ -208,12 +208,12 @@ def run_keys(runs: list["RunSpec"]) -> list["RunSpec"]:
     return list(dict.fromkeys(run._replace(method="") for run in runs))
 
 
-def setting_labels(settings_list: list[tuple[Settings, str]]) -> list[str]:
-    """A short name per setting for its runs' directories and progress lines: ``bβ``, then ``-ktK`` where the
-    invocation's settings differ in kl_target, and the placement and estimator where not the defaults."""
+def setting_labels(settings_list: list[tuple[Settings, str]]) -> dict[str, str]:
+    """{tag: a short name} per setting, for its runs' directories and progress lines: ``bβ``, then ``-ktK`` where
+    the invocation's settings differ in kl_target, and the placement and estimator where not the defaults."""
     several_kt = len({one.kl_target for one, _ in settings_list}) > 1
-    return [f"b{one.beta:g}" + (f"-kt{one.kl_target:g}" if several_kt else "") + placement_suffix(one)
-            for one, _ in settings_list]
+    return {tag: f"b{one.beta:g}" + (f"-kt{one.kl_target:g}" if several_kt else "") + placement_suffix(one)
+            for one, tag in settings_list}
 
 
 def parse_betas(text: str) -> list[float]:

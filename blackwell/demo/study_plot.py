@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import math
 
-from .analysis import LENGTH, CellKey, _mean, final_window_start, fixed_cells, logged_kl, study_cells, trailing_means
+from .analysis import (LENGTH, CellKey, _mean, compared_cells, final_window_start, fixed_cells, logged_kl, study_cells,
+                       target_cells, trailing_means)
 
 RAW_KL = "adaptive_kl/raw_kl"
 SMOOTH = 10  # steps: the trailing mean of the pre-registered runaway and saturation rules
@@ -96,7 +97,7 @@ def plot_study(paths: list[str], path: str) -> str:
             if k[1] > 0 and has_kl(cells[k]):
                 drawn_kl |= _line(ax_kl, cells[k], RAW_KL, color=color[k], label=label[k])
         others = plt.get_cmap("tab10")
-        targets = sorted((k for k in cells if k[0] == "target" and k.default_placement), key=lambda k: (k[2], k[1]))
+        targets = sorted(target_cells(cells), key=lambda k: (k.kl_target, k.beta))
         for i, k in enumerate(targets):
             if has_kl(cells[k]):
                 drawn_kl |= _line(ax_kl, cells[k], RAW_KL, color=others(i), linewidth=1.6,
@@ -109,8 +110,7 @@ def plot_study(paths: list[str], path: str) -> str:
         ax_kl.set_yscale("log")
         if not drawn_kl:
             _empty(ax_kl, "no logged KL here (β = 0 computes none)")
-        compared = {k: v for k, v in cells.items() if k[0] not in ("none", "target") and k.default_placement
-                    and CellKey("none", k[1], None) in cells}
+        compared = compared_cells(cells)
         betas = sorted({k[1] for k in compared})
         what = ", ".join(dict.fromkeys(k[0] for k in sorted(compared)))
         for ax, key, name in ((ax_c_len, LENGTH, "completion length (tokens)"), (ax_c_kl, RAW_KL, "raw KL (log)")):
