@@ -804,17 +804,25 @@ def scenario_reward_placement():
         return per_token(term, logp, ref, mask, coef, statistic, estimator)
 
     t._calculate_rewards = rewards_spy
-    KLTerm.per_token = per_token_spy
-    rows = [toy.prompt_dataset(64)[i] for i in (0, 1)]
-    torch.manual_seed(0)
-    out = t._generate_and_score_completions([row for row in rows for _ in range(4)])
-    KLTerm.per_token = per_token
-    ((logp, ref, mask, coef),) = seen["scored"]
-    ids = torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1)
-    attention = torch.cat([out["prompt_mask"], out["completion_mask"]], dim=1)
+
+    def score(rows, seed):
+        """One generation batch of each row 4 times, scored: what the penalty saw, TRL's output, and the policy's
+        log-probs by Unsloth's own function (its old/ref log-probs) on the same batch."""
+        seen.clear()
+        KLTerm.per_token = per_token_spy
+        torch.manual_seed(seed)
+        out = t._generate_and_score_completions([row for row in rows for _ in range(4)])
+        KLTerm.per_token = per_token
+        ((logp, ref, mask, coef),) = seen["scored"]
+        ids = torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1)
+        attention = torch.cat([out["prompt_mask"], out["completion_mask"]], dim=1)
+        with torch.no_grad():
+            own = t._get_per_token_logps_and_entropies(t.model, ids, attention, out["completion_ids"].shape[1], batch_size=8)[0]
+        return logp, ref, mask, coef, out, own, ids, attention
+
+    logp, ref, mask, coef, out, own, ids, attention = score([toy.prompt_dataset(64)[i] for i in (0, 1)], 0)
     length = out["completion_ids"].shape[1]
-    with torch.no_grad():  # the policy's log-probs by Unsloth's own function (its old/ref log-probs), and by a plain forward
-        own = t._get_per_token_logps_and_entropies(t.model, ids, attention, length, batch_size=8)[0]
+    with torch.no_grad():  # and by a plain forward
         logits = t.model(input_ids=ids, attention_mask=attention).logits[:, -length - 1 : -1].double()
     plain = torch.log_softmax(logits, -1).gather(-1, out["completion_ids"].unsqueeze(-1)).squeeze(-1)
     scored = {
@@ -828,20 +836,9 @@ def scenario_reward_placement():
 
     # Prompts of two lengths: Unsloth scores the old and reference log-probs on its left-packed layout (the
     # short prompt's pads moved to the row's end), wider than the completion mask. The penalty must read each
-    # completion's own tokens: compared below with plain forwards of the policy and the reference on TRL's layout.
-    seen.clear()
-    KLTerm.per_token = per_token_spy
-    mixed = [{"prompt": "16+66=", "answer": "82"}, {"prompt": "1+4=", "answer": "5"}]
-    torch.manual_seed(1)
-    out = t._generate_and_score_completions([row for row in mixed for _ in range(4)])
-    KLTerm.per_token = per_token
-    ((logp, ref, mask, _),) = seen["scored"]
-    ids = torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1)
-    attention = torch.cat([out["prompt_mask"], out["completion_mask"]], dim=1)
-    length = out["completion_ids"].shape[1]
+    # completion's own tokens: the columns Unsloth's own loss reads (unsloths_columns).
+    logp, ref, mask, _, out, own, _, _ = score([{"prompt": "16+66=", "answer": "82"}, {"prompt": "1+4=", "answer": "5"}], 1)
     pads = (out["prompt_mask"] == 0).sum(1)
-    with torch.no_grad():
-        own = t._get_per_token_logps_and_entropies(t.model, ids, attention, length, batch_size=8)[0]
     zoo_mask = unsloths_columns(out)
     scored["left_padded"] = {
         "prompt_pads": pads.tolist(), "own_width": own.shape[1], "mask_width": mask.shape[1],
