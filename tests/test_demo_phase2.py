@@ -233,7 +233,7 @@ def test_without_a_loss_placement_baseline_there_is_no_d_row(tmp_path):
     assert "| `none` (KL in the reward, k1) | 0.1 | — | 3 | 3 (3) |" in text
 
 
-def test_the_study_figure_draws_no_d_run_as_a_fixed_beta_or_c_method(tmp_path, monkeypatch):
+def test_the_study_figure_draws_d_runs_only_in_the_d_panel_not_as_a_fixed_beta_or_c_method(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
     from demo import study_plot
 
@@ -246,5 +246,7 @@ def test_the_study_figure_draws_no_d_run_as_a_fixed_beta_or_c_method(tmp_path, m
 
     monkeypatch.setattr(study_plot, "_line", record)
     assert study_plot.plot_study([_stream(tmp_path / "s.jsonl")], str(tmp_path / "f.png")) == f"plot: {tmp_path / 'f.png'}"
-    assert drawn and all("reward" not in placements for _, placements in drawn)  # the figure shows (a)-(c), not (d)
-    assert {label.split(" (")[0] for label, _ in drawn} == {"none β=0.1", "clip β=0.1"}
+    moved = [label for label, placements in drawn if "reward" in placements]
+    assert moved == ["none β=0.1, KL in the reward (k1) (3 seeds)"]  # once, in (d)'s panel, under its own label
+    assert {label.split(" (")[0] for label, placements in drawn if "reward" not in placements} == {
+        "none β=0.1", "clip β=0.1", "none β=0.1, KL in the loss"}

@@ -141,3 +141,53 @@ def test_plot_goes_with_analyze():
     assert parse_args(["--analyze", "s.jsonl", "--study", "--plot", "f.png"]).plot == "f.png"
     with pytest.raises(SystemExit):
         parse_args(["--smoke", "--plot", "f.png"])
+
+
+def _with_reward_placement(tmp_path):
+    """The streams above plus (d)'s run: `none` at 0.04 with the KL in the reward (k1), seeds 0-1, reward 0.6 + s / 100."""
+    rows = [dict(r, kl_placement="reward", kl_estimator="k1", reward=0.6 + r["step"] / 100, tag=r["tag"] + "-plreward-estk1")
+            for seed in (0, 1) for r in _rows("none", 0.04, seed, f"R{seed}", range(1, 11), lambda s: 100.0,
+                                              lambda s: 0.02)]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return _streams(tmp_path) + [str(tmp_path / "d.jsonl")]
+
+
+def test_the_runs_of_d_are_those_with_another_placement_whose_baseline_ran(tmp_path):
+    cells = analysis.study_cells(_with_reward_placement(tmp_path))[0][FAMILY]
+    moved = analysis.CellKey("none", 0.04, None, "reward", "k1")
+    assert sorted(analysis.moved_cells(cells)) == [moved]
+    assert moved not in analysis.fixed_cells(cells)  # not a fixed-β run of (a)
+    del cells[analysis.CellKey("none", 0.04, None)]
+    assert analysis.moved_cells(cells) == {}  # no baseline, nothing to compare
+
+
+def _figure(monkeypatch, paths, tmp_path):
+    import matplotlib.pyplot as plt
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    study_plot.plot_study(paths, str(tmp_path / "study.png"))
+    (fig,) = figures
+    (row,) = [sub for sub in fig.subfigs if sub._suptitle.get_text().startswith(FAMILY + ":")]
+    return row.axes
+
+
+def test_the_d_panel_draws_each_moved_runs_reward_against_its_baseline(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    axes = _figure(monkeypatch, _with_reward_placement(tmp_path), tmp_path)
+    assert len(axes) == 6 and axes[5].get_title().startswith("(d) reward")
+    lines = {line.get_label(): line for line in axes[5].get_lines()}
+    cells = analysis.study_cells(_with_reward_placement(tmp_path))[0][FAMILY]
+    moved, base = (lines[f"none β=0.04, KL in the {p} ({e}) ({n} seeds)"] for p, e, n in
+                   (("reward", "k1", 2), ("loss", "k3", 3)))
+    for line, key in ((moved, analysis.CellKey("none", 0.04, None, "reward", "k1")), (base, analysis.CellKey("none", 0.04, None))):
+        steps, values = study_plot.smoothed_curve(cells[key], "reward")
+        assert list(line.get_xdata()) == steps and list(line.get_ydata()) == pytest.approx(values)
+    # the moved run's reward is 0.6 + s / 100 in both seeds: its 10-step trailing mean at step 10 is 0.655
+    assert moved.get_ydata()[-1] == pytest.approx(0.655) and moved.get_linestyle() == "-" and base.get_linestyle() == "--"
+
+
+def test_without_a_moved_run_the_d_panel_says_so(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    axes = _figure(monkeypatch, _streams(tmp_path), tmp_path)
+    assert not axes[5].axison and "no run with another KL placement" in axes[5].texts[0].get_text()

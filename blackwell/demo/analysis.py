@@ -426,6 +426,11 @@ def compared_cells(cells: dict) -> dict:
             and CellKey("none", k.beta, None) in cells}
 
 
+def moved_cells(cells: dict) -> dict:
+    """The runs of (d): another KL placement or estimator, whose method and β have a run with the KL in the loss (k3)."""
+    return {k: v for k, v in cells.items() if not k.default_placement and k.baseline() in cells}
+
+
 def _cell_order(item: tuple[CellKey, dict]) -> tuple:
     key = item[0]
     return key.method, key.beta, key.kl_target or 0, key.placement, key.estimator
@@ -493,7 +498,7 @@ def study_report(paths: list[str]) -> str:
                     "| method | β0 | quantity | Δ mean | 90 % CI | 95 % CI | verdict |", "|---|---|---|---|---|---|---|"]
             for (method, beta, *_), cell in sorted(others.items()):
                 out += _against(f"`{method}`", beta, cell, cells[CellKey("none", beta, None)], steps)
-        moved = {k: v for k, v in cells.items() if not k.default_placement and k.baseline() in cells}
+        moved = moved_cells(cells)
         if moved:
             out += ["", f"**(d) KL placement and estimator**: each run against the same method at the same β with the KL "
                         f"in the loss ({DEFAULT_ESTIMATOR}), paired by seed, the tests of (c): Δ final reward (margin "

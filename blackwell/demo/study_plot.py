@@ -1,15 +1,16 @@
 """The figure of the pre-registered study (docs/evidence.md section 7, issue 33; ``--analyze ... --study --plot``):
 per family, the curves behind the tables of ``analysis.study_report``: (a) length and reward of `none` at every
 fixed β, the raw KL of `none` at β > 0 and of `target` against its kl_target, and (c) the other methods against
-`none` at the same β. Every curve: per step, each seed's copies averaged, then the mean over seeds, then the
+`none` at the same β, (d) the reward of each run with the KL in the reward against the same method and β with it in
+the loss. Every curve: per step, each seed's copies averaged, then the mean over seeds, then the
 10-step trailing mean; a copy cut before the planned steps adds only the steps it has."""
 
 from __future__ import annotations
 
 import math
 
-from .analysis import (LENGTH, CellKey, _mean, compared_cells, final_window_start, fixed_cells, logged_kl, study_cells,
-                       target_cells, trailing_means)
+from .analysis import (LENGTH, CellKey, _mean, compared_cells, final_window_start, fixed_cells, logged_kl, moved_cells,
+                       study_cells, target_cells, trailing_means)
 
 RAW_KL = "adaptive_kl/raw_kl"
 SMOOTH = 10  # steps: the trailing mean of the pre-registered runaway and saturation rules
@@ -61,7 +62,7 @@ def _empty(ax, why: str) -> None:
 
 
 def plot_study(paths: list[str], path: str) -> str:
-    """Write the study's figure (one row of at most five panels per family) to ``path``."""
+    """Write the study's figure (one row of six panels per family) to ``path``."""
     try:
         import matplotlib
 
@@ -73,10 +74,10 @@ def plot_study(paths: list[str], path: str) -> str:
     families = {family: (planned_steps[family], cells) for family, cells in runs.items()}
     if not families:
         raise ValueError(f"--study --plot: no rows in {', '.join(paths)}")
-    fig = plt.figure(figsize=(24, 6 * len(families)), layout="constrained")
+    fig = plt.figure(figsize=(29, 6 * len(families)), layout="constrained")
     rows = fig.subfigures(len(families), 1, squeeze=False)[:, 0]
     for (family, (planned, cells)), sub in zip(families.items(), rows):
-        axes = sub.subplots(1, 5)
+        axes = sub.subplots(1, 6)
         seeds = sorted({seed for cell in cells.values() for seed in cell})
         start = final_window_start(planned)
         sub.suptitle(f"{family}: {planned} planned steps, seeds {', '.join(map(str, seeds))}. Each line: {AVERAGING}, "
@@ -89,7 +90,7 @@ def plot_study(paths: list[str], path: str) -> str:
         dash = {k: "--" if k[1] == 0 else "-" for k in fixed}
         color.update({k: "gray" for k in fixed if k[1] == 0})
         label = {k: f"none β={k[1]:g} ({_seeds(cells[k])})" for k in fixed}
-        ax_len, ax_reward, ax_kl, ax_c_len, ax_c_kl = axes
+        ax_len, ax_reward, ax_kl, ax_c_len, ax_c_kl, ax_d = axes
         drawn_kl = False
         for k in fixed:
             _line(ax_len, cells[k], LENGTH, color=color[k], linestyle=dash[k], label=label[k])
@@ -126,6 +127,18 @@ def plot_study(paths: list[str], path: str) -> str:
                          fontsize=9)
             if key == RAW_KL:
                 ax.set_yscale("log")
+        moved = sorted(moved_cells(cells), key=lambda k: (k.method, k.beta, k.kl_target or 0, k.placement, k.estimator))
+        for i, k in enumerate(moved):  # the baseline dashed, in the same colour
+            base = k.baseline()
+            _line(ax_d, cells[base], "reward", color=others(i), linestyle="--",
+                  label=f"{k.method} β={k.beta:g}, KL in the loss ({base.estimator}) ({_seeds(cells[base])})")
+            _line(ax_d, cells[k], "reward", color=others(i), linewidth=1.8,
+                  label=f"{k.method} β={k.beta:g}, KL in the {k.placement} ({k.estimator}) ({_seeds(cells[k])})")
+        if moved:
+            ax_d.set_title(f"(d) reward: KL placement and estimator (solid) against the KL in the loss (dashed)\n"
+                           f"{AVERAGING}", fontsize=9)
+        else:
+            _empty(ax_d, "(d): no run with another KL placement or estimator")
         for ax in axes:
             if ax.axison:
                 ax.axvspan(start + 1, planned, color="gray", alpha=0.12, linewidth=0)
