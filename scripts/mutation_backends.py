@@ -4,9 +4,12 @@ mutmut mutates Python code, not code held in strings: the replacement strings th
 ``backends/unsloth.py`` compile into TRL's and Unsloth's loss are text to it. This mutator applies one textual
 operator at a time (an arithmetic or comparison operator, ``not``, ``and``, a variable swapped for its sibling, a
 divisor dropped) inside those strings (the added lines only, not the upstream lines an anchor repeats) and inside
-the Liger module's KL lines; each mutant runs in a copy of the package against its backend's tests.
+the Liger module's KL lines; each mutant runs in a copy of the package against its backend's tests. ``reward``:
+``backends/reward_placement.py`` (kl_placement="reward"), its replacement strings and its functions' code (the
+rewrite runs at import and the Unsloth tests in a worker process, which mutmut's in-process trampolines and test
+records would miss), with a message's text left out and operators of its own.
 
-    python scripts/mutation_backends.py ROOT WORKDIR [--jobs N] [--backend trl|unsloth|liger ...] [--budget S] [--list]
+    python scripts/mutation_backends.py ROOT WORKDIR [--jobs N] [--backend trl|unsloth|liger|reward ...] [--budget S] [--list]
 
 A mutant is *killed* when its tests fail (exit 1) or run past the timeout, *survives* when they pass, and is
 *invalid* (left out of the score) when it cannot even be collected (exit 2-5, or a collection error: a replacement
@@ -54,7 +57,7 @@ class Target:
 #: under "train", the boolean operators and flags, the left-packed columns' arithmetic (completion_columns).
 REWARD_OPERATORS = (
     (r"\bref_per_token_logps(?=,\n)", "old_per_token_logps"), (r"\bold_per_token_logps(?=,\n)", "ref_per_token_logps"),
-    (r"\badaptive_kl_penalty(?=, mode)", "None"), (r"(?m)(?<=[ (])mode(?=\)?,?(?:$|\\n))", '"train"'),
+    (r"\badaptive_kl_penalty(?=, mode)", "None"), (r"(?m)(?<=[ (])mode(?=\)?,?(?:$|\\n))", "'train'"),
     (r"\bleft_pad_tokens_per_prompt\b", "0 * left_pad_tokens_per_prompt"), (r"(?<=\w) if \w+ is (?:not )?None else [^,\n]+", ""),
     (r"\bor\b", "and"), (r"\bTrue\b", "False"), (r"\bFalse\b", "True"), (r"~", ""), (r"\b0\.0\b", "1.0"),
     (r"\bmin=0, ", ""), (r", max=[^,)]*\)", ")"), (r"\bcumsum\(1\)", "cumsum(0)"), (r"(?<=\s)//(?=\s)", "/"),
@@ -91,8 +94,9 @@ TARGETS = (
         ("_rewrites", "_LEFT_PAD", "explicit_super", "install", "unavailable_reason", "_dispatch", "completions_per_update",
          "completion_columns", "RewardPlacement.check_placement", "RewardPlacement.scoring_penalty",
          "RewardPlacement.penalized_rewards"), "strings+code",
-        ("tests/backends/test_kl_placement.py", "tests/backends/test_unsloth.py", "-k",
-         "test_kl_placement or reward_placement or completion_columns or rewritten_scoring_function_of_the_generated"),
+        ("tests/backends/test_reward_placement_mutants.py", "tests/backends/test_kl_placement.py", "tests/backends/test_unsloth.py",
+         "-k", "test_reward_placement_mutants or test_kl_placement or reward_placement or completion_columns "
+         "or rewritten_scoring_function_of_the_generated"),
         600, lines=r"\S", operators=REWARD_OPERATORS,
     ),
 )  # fmt: skip
@@ -146,8 +150,9 @@ def segments(source: str, target: Target) -> list[tuple[int, int]]:
         rewrites = [n for n in ast.walk(node) if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "Rewrite"]
         strings = target.kind == "strings" or (target.kind == "strings+code" and (rewrites or isinstance(node, ast.Assign)))
         if strings and not rewrites:  # an assignment of source lines (a dict or tuple of them): every string in it
+            keys = {id(k) for d in ast.walk(node.value) if isinstance(d, ast.Dict) for k in d.keys}
             for literal in ast.walk(node.value):
-                if isinstance(literal, ast.Constant) and isinstance(literal.value, str) and literal.value:
+                if isinstance(literal, ast.Constant) and isinstance(literal.value, str) and literal.value and id(literal) not in keys:
                     out.append((offset(literal.lineno, literal.col_offset), offset(literal.end_lineno, literal.end_col_offset)))
         elif strings:
             for call in (n for n in ast.walk(node) if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "Rewrite"):
