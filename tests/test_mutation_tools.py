@@ -1,7 +1,8 @@
 """The mutation-testing tools (docs/reliability.md, "Mutation testing") where a run cut short or a broken machine would
 read as a result: scripts/mutation_backends.py (a mutant stopped by the run's budget is "not run", never "killed"; a
-backend whose tests fail unmutated gives no verdict), scripts/mutation_summary.py --merge (the score of a run made in
-parts) and scripts/gpu/progress_filter.py (mutmut's spinner out of a device call's output, every other line kept)."""
+backend whose tests fail unmutated gives no verdict; what a strings+code target mutates), scripts/mutation_summary.py
+--merge (the score of a run made in parts) and scripts/gpu/progress_filter.py (mutmut's spinner out of a device call's
+output, every other line kept)."""
 
 import importlib.util
 import json

@@ -23,7 +23,8 @@ def _penalised_advantages(trainer, seen, mask, beta=BETA):
     """Float64 advantages of the rewards less β · Σ_t k1 over ``mask``, from the scoring's own log-probs."""
     ((_, _, rewards_per_func),) = seen["_calculate_rewards"]
     ((args, _, _),) = seen["per_token"]
-    penalty, _ = reference.reward_penalty64("none", args[1], args[2], mask, estimator="k1", beta=beta, clip_threshold=0.05, kl_target=0.02)
+    penalty, _ = reference.reward_penalty64("none", args[1], args[2], mask, estimator="k1", beta=beta, clip_threshold=0.05,
+                                            kl_target=0.02)  # fmt: skip
     rewards = rewards_per_func.double().sum(1)
     return reference.group_advantages64(rewards - penalty, trainer.num_generations), penalty
 
@@ -53,7 +54,8 @@ def test_a_beta_of_one_penalises_the_rewards_like_any_other_nonzero_beta(tiny_ch
     out = _score(trainer, monkeypatch, seen)
     expected, penalty = _penalised_advantages(trainer, seen, out["completion_mask"].double(), beta=1.0)
     assert torch.allclose(out["advantages"].double(), expected, rtol=1e-4, atol=1e-4)
-    assert trainer._metrics["train"][metrics.KL_PENALTY] == [pytest.approx(penalty.mean().item(), rel=1e-6)] and penalty.abs().max() > 1e-3
+    assert penalty.abs().max() > 1e-3
+    assert trainer._metrics["train"][metrics.KL_PENALTY] == [pytest.approx(penalty.mean().item(), rel=1e-6)]
 
 
 def test_the_penalty_leaves_out_the_tool_result_tokens_of_trls_tool_mask(tiny_checkpoint, tmp_path, monkeypatch):
@@ -115,7 +117,7 @@ def test_the_unsloth_rewrite_hands_over_the_left_padding_only_where_unsloth_meas
     )  # fmt: skip
     if text_only:
         names.update(left_pad_tokens_per_prompt="pads", max_left_pad=2)
-    exec(compile(_unsloth_scoring_call(), "<rewrite>", "exec"), {}, names)
+    exec(compile(_unsloth_scoring_call(), "<rewrite>", "exec"), {}, names)  # noqa: S102 -- the package's own replacement text
     ((args, kwargs),) = names["self"]._adaptive_kl.calls
     assert args[:2] == ("ref", "old") and args[4] == "train"
     assert kwargs == {"left_pad": ("pads", 2, "ids", 7) if text_only else None}
