@@ -7,8 +7,8 @@
 #          each mutant against the fast tests of the core
 #          (CORE_TESTS below), of which mutmut runs only those that execute the mutated function.
 # backends: scripts/mutation_backends.py: the replacement strings that backends/trl.py and backends/unsloth.py put
-#          into TRL's and Unsloth's loss (mutmut does not mutate code inside strings) and the Liger module's KL lines,
-#          each against its backend's tests (NAME: trl unsloth liger).
+#          into TRL's and Unsloth's loss (mutmut does not mutate code inside strings), the Liger module's KL lines and
+#          backends/reward_placement.py (strings and code), each against its backend's tests (NAME: trl unsloth liger reward).
 # The work happens in a copy ($MUTATION_DIR, default /tmp/unsloth-adaptive-kl-mutation): the checkout is not touched.
 # Prints the score (scripts/mutation_summary.py) and writes every survivor's diff to $MUTATION_DIR/core/survivors.txt.
 # MUTATION_TIMEOUT=SECONDS stops each mutation run after that long (mutmut gets SIGINT and keeps what it checked; the

@@ -4,9 +4,12 @@ mutmut mutates Python code, not code held in strings: the replacement strings th
 ``backends/unsloth.py`` compile into TRL's and Unsloth's loss are text to it. This mutator applies one textual
 operator at a time (an arithmetic or comparison operator, ``not``, ``and``, a variable swapped for its sibling, a
 divisor dropped) inside those strings (the added lines only, not the upstream lines an anchor repeats) and inside
-the Liger module's KL lines; each mutant runs in a copy of the package against its backend's tests.
+the Liger module's KL lines; each mutant runs in a copy of the package against its backend's tests. ``reward``:
+``backends/reward_placement.py`` (kl_placement="reward"), its replacement strings and its functions' code (the
+rewrite runs at import and the Unsloth tests in a worker process, which mutmut's in-process trampolines and test
+records would miss), with a message's text left out and operators of its own.
 
-    python scripts/mutation_backends.py ROOT WORKDIR [--jobs N] [--backend trl|unsloth|liger ...] [--budget S] [--list]
+    python scripts/mutation_backends.py ROOT WORKDIR [--jobs N] [--backend trl|unsloth|liger|reward ...] [--budget S] [--list]
 
 A mutant is *killed* when its tests fail (exit 1) or run past the timeout, *survives* when they pass, and is
 *invalid* (left out of the score) when it cannot even be collected (exit 2-5, or a collection error: a replacement
@@ -39,9 +42,27 @@ class Target:
     path: str
     #: Top-level names (``Class.method`` for a method) whose replacement strings (``strings``) or lines (``code``) are mutated.
     names: tuple[str, ...]
+    #: "strings", "code", or "strings+code": a name whose statement builds a ``Rewrite`` or is an assignment has its
+    #: strings mutated, any other (a function) its code lines.
     kind: str
     tests: tuple[str, ...]
     timeout: int
+    #: The code lines mutated (``code``): those that match this (the Liger module's: the lines that handle the KL).
+    lines: str = r"kl|coef|beta|adapted|raw"
+    #: Operators of this target only, applied beside OPERATORS.
+    operators: tuple[tuple[str, str], ...] = ()
+
+
+#: The reward placement's own: its replacement strings' arguments swapped or dropped, the evaluation's penalty
+#: under "train", the boolean operators and flags, the left-packed columns' arithmetic (completion_columns).
+REWARD_OPERATORS = (
+    (r"\bref_per_token_logps(?=,\n)", "old_per_token_logps"), (r"\bold_per_token_logps(?=,\n)", "ref_per_token_logps"),
+    (r"\badaptive_kl_penalty(?=, mode)", "None"), (r"(?m)(?<=[ (])mode(?=\)?,?(?:$|\\n))", "'train'"),
+    (r"\bleft_pad_tokens_per_prompt\b", "0 * left_pad_tokens_per_prompt"), (r"(?<=\w) if \w+ is (?:not )?None else [^,\n]+", ""),
+    (r"\bor\b", "and"), (r"\bTrue\b", "False"), (r"\bFalse\b", "True"), (r"~", ""), (r"\b0\.0\b", "1.0"),
+    (r"\bmin=0, ", ""), (r", max=[^,)]*\)", ")"), (r"\bcumsum\(1\)", "cumsum(0)"), (r"(?<=\s)//(?=\s)", "/"),
+    (r"\bmask \* kept\.to\(mask\.dtype\)", "mask"), (r"(?<==)beta\b", "1.0"),
+)  # fmt: skip
 
 
 TARGETS = (
@@ -67,6 +88,16 @@ TARGETS = (
          "or loss_class_logs_trls_kl or (loss_class_matches_trl_loss_and_grads and (dapo or luspo)) "
          "or (test_backend_mutants and liger)"),
         900,
+    ),
+    Target(
+        "reward", "unsloth_adaptive_kl/backends/reward_placement.py",
+        ("_rewrites", "_LEFT_PAD", "explicit_super", "install", "unavailable_reason", "_dispatch", "completions_per_update",
+         "completion_columns", "RewardPlacement.check_placement", "RewardPlacement.scoring_penalty",
+         "RewardPlacement.penalized_rewards"), "strings+code",
+        ("tests/backends/test_reward_placement_mutants.py", "tests/backends/test_kl_placement.py", "tests/backends/test_unsloth.py",
+         "-k", "test_reward_placement_mutants or test_kl_placement or reward_placement or completion_columns "
+         "or rewritten_scoring_function_of_the_generated"),
+        600, lines=r"\S", operators=REWARD_OPERATORS,
     ),
 )  # fmt: skip
 
@@ -116,7 +147,14 @@ def segments(source: str, target: Target) -> list[tuple[int, int]]:
     out = []
     for name in target.names:
         node = _statement(tree, name)
-        if target.kind == "strings":
+        rewrites = [n for n in ast.walk(node) if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "Rewrite"]
+        strings = target.kind == "strings" or (target.kind == "strings+code" and (rewrites or isinstance(node, ast.Assign)))
+        if strings and not rewrites:  # an assignment of source lines (a dict or tuple of them): every string in it
+            keys = {id(k) for d in ast.walk(node.value) if isinstance(d, ast.Dict) for k in d.keys}
+            for literal in ast.walk(node.value):
+                if isinstance(literal, ast.Constant) and isinstance(literal.value, str) and literal.value and id(literal) not in keys:
+                    out.append((offset(literal.lineno, literal.col_offset), offset(literal.end_lineno, literal.end_col_offset)))
+        elif strings:
             for call in (n for n in ast.walk(node) if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "Rewrite"):
                 anchor, replacement = _rewrite_argument(call, 2, "anchor"), _rewrite_argument(call, 3, "replacement")
                 anchors = {ast.get_source_segment(source, n) for n in ast.walk(anchor) if isinstance(n, ast.Constant)}
@@ -127,11 +165,22 @@ def segments(source: str, target: Target) -> list[tuple[int, int]]:
                         out.append((offset(literal.lineno, literal.col_offset), offset(literal.end_lineno, literal.end_col_offset)))
         else:
             body = node.body[1:] if isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant) else node.body
+            # a message's text is not code: the string literals of the lines (f-strings whole) are left out
+            parts = {id(v) for n in ast.walk(node) if isinstance(n, ast.JoinedStr) for v in n.values}
+            texts = sorted((offset(n.lineno, n.col_offset), offset(n.end_lineno, n.end_col_offset)) for n in ast.walk(node)
+                           if id(n) not in parts and (isinstance(n, ast.JoinedStr) or (isinstance(n, ast.Constant) and isinstance(n.value, str))))  # fmt: skip
             for line in range(body[0].lineno, node.end_lineno + 1):
                 text = data[starts[line - 1] : starts[line] - 1].decode()
                 code = text.split("#", 1)[0]
-                if re.search(r"kl|coef|beta|adapted|raw", code):
-                    out.append((starts[line - 1], starts[line - 1] + len(code.encode())))
+                if re.search(target.lines, code):
+                    begin, end = starts[line - 1], starts[line - 1] + len(code.encode())
+                    for t0, t1 in texts:
+                        if t0 < end and begin < t1:  # a literal on this line: the code before it, then after it
+                            if begin < t0:
+                                out.append((begin, t0))
+                            begin = max(begin, t1)
+                    if begin < end:
+                        out.append((begin, end))
     # JoinedStr and its parts overlap in 3.11's positions: keep the outermost ranges only
     out = sorted(set(out))
     return [r for r in out if not any(o != r and o[0] <= r[0] and r[1] <= o[1] for o in out)]
@@ -143,7 +192,7 @@ def mutants(root: str, target: Target) -> list[dict]:
     found = []
     for start, end in segments(source, target):
         text = data[start:end].decode()
-        for pattern, replacement in OPERATORS:
+        for pattern, replacement in OPERATORS + target.operators:
             for match in re.finditer(pattern, text):
                 mutated = text[: match.start()] + replacement + text[match.end() :]
                 new = data[:start] + mutated.encode() + data[end:]

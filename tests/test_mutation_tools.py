@@ -1,7 +1,8 @@
 """The mutation-testing tools (docs/reliability.md, "Mutation testing") where a run cut short or a broken machine would
 read as a result: scripts/mutation_backends.py (a mutant stopped by the run's budget is "not run", never "killed"; a
-backend whose tests fail unmutated gives no verdict), scripts/mutation_summary.py --merge (the score of a run made in
-parts) and scripts/gpu/progress_filter.py (mutmut's spinner out of a device call's output, every other line kept)."""
+backend whose tests fail unmutated gives no verdict; what a strings+code target mutates), scripts/mutation_summary.py
+--merge (the score of a run made in parts) and scripts/gpu/progress_filter.py (mutmut's spinner out of a device call's
+output, every other line kept)."""
 
 import importlib.util
 import json
@@ -123,3 +124,35 @@ def test_the_progress_filter_drops_mutmuts_spinner_and_keeps_every_other_line(tm
     # the first progress line (shown at once), the last one (before the next line), nothing between
     assert lines[4:] == ["⠦ 1/9  🎉 1 🙁 0", "⠦ 9/9  🎉 9 🙁 0", "0.5 mutations/second"]
     assert log.read_text().splitlines() == lines
+
+
+def test_a_strings_and_code_target_mutates_replacement_strings_assigned_lines_and_code_but_never_a_messages_text(tmp_path):
+    """The reward placement's target ("strings+code"): a function building a Rewrite has its replacement's strings
+    mutated (not the upstream anchor it repeats), an assignment of source lines every string in it, any other function
+    its code lines with the string literals (a message's text, f-strings whole) left out; the target's own operators
+    apply beside the common ones."""
+    source = textwrap.dedent('''\
+        EXTRA = {"a": "    x = y - z\\n"}
+
+
+        def rewrites():
+            return Rewrite("T.f", "lib", "    a = b\\n", "    a = b\\n    c = a * d\\n", "why")
+
+
+        def code(x, y):
+            """Docstring: a - b."""
+            if x != y:
+                raise ValueError(f"x - y is {x - y}, not " + "a == b")
+            return x - y  # a comment: x - y
+        ''')
+    target = backends.Target("fake", "m.py", ("rewrites", "EXTRA", "code"), "strings+code", (), 60, lines=r"\S",
+                             operators=((r"\by\b", "x"),))  # fmt: skip
+    data = source.encode()
+    found = {data[a:b].decode() for a, b in backends.segments(source, target)}
+    assert found == {'"    x = y - z\\n"', '"    a = b\\n    c = a * d\\n"', "    if x != y:", "        raise ValueError(",
+                     " + ", ")", "    return x - y  "}, found  # fmt: skip
+    (tmp_path / "m.py").write_text(source)
+    lines = sorted((m["line"], m["original"], m["replacement"]) for m in backends.mutants(str(tmp_path), target))
+    # the docstring, the f-string's {x - y}, the message and the comment give none; the + joining two messages is code
+    assert lines == [(1, "-", "+"), (1, "y", "x"), (5, "*", "/"), (10, "!=", "=="), (10, "y", "x"), (11, "+", "-"),
+                     (12, "-", "+"), (12, "y", "x")], lines  # fmt: skip
