@@ -214,19 +214,48 @@ def test_every_phase1_list_is_checked():
     assert on_disk == {name for names, _ in CALLS for name in names}
 
 
+# The phase-2 lists (Amendment 10): written by scripts/study33_phase2.py from phase 1's streams once phase 1 is
+# complete (it refuses before), two a seed: -a, `target` from 0.01, 0.1 and 1.0 at the low target and (d)'s run;
+# -b, the three at the high target. Committed with the amendment that gives their targets, before phase 2 runs.
+P2 = "study33-p2-seed"
+
+
+def test_phase2_lists_are_all_written_or_none_and_run_section_7s_settings():
+    folder = os.path.join(ROOT, "scripts", "gpu", "evidence")
+    on_disk = sorted(f[:-4] for f in os.listdir(folder) if f.startswith(P2) and f.endswith(".txt"))
+    if not on_disk:
+        pytest.skip("phase 2's lists are not written yet: scripts/study33_phase2.py refuses until phase 1 is complete")
+    assert on_disk == sorted(f"{P2}{seed}-{part}" for seed in range(5) for part in "ab")
+    targets = {"a": set(), "b": set()}
+    for name in on_disk:
+        seed, part = int(name[len(P2):].split("-")[0]), name[-1]
+        args = _list_args(name)
+        assert (args.first_seed, args.seeds) == (seed, 1) and args.backend == "unsloth"
+        assert [(run.method, run.beta) for run in args.runs[:3]] == [("target", beta) for beta in (0.01, 0.1, 1.0)]
+        assert args.runs[3:] == ([settings.RunSpec("none", 0.04, None, "reward", "k1")] if part == "a" else [])
+        targets[part] |= {run.kl_target for run in args.runs[:3]}
+        _check_section_7_settings(args)
+    (low,), (high,) = targets["a"], targets["b"]  # one target a part, the same in every seed
+    assert 0 < low < high and high / low == pytest.approx(16, rel=0.1)  # 0.25 x and 4 x K_nat, 2 significant digits
+
+
 def _check_section_7_settings(args):
     one = settings.settings_from(args)
     per_beta = settings.beta_settings(args, one)
     pairs = settings.run_pairs(args, per_beta)
     assert [(m, s.beta) for s, _, m in pairs] == [run[:2] for run in args.runs]
-    assert len({grid.split_tag(tag)[0] for _, tag, _ in pairs}) == 1  # one family: study_report reads them together
-    for s, _, _ in pairs:  # section 7, "Task, model, settings", and Amendment 3's warm-start rate
+    assert len({analysis._family(tag) for _, tag, _ in pairs}) == 1  # one family: study_report reads them together
+    for (s, _, _), run in zip(pairs, args.runs):  # section 7, "Task, model, settings", and Amendment 3's warm-start rate
         assert (s.task, s.hidden_size, s.layers, s.heads, s.warm_start_steps, s.warm_start_lr) == ("long", 768, 6, 12, 2000, 3e-4)
         assert (s.lora_rank, s.learning_rate, s.prompts_per_step, s.num_generations, s.gradient_accumulation_steps) == (32, 1e-3, 8, 8, 1)
         assert (s.max_completion_length, s.temperature, s.loss_type, s.optim, s.weight_decay) == (192, 1.0, "dapo", "adamw_torch", 0.0)
         assert (s.epsilon_high, s.mask_truncated_completions, s.steps) == (0.2, False, 200)
         fields = settings.method_fields(s, completions_per_step=s.prompts_per_step * s.num_generations)
-        assert (fields["kl_estimator"], fields["kl_clip_threshold"], fields["reward_window"], fields["beta_min"]) == ("k3", 1.0, 5, 0.0)
+        # k3 in the loss, but where a phase-2 run overrides them ((d)'s run: k1 in the reward)
+        assert (fields["kl_estimator"], fields["kl_placement"]) == (run.kl_estimator, run.kl_placement)
+        assert (fields["kl_clip_threshold"], fields["reward_window"], fields["beta_min"]) == (1.0, 5, 0.0)
+        if run.kl_target is not None:
+            assert fields["kl_target"] == run.kl_target
         assert fields["kl_horizon"] == 640  # 10 steps of 64 completions: target moves β at most x1.02 / x0.98 a step
     assert analysis.final_window_start(one.steps) == 150  # the final window: steps 151-200
 
