@@ -123,10 +123,9 @@ def test_the_unsloth_rewrite_hands_over_the_left_padding_only_where_unsloth_meas
     assert kwargs == {"left_pad": ("pads", 2, "ids", 7) if text_only else None}
 
 
-def test_install_runs_the_rewritten_scoring_inside_the_wrapper_it_is_given(monkeypatch):
-    """Unsloth wraps its generated scoring function (optimizer parking during rollouts, the inference-mode restore):
-    with install(wrap=...), a reward-placement trainer's scoring runs through that wrapper, around the function compiled
-    from the rewritten source."""
+def _installed_with(wrap, monkeypatch):
+    """A throwaway GRPOTrainer subclass with the reward placement installed through ``wrap`` (TRL's plan), and a
+    stand-in trainer whose runtime has the KL out of the loss."""
     from types import SimpleNamespace
 
     from trl import GRPOTrainer
@@ -135,6 +134,15 @@ def test_install_runs_the_rewritten_scoring_inside_the_wrapper_it_is_given(monke
     from unsloth_adaptive_kl.backends import trl as trl_backend
 
     monkeypatch.setattr(_source_patch, "_ORIGINALS", list(_source_patch._ORIGINALS))  # this throwaway class stays out of unpatch()
+    cls = type("Installed", (GRPOTrainer,), {})
+    reward_placement.install(cls, reward_placement.TRL_PLAN, trl_backend.owners(), wrap=wrap)
+    return cls, SimpleNamespace(_adaptive_kl=SimpleNamespace(kl_in_loss=False, rewards_penalized=False))
+
+
+def test_install_runs_the_rewritten_scoring_inside_the_wrapper_it_is_given(monkeypatch):
+    """Unsloth wraps its generated scoring function (optimizer parking during rollouts, the inference-mode restore):
+    with install(wrap=...), a reward-placement trainer's scoring runs through that wrapper, around the function compiled
+    from the rewritten source."""
     wrapped = []
 
     def wrap(rewritten):
@@ -145,9 +153,7 @@ def test_install_runs_the_rewritten_scoring_inside_the_wrapper_it_is_given(monke
 
         return around
 
-    cls = type("Wrapped", (GRPOTrainer,), {})
-    reward_placement.install(cls, reward_placement.TRL_PLAN, trl_backend.owners(), wrap=wrap)
-    trainer = SimpleNamespace(_adaptive_kl=SimpleNamespace(kl_in_loss=False, rewards_penalized=False))
+    cls, trainer = _installed_with(wrap, monkeypatch)
     assert cls._generate_and_score_completions(trainer, []) == "scored inside the wrapper"
     (rewritten,) = wrapped
     assert {"scoring_penalty", "penalized_rewards"} <= set(rewritten.__code__.co_names)  # the rewritten function
@@ -157,15 +163,8 @@ def test_install_runs_the_rewritten_scoring_inside_the_wrapper_it_is_given(monke
 def test_a_scoring_that_does_not_reach_the_group_normalisation_is_refused_every_time(monkeypatch):
     """The dispatch clears the runtime's flag before each scoring: a scoring whose rewritten function did not reach
     sum_then_normalize (no penalty applied) is refused, also after an earlier scoring that did reach it."""
-    from types import SimpleNamespace
-
-    from trl import GRPOTrainer
-
-    from unsloth_adaptive_kl import _source_patch
     from unsloth_adaptive_kl._source_patch import PatchError
-    from unsloth_adaptive_kl.backends import trl as trl_backend
 
-    monkeypatch.setattr(_source_patch, "_ORIGINALS", list(_source_patch._ORIGINALS))
     reaches = [True, False]
 
     def wrap(rewritten):
@@ -176,9 +175,7 @@ def test_a_scoring_that_does_not_reach_the_group_normalisation_is_refused_every_
 
         return scoring
 
-    cls = type("Skipping", (GRPOTrainer,), {})
-    reward_placement.install(cls, reward_placement.TRL_PLAN, trl_backend.owners(), wrap=wrap)
-    trainer = SimpleNamespace(_adaptive_kl=SimpleNamespace(kl_in_loss=False, rewards_penalized=False))
+    cls, trainer = _installed_with(wrap, monkeypatch)
     assert cls._generate_and_score_completions(trainer, []) == "scored"
     with pytest.raises(PatchError, match="did not reach the rewards' group normalisation"):
         cls._generate_and_score_completions(trainer, [])
