@@ -372,6 +372,11 @@ class CellKey(NamedTuple):
         """The same method, β and kl_target with the default placement and estimator: what (d) compares with."""
         return self._replace(placement=DEFAULT_PLACEMENT, estimator=DEFAULT_ESTIMATOR)
 
+    @property
+    def order(self) -> tuple:
+        """The tables' and the figure's order of cells (a kl_target of None sorts as 0)."""
+        return self.method, self.beta, self.kl_target or 0, self.placement, self.estimator
+
     def label(self) -> str:
         """The method as the tables write it: `none`, or `none` (KL in the reward, k1) for another placement."""
         return f"`{self.method}`" + ("" if self.default_placement else f" (KL in the {self.placement}, {self.estimator})")
@@ -431,11 +436,6 @@ def moved_cells(cells: dict) -> dict:
     return {k: v for k, v in cells.items() if not k.default_placement and k.baseline() in cells}
 
 
-def _cell_order(item: tuple[CellKey, dict]) -> tuple:
-    key = item[0]
-    return key.method, key.beta, key.kl_target or 0, key.placement, key.estimator
-
-
 def study_report(paths: list[str]) -> str:
     """Markdown: the pre-registered analysis of section 7, per family of settings (tags that differ only in
     the initial β, kl_target, KL placement and estimator): every run's final-window numbers and runaways, (a) the length slope after
@@ -458,7 +458,7 @@ def study_report(paths: list[str]) -> str:
                 "alone.", "",
                 "| method | β0 | kl_target | seeds | copies (complete) | final reward | final length | final KL | runaways |",
                 "|---|---|---|---|---|---|---|---|---|"]
-        for key, cell in sorted(cells.items(), key=_cell_order):
+        for key, cell in sorted(cells.items(), key=lambda item: item[0].order):
             beta, kt = key.beta, key.kl_target
             numbers = [copy_numbers(rows, steps, threshold) for copies in cell.values() for rows in copies]
             ran = [f"seed {s} step {copy_numbers(rows, steps, threshold)['runaway_step']}" for s, copies in cell.items()
@@ -505,7 +505,7 @@ def study_report(paths: list[str]) -> str:
                         f"±{REWARD_MARGIN:g}), Δ final length (margin ±{LENGTH_MARGIN:g} tokens), Δ final raw KL (95 % "
                         "interval only).", "",
                     "| method | β0 | quantity | Δ mean | 90 % CI | 95 % CI | verdict |", "|---|---|---|---|---|---|---|"]
-            for key, cell in sorted(moved.items(), key=_cell_order):
+            for key, cell in sorted(moved.items(), key=lambda item: item[0].order):
                 out += _against(key.label(), key.beta, cell, cells[key.baseline()], steps)
             out += [_raw_kl_note(key) for key in sorted({k._replace(beta=0.0, kl_target=None) for k in moved})
                     if key.estimator != DEFAULT_ESTIMATOR]

@@ -127,7 +127,7 @@ def plot_study(paths: list[str], path: str) -> str:
                          fontsize=9)
             if key == RAW_KL:
                 ax.set_yscale("log")
-        moved = sorted(moved_cells(cells), key=lambda k: (k.method, k.beta, k.kl_target or 0, k.placement, k.estimator))
+        moved = sorted(moved_cells(cells), key=lambda k: k.order)
         for i, k in enumerate(moved):  # the baseline dashed, in the same colour
             base = k.baseline()
             _line(ax_d, cells[base], "reward", color=others(i), linestyle="--",
