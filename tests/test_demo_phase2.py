@@ -169,6 +169,9 @@ def test_smoke_trains_both_placements_and_records_them(smoke_placement):
     report = analysis.study_report([str(out / "stream.jsonl")])  # one family; (d) compares the two runs
     assert f"## easy-dapo-b*-h32x2-L24-s{steps} " in report and "**(d) KL placement and estimator**" in report
     assert "| `none` (KL in the reward, k1) | 0.04 | reward |" in report
+    # the runs log the KL's token tail, and (d) still reports none of it (Amendment 14: k1's tail is not k3's)
+    assert all(r.get("adaptive_kl/token_kl_p99") is not None for r in rows)
+    assert "| token KL" not in report.split("**(d)")[1]
 
 
 # -- the study's (d) table ---------------------------------------------------------------------------------

@@ -131,6 +131,41 @@ def test_the_study_report_applies_the_pre_registered_tests(tmp_path):
     assert math.isclose(analysis.KL_RATIO_MARGIN, math.log(1.25))
 
 
+
+def test_c_reports_the_kls_token_tail_against_none_with_its_95_interval(tmp_path):
+    # Amendment 14: (c)'s token-tail rows, final-window means of the logged tail metrics, paired by seed, 95 % only.
+    # Every KL-logging row gets p99 = 2 x its raw KL, max = 10 x, top-1 % share 0.05.
+    path = _stream(tmp_path / "s.jsonl")
+    rows = [json.loads(line) for line in open(path)]
+    for r in rows:
+        if r["adaptive_kl/raw_kl"] is not None:
+            k = r["adaptive_kl/raw_kl"]
+            r.update({"adaptive_kl/token_kl_p99": 2 * k, "adaptive_kl/token_kl_max": 10 * k,
+                      "adaptive_kl/token_kl_top1pct_share": 0.05})
+    with open(path, "w") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows))
+    copies = analysis.read_copies([path])["long-dapo-b0.1-h768x6-L192-s100"]
+    assert analysis.copy_numbers(copies[("none", 1)][0], 100, None)["kl_p99"] == pytest.approx(0.4)
+    assert analysis.copy_numbers(copies[("none", 1)][0], 100, None)["kl_max"] == pytest.approx(2.0)
+    # β = 0 logs no KL and so no tail
+    none0 = analysis.read_copies([path])["long-dapo-b0-h768x6-L192-s100"][("none", 0)][0]
+    assert analysis.copy_numbers(none0, 100, None)["kl_p99"] is None
+    text = analysis.study_report([path])
+    # p99: clip's seed 0 (0.4 + 10.0) / 2 = 5.2 against 0.4: differences 4.8, 0, 0: mean 1.6, se 1.6, 95 % ± 6.8848
+    assert "| `clip` | 0.1 | token KL p99 | 1.6000 | — | [-5.2848, 8.4848] | not different |" in text
+    # max: (2 + 50) / 2 = 26 against 2: differences 24, 0, 0: mean 8, se 8, 95 % ± 34.424
+    assert "| `clip` | 0.1 | token KL max | 8.0000 | — | [-26.4240, 42.4240] | not different |" in text
+    assert "| `clip` | 0.1 | token KL top-1 % share | 0.0000 | — | [0.0000, 0.0000] | not different |" in text
+    assert "| token KL" not in text.split("**(c)")[0]  # only (c) has the rows
+    # a stream without the tail metrics (rows before issue 36): the rows say so rather than invent a value
+    for r in rows:
+        for key in analysis.TAIL_METRICS.values():
+            r.pop(key, None)
+    with open(path, "w") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows))
+    assert "| `clip` | 0.1 | token KL p99 | — | — | — | no seeds |" in analysis.study_report([path])
+
+
 def test_a_seed_with_two_copies_gives_question_a_one_slope(tmp_path):
     # reward 0.8 throughout: saturation at step 1; the length grows 0.1 or 0.2 tokens a step in seed 0's two
     # copies (10 and 20 tokens / 100 steps), 0 in seeds 1 and 2: seed values 15, 0, 0, not four draws.

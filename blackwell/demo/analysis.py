@@ -14,6 +14,10 @@ from .settings import Settings
 from .summary import _mean, cell, summarize_run
 
 LENGTH = "completions/mean_length"
+# The KL's token tail (docs/metrics-tail.md), which (c) reports (Amendment 14): a copy's key -> the logged metric.
+TAIL_METRICS = {"kl_p99": "adaptive_kl/token_kl_p99", "kl_max": "adaptive_kl/token_kl_max",
+                "kl_top1": "adaptive_kl/token_kl_top1pct_share"}
+TAIL_LABELS = {"kl_p99": "token KL p99", "kl_max": "token KL max", "kl_top1": "token KL top-1 % share"}
 CORRECT = "rewards/scratchpad_correctness_reward/mean"  # 0.5 per right answer
 # Two-sided 95 % quantiles of Student's t, by degrees of freedom (standard table values).
 T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
@@ -290,8 +294,11 @@ def copy_numbers(rows: list[dict], planned_steps: int, kl_threshold: float | Non
         runaway = runaway_step(rows, None)
     else:
         runaway = runaway_step(rows, kl_threshold) if kl_threshold is not None else None
+    tail = {key: mean(metric) if has_kl else None for key, metric in TAIL_METRICS.items()}
+    tail = {key: None if value is None or math.isnan(value) else value for key, value in tail.items()}
     return {"complete": rows[-1]["step"] >= planned_steps, "last_step": rows[-1]["step"], "reward": mean("reward"),
-            "length": mean(LENGTH), "kl": mean("adaptive_kl/raw_kl") if has_kl else None, "runaway_step": runaway}
+            "length": mean(LENGTH), "kl": mean("adaptive_kl/raw_kl") if has_kl else None, "runaway_step": runaway,
+            **tail}
 
 
 def seed_values(copies: list[list[dict]], planned_steps: int, key: str, kl_threshold: float | None = None) -> float | None:
@@ -493,17 +500,19 @@ def study_report(paths: list[str]) -> str:
         others = compared_cells(cells)
         if others:
             out += ["", f"**(c) Against `none` at the same β**, paired by seed: Δ final reward (margin ±{REWARD_MARGIN:g}), "
-                        f"Δ final length (margin ±{LENGTH_MARGIN:g} tokens), Δ final raw KL (95 % interval only: no margin "
-                        "was set).", "",
+                        f"Δ final length (margin ±{LENGTH_MARGIN:g} tokens), Δ final raw KL and the KL's token tail "
+                        "(p99, max and top-1 % share of the per-token raw KL, final-window means; Amendment 14) with the "
+                        "95 % interval only: no margin was set.", "",
                     "| method | β0 | quantity | Δ mean | 90 % CI | 95 % CI | verdict |", "|---|---|---|---|---|---|---|"]
             for (method, beta, *_), cell in sorted(others.items()):
-                out += _against(f"`{method}`", beta, cell, cells[CellKey("none", beta, None)], steps)
+                out += _against(f"`{method}`", beta, cell, cells[CellKey("none", beta, None)], steps, tail=True)
         moved = moved_cells(cells)
         if moved:
             out += ["", f"**(d) KL placement and estimator**: each run against the same method at the same β with the KL "
                         f"in the loss ({DEFAULT_ESTIMATOR}), paired by seed, the tests of (c): Δ final reward (margin "
                         f"±{REWARD_MARGIN:g}), Δ final length (margin ±{LENGTH_MARGIN:g} tokens), Δ final raw KL (95 % "
-                        "interval only).", "",
+                        "interval only); no token tail (Amendment 14: k1's per-token values and k3's differ in their "
+                        "tails by estimator).", "",
                     "| method | β0 | quantity | Δ mean | 90 % CI | 95 % CI | verdict |", "|---|---|---|---|---|---|---|"]
             for key, cell in sorted(moved.items(), key=lambda item: item[0].order):
                 out += _against(key.label(), key.beta, cell, cells[key.baseline()], steps)
@@ -517,11 +526,14 @@ def cell_text(values: list[float | None], fmt: str) -> str:
     return cell([v for v in values if v is not None], fmt)
 
 
-def _against(label: str, beta: float, cell: dict, baseline: dict, steps: int) -> list[str]:
-    """The rows of (c) and (d): Δ final reward and length (TOST at their margins) and Δ final raw KL (95 % only)."""
+def _against(label: str, beta: float, cell: dict, baseline: dict, steps: int, tail: bool = False) -> list[str]:
+    """The rows of (c) and (d): Δ final reward and length (TOST at their margins) and Δ final raw KL (95 % only);
+    with ``tail`` (c's rows, Amendment 14) Δ of the token tail's final-window means too (95 % only)."""
     rows = [f"| {label} | {beta:g} | {key} | {fmt_equivalence(tost(paired_by_seed(cell, baseline, steps, key), margin))} |"
             for key, margin in (("reward", REWARD_MARGIN), ("length", LENGTH_MARGIN))]
-    return rows + [f"| {label} | {beta:g} | raw KL | {fmt_difference(paired_by_seed(cell, baseline, steps, 'kl'))} |"]
+    differences = [("raw KL", "kl")] + ([(TAIL_LABELS[key], key) for key in TAIL_METRICS] if tail else [])
+    return rows + [f"| {label} | {beta:g} | {name} | {fmt_difference(paired_by_seed(cell, baseline, steps, key))} |"
+                   for name, key in differences]
 
 
 def _raw_kl_note(key: CellKey) -> str:
