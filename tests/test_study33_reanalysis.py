@@ -322,9 +322,10 @@ def results_section():
 
 
 def markdown_tables(text):
-    """Every pipe table of text as (header cells, rows of cells), the separator row dropped."""
+    """Every pipe table of text as (header cells, rows of cells), the separator row dropped; a table indented into
+    a list item too."""
     tables, lines = [], []
-    for line in text.splitlines() + [""]:
+    for line in (line.strip() for line in text.splitlines() + [""]):
         if line.startswith("|"):
             lines.append([cell.strip() for cell in line.strip().strip("|").split("|")])
         elif lines:
@@ -483,3 +484,31 @@ def test_the_t_tables_rounding_moves_only_last_digits_and_no_verdict():
             assert slope_row(beta, reading)[4] == slope_row(beta, reading, t_decimals=None)[4]
     assert "with the exact quantiles (2.77645, 2.13185) 11 of (c)'s intervals move" in read_evidence_doc()
     assert (f"{student_t_quantile(0.975, 4):.5f}, {student_t_quantile(0.95, 4):.5f}") == "2.77645, 2.13185"
+
+
+# -- the descriptive table: each run's best 10-step reward and how far its final window fell below it ------------------
+def best_and_fall(copy):
+    """(best full-window 10-step mean reward, its first step, best - final-window mean) of a complete copy, exactly."""
+    means = trailing_means(copy.exact_reward, FULL_WINDOWS)
+    best = max(means.values())
+    step = min(step for step, mean in means.items() if mean == best)
+    window = copy.exact_reward[FINAL_WINDOW_FIRST_STEP - 1:PLANNED_STEPS]
+    return best, step, best - sum(window) / len(window)
+
+
+def test_the_reward_peak_table_matches_the_streams():
+    rows = results_table(["method", "β0", "copies", "best 10-step reward (mean)"])
+    assert [(plain(row[0]), float(row[1])) for row in rows] == study_cells()
+    columns = ("copies", "best 10-step reward (mean)", "at steps", "fall: mean", "fall: range")
+    found, every_best = [], []
+    for method_cell, beta_cell, *documented in rows:
+        complete = [copy for copy in copies_of(plain(method_cell), float(beta_cell)) if copy.last_step == PLANNED_STEPS]
+        assert sorted(copy.seed for copy in complete) == list(SEEDS)  # one complete copy a run
+        bests, steps, falls = zip(*map(best_and_fall, complete))
+        every_best += bests
+        recomputed = (str(len(complete)), fixed(float(np.mean(bests)), 3), f"{min(steps)}-{max(steps)}",
+                      fixed(float(np.mean(falls)), 3), f"{fixed(float(min(falls)), 3)}-{fixed(float(max(falls)), 3)}")
+        found += mismatches(f"{method_cell} β {beta_cell}", columns, documented, recomputed)
+    assert not found, "\n".join(found)
+    assert (fixed(float(min(every_best)), 2), fixed(float(max(every_best)), 2)) == ("0.80", "0.87")
+    assert "Every run reached a 10-step reward of 0.80-0.87" in results_section().replace("\n  ", " ")
