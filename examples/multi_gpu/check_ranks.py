@@ -199,6 +199,11 @@ def import_backend(args) -> None:
 
 
 def worker(args):
+    import faulthandler
+
+    # a rank that aborts in C++ (a CPU CI run once saw "terminate called without an active exception" on rank 1 after
+    # both trainings) prints every thread's Python stack to stderr, which the test's failure message shows
+    faulthandler.enable(all_threads=True)
     import_backend(args)
     import torch
     from transformers import TrainerCallback
