@@ -512,3 +512,16 @@ def test_the_reward_peak_table_matches_the_streams():
     assert not found, "\n".join(found)
     assert (fixed(float(min(every_best)), 2), fixed(float(max(every_best)), 2)) == ("0.80", "0.87")
     assert "Every run reached a 10-step reward of 0.80-0.87" in results_section().replace("\n  ", " ")
+
+
+def test_the_pinned_length_statement_matches_the_streams():
+    # "Every complete copy that did not run away ends at 122.9-124.2 tokens (as do 6 of the 11 that did)"
+    kl_threshold = RUNAWAY_KL_FACTOR * natural_kl()[1]
+    calm, ran_away = [], []
+    for copy in study_copies():
+        if copy.last_step == PLANNED_STEPS:
+            (ran_away if runaway_step(copy, kl_threshold) is not None else calm).append(copy.final_value(LENGTH))
+    low, high = fixed(min(calm), 1), fixed(max(calm), 1)
+    inside = sum(float(low) <= round(length, 1) <= float(high) for length in ran_away)
+    statement = f"ends at {low}-{high} tokens (as do {inside} of the {len(ran_away)} that did)"
+    assert statement in results_section().replace("\n  ", " ")
