@@ -46,8 +46,20 @@ RUNAWAY_REWARD_DROP = Fraction(1, 10)  # trailing reward at least 0.1 below the 
 REWARD_MARGIN, LENGTH_MARGIN, SLOPE_MARGIN = 0.05, 5.0, 5.0
 SEEDS = (0, 1, 2, 3, 4)
 FIXED_BETAS = (0.0, 0.001, 0.01, 0.04, 0.1, 0.3)  # question (a): `none` at each
-SHAPING_METHODS = ("clip", "soft_clip", "length_normalized")  # question (c): each at β 0.04 against `none` at 0.04
 SHAPING_BETA = 0.04
+
+
+def shaping_runs_of_phase_1():
+    """Question (c)'s methods, each at β 0.04 against `none` at 0.04, in the order phase 1's `shape` list ran them
+    (read from the list rather than spelled out: tests/test_registries.py forbids hand-kept method lists)."""
+    text = (ROOT / "scripts" / "gpu" / "evidence" / "study33-p1-seed0-shape.txt").read_text()
+    (runs,) = re.findall(r"--runs (\S+)", text)
+    methods = [run.split("@")[0] for run in runs.split(",")]
+    assert {float(run.split("@")[1]) for run in runs.split(",")} == {SHAPING_BETA} and "none" not in methods
+    return tuple(methods)
+
+
+SHAPING_METHODS = shaping_runs_of_phase_1()
 
 REWARD, LENGTH, RAW_KL = "reward", "completions/mean_length", "adaptive_kl/raw_kl"
 TAIL_P99, TAIL_MAX, TAIL_SHARE = ("adaptive_kl/token_kl_p99", "adaptive_kl/token_kl_max",
