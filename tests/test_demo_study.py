@@ -136,7 +136,7 @@ def test_c_reports_the_kls_token_tail_against_none_with_its_95_interval(tmp_path
     # Amendment 14: (c)'s token-tail rows, final-window means of the logged tail metrics, paired by seed, 95 % only.
     # Every KL-logging row gets p99 = 2 x its raw KL, max = 10 x, top-1 % share 0.05.
     path = _stream(tmp_path / "s.jsonl")
-    rows = [json.loads(line) for line in open(path)]
+    rows = [json.loads(line) for line in (tmp_path / "s.jsonl").read_text().splitlines()]
     for r in rows:
         if r["adaptive_kl/raw_kl"] is not None:
             k = r["adaptive_kl/raw_kl"]
@@ -159,8 +159,8 @@ def test_c_reports_the_kls_token_tail_against_none_with_its_95_interval(tmp_path
     assert "| token KL" not in text.split("**(c)")[0]  # only (c) has the rows
     # a stream without the tail metrics (rows before issue 36): the rows say so rather than invent a value
     for r in rows:
-        for key in analysis.TAIL_METRICS.values():
-            r.pop(key, None)
+        for metric, _ in analysis.TAIL_METRICS.values():
+            r.pop(metric, None)
     with open(path, "w") as f:
         f.write("".join(json.dumps(r) + "\n" for r in rows))
     assert "| `clip` | 0.1 | token KL p99 | — | — | — | no seeds |" in analysis.study_report([path])

@@ -10,14 +10,16 @@ import statistics
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from unsloth_adaptive_kl import metrics
+
 from .settings import Settings
 from .summary import _mean, cell, summarize_run
 
 LENGTH = "completions/mean_length"
-# The KL's token tail (docs/metrics-tail.md), which (c) reports (Amendment 14): a copy's key -> the logged metric.
-TAIL_METRICS = {"kl_p99": "adaptive_kl/token_kl_p99", "kl_max": "adaptive_kl/token_kl_max",
-                "kl_top1": "adaptive_kl/token_kl_top1pct_share"}
-TAIL_LABELS = {"kl_p99": "token KL p99", "kl_max": "token KL max", "kl_top1": "token KL top-1 % share"}
+# The KL's token tail (docs/metrics-tail.md), which (c) reports (Amendment 14): a copy's key -> (the logged metric,
+# its row in the report).
+TAIL_METRICS = {"kl_p99": (metrics.TOKEN_KL_P99, "token KL p99"), "kl_max": (metrics.TOKEN_KL_MAX, "token KL max"),
+                "kl_top1": (metrics.TOKEN_KL_TOP1PCT_SHARE, "token KL top-1 % share")}
 CORRECT = "rewards/scratchpad_correctness_reward/mean"  # 0.5 per right answer
 # Two-sided 95 % quantiles of Student's t, by degrees of freedom (standard table values).
 T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
@@ -294,7 +296,7 @@ def copy_numbers(rows: list[dict], planned_steps: int, kl_threshold: float | Non
         runaway = runaway_step(rows, None)
     else:
         runaway = runaway_step(rows, kl_threshold) if kl_threshold is not None else None
-    tail = {key: mean(metric) if has_kl else None for key, metric in TAIL_METRICS.items()}
+    tail = {key: mean(metric) if has_kl else None for key, (metric, _) in TAIL_METRICS.items()}
     tail = {key: None if value is None or math.isnan(value) else value for key, value in tail.items()}
     return {"complete": rows[-1]["step"] >= planned_steps, "last_step": rows[-1]["step"], "reward": mean("reward"),
             "length": mean(LENGTH), "kl": mean("adaptive_kl/raw_kl") if has_kl else None, "runaway_step": runaway,
@@ -531,7 +533,7 @@ def _against(label: str, beta: float, cell: dict, baseline: dict, steps: int, ta
     with ``tail`` (c's rows, Amendment 14) Δ of the token tail's final-window means too (95 % only)."""
     rows = [f"| {label} | {beta:g} | {key} | {fmt_equivalence(tost(paired_by_seed(cell, baseline, steps, key), margin))} |"
             for key, margin in (("reward", REWARD_MARGIN), ("length", LENGTH_MARGIN))]
-    differences = [("raw KL", "kl")] + ([(TAIL_LABELS[key], key) for key in TAIL_METRICS] if tail else [])
+    differences = [("raw KL", "kl")] + ([(label, key) for key, (_, label) in TAIL_METRICS.items()] if tail else [])
     return rows + [f"| {label} | {beta:g} | {name} | {fmt_difference(paired_by_seed(cell, baseline, steps, key))} |"
                    for name, key in differences]
 
