@@ -37,7 +37,7 @@ CORE_TESTS=(
   tests/test_estimate_kl_masking_and_errors.py tests/test_tail_bins_and_bounds.py tests/test_shaping_user_steps.py
   tests/test_user_code.py tests/test_adaptation_micro_batches.py tests/test_adaptation_user_faults.py
   tests/test_controller_registration.py tests/test_controller_steps.py tests/test_controller_checkpoints.py
-  tests/test_controller_config.py tests/test_controller_messages.py
+  tests/test_controller_config.py tests/test_controller_messages.py tests/test_target_saturation.py
   tests/backends/test_unsloth.py::test_the_fused_losss_sums_hold_the_raw_and_the_adapted_kl_each_in_its_slot
 )
 
