@@ -481,7 +481,7 @@ class TargetKLBeta(BetaController):
         self.saturation = None
 
     def check_step_size(self, num_completions: int) -> None:
-        minimum = 0.2 * num_completions
+        minimum = self.error_bound * num_completions
         if not self.config.kl_horizon > minimum:
             raise ValueError(
                 f"kl_horizon={self.config.kl_horizon!r} is not valid for {num_completions} completions per optimizer "
