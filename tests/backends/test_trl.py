@@ -533,3 +533,22 @@ def test_kl_part_of_the_loss_under_gradient_accumulation_matches_float64_referen
         bias_correction=BIAS_CORRECTION, ga=accumulation, spg=accumulation,
     )
     assert got == pytest.approx(expected.item(), rel=2e-4, abs=1e-7)
+
+
+def test_an_unreachable_kl_target_is_warned_about_in_a_real_run(tiny_checkpoint, tmp_path, caplog):
+    # 4 completions a step, kl_horizon 1: a clipped update moves β by 1 + 0.2 * 4 = ×1.8, so two steps in a row
+    # more than 20 % above a target no policy reaches (1e-12) double it: the warning must come at the second
+    args = dict(kl_adaptation_method="target", kl_target=1e-12, kl_horizon=1.0, beta_min=0.0, max_steps=4, learning_rate=2e-2)
+    with caplog.at_level("WARNING", logger="unsloth_adaptive_kl"):
+        trainer, logs = _run(tiny_checkpoint, tmp_path, **args)
+    kls = [h["adaptive_kl/raw_kl"] for h in logs]
+    above = [kl >= 1.2e-12 for kl in kls]
+    first_pair = next((i for i in range(1, len(above)) if above[i] and above[i - 1]), None)
+    assert first_pair is not None, f"no two steps in a row above the target ({kls}): the test proves nothing"
+    warnings = [r.getMessage() for r in caplog.records if "target: the KL has stayed" in r.getMessage()]
+    above_warnings = [w for w in warnings if "% above kl_target=1e-12" in w]
+    assert len(above_warnings) == 1, warnings
+    assert "for 2 optimizer steps in a row" in above_warnings[0]
+    betas = [*_betas(trainer), trainer.beta]  # each step's β, then the last update's: the update after a step
+    for step in range(first_pair - 1, first_pair + 1):  # above the target moved β at the full rate, ×1.8
+        assert betas[step + 1] == pytest.approx(betas[step] * 1.8, rel=1e-9)
