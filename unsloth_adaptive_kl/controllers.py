@@ -440,7 +440,8 @@ class _SaturationRun:
     "target",
     parameters=(BETA_MIN, KL_TARGET, KL_HORIZON),
     summary="Ziegler et al.'s adaptive KL controller: β grows while the step's KL is above kl_target and shrinks "
-    "below it (kl_horizon sets the rate).",
+    "below it (kl_horizon sets the rate); it warns, once a direction, when the KL has stayed more than 20 % off "
+    "kl_target for as long as β takes to double (or halve) at its full rate.",
     _builtin=True,
 )
 class TargetKLBeta(BetaController):
