@@ -62,7 +62,7 @@ def _empty(ax, why: str) -> None:
 
 
 def plot_study(paths: list[str], path: str) -> str:
-    """Write the study's figure (one row of six panels per family) to ``path``."""
+    """Write the study's figure (six panels, two rows of three, per family) to ``path``."""
     try:
         import matplotlib
 
@@ -74,10 +74,10 @@ def plot_study(paths: list[str], path: str) -> str:
     families = {family: (planned_steps[family], cells) for family, cells in runs.items()}
     if not families:
         raise ValueError(f"--study --plot: no rows in {', '.join(paths)}")
-    fig = plt.figure(figsize=(29, 6 * len(families)), layout="constrained")
+    fig = plt.figure(figsize=(19, 11 * len(families)), layout="constrained")
     rows = fig.subfigures(len(families), 1, squeeze=False)[:, 0]
     for (family, (planned, cells)), sub in zip(families.items(), rows):
-        axes = sub.subplots(1, 6)
+        axes = sub.subplots(2, 3).flatten()  # row-major: (a) length, (a) reward, KL; (c) length, (c) KL, (d)
         seeds = sorted({seed for cell in cells.values() for seed in cell})
         start = final_window_start(planned)
         sub.suptitle(f"{family}: {planned} planned steps, seeds {', '.join(map(str, seeds))}. Each line: {AVERAGING}, "
