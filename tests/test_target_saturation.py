@@ -156,12 +156,12 @@ def test_the_warnings_name_the_direction_target_kl_steps_and_beta_word_for_word(
     risen = 0.1 * 1.04**up
     fallen = risen * 0.96**down
     assert saturation_warnings(caplog) == [
-        f"unsloth_adaptive_kl: target: the KL has stayed more than 20 % above kl_target=0.05 for {up} optimizer steps in a "
-        f"row (this step's KL: 0.25) while beta rose from 0.1 to {risen:.4g}: the target may be below what any beta "
+        f"unsloth_adaptive_kl: target: the KL has stayed more than 20 % above kl_target=0.05 for {up} updates in a row "
+        f"(optimizer steps 1-{up}; this step's KL: 0.25) while beta rose from 0.1 to {risen:.4g}: the target may be below what any beta "
         "reaches on this task (docs/evidence.md §7 found the KL rising with beta past ~0.1-0.3); consider a higher "
         "kl_target or a fixed beta (shown once per direction)",
-        f"unsloth_adaptive_kl: target: the KL has stayed more than 20 % below kl_target=0.05 for {down} optimizer steps in "
-        f"a row (this step's KL: 0.005) while beta fell from {risen:.4g} to {fallen:.4g}: the target may be above the KL "
+        f"unsloth_adaptive_kl: target: the KL has stayed more than 20 % below kl_target=0.05 for {down} updates in a row "
+        f"(optimizer steps {up + 1}-{up + down}; this step's KL: 0.005) while beta fell from {risen:.4g} to {fallen:.4g}: the target may be above the KL "
         "this run reaches; beta will keep falling toward beta_min=0.001; consider a lower kl_target or a beta_min "
         "(shown once per direction)",
     ]

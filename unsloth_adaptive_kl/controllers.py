@@ -432,6 +432,7 @@ class _SaturationRun:
 
     direction: str  # "above" (error clipped at +0.2) or "below" (at -0.2)
     beta_at_start: float  # β before the run's first update
+    first_step: int  # the optimizer step of the run's first update (``global_step``: the steps done by then)
     updates: int = 0
     factor: float = 1.0  # the product of the run's full-rate factors 1 ± 0.2 * n / kl_horizon
 
@@ -508,10 +509,10 @@ class TargetKLBeta(BetaController):
         before, self.beta = self.beta, beta
         # clipped: the error is at a bound, so ``factor`` is that update's full-rate factor
         direction = "above" if error >= bound else "below" if error <= -bound else None
-        self.track_saturation(direction, factor, kl, before)
+        self.track_saturation(direction, factor, kl, before, global_step)
         return self.beta
 
-    def track_saturation(self, direction: str | None, factor: float, kl: float, beta_before: float) -> None:
+    def track_saturation(self, direction: str | None, factor: float, kl: float, beta_before: float, global_step: int) -> None:
         """Extend (or end) the run of updates clipped in ``direction`` (None: not clipped) by this update's
         full-rate ``factor``; warn, once per direction, when the run's product of factors reaches 2 or 1/2."""
         run = self.saturation
@@ -519,7 +520,7 @@ class TargetKLBeta(BetaController):
             self.saturation = None
             return
         if run is None or run.direction != direction:
-            run = self.saturation = _SaturationRun(direction, beta_before)
+            run = self.saturation = _SaturationRun(direction, beta_before, global_step)
         run.updates += 1
         run.factor *= factor
         reached = run.factor >= 2.0 if direction == "above" else run.factor <= 0.5
@@ -542,9 +543,9 @@ class TargetKLBeta(BetaController):
                 then = f"beta will keep falling toward beta_min={cfg.beta_min}; consider a lower kl_target or a beta_min"
             meaning = f"{moved}: the target may be above the KL this run reaches; {then}"
         logger.warning(
-            "unsloth_adaptive_kl: target: the KL has stayed more than %d %% %s kl_target=%s for %d optimizer steps in "
-            "a row (this step's KL: %.4g) while beta %s (shown once per direction)",
-            round(100 * self.error_bound), direction, cfg.kl_target, run.updates, kl, meaning,
+            "unsloth_adaptive_kl: target: the KL has stayed more than %d %% %s kl_target=%s for %d updates in a row "
+            "(optimizer steps %d-%d; this step's KL: %.4g) while beta %s (shown once per direction)",
+            round(100 * self.error_bound), direction, cfg.kl_target, run.updates, run.first_step, global_step, kl, meaning,
         )
 
 

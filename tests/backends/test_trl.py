@@ -548,7 +548,7 @@ def test_an_unreachable_kl_target_is_warned_about_in_a_real_run(tiny_checkpoint,
     warnings = [r.getMessage() for r in caplog.records if "target: the KL has stayed" in r.getMessage()]
     above_warnings = [w for w in warnings if "% above kl_target=1e-12" in w]
     assert len(above_warnings) == 1, warnings
-    assert "for 2 optimizer steps in a row" in above_warnings[0]
+    assert f"for 2 updates in a row (optimizer steps {first_pair}-{first_pair + 1};" in above_warnings[0]
     betas = [*_betas(trainer), trainer.beta]  # each step's β, then the last update's: the update after a step
     for step in range(first_pair - 1, first_pair + 1):  # above the target moved β at the full rate, ×1.8
         assert betas[step + 1] == pytest.approx(betas[step] * 1.8, rel=1e-9)
