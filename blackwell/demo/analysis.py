@@ -208,7 +208,7 @@ def runaway_step(rows: list[dict], kl_threshold: float | None, *, window: int = 
     ``window``-step mean raw KL (``adaptive_kl/raw_kl``) exceeds ``kl_threshold`` while the trailing mean
     reward is at least ``reward_drop`` below the highest trailing mean reward the run had reached by then.
     ``kl_threshold=None`` (β = 0: no KL is computed) uses the reward condition alone. None: no runaway."""
-    kl = trailing_means([r.get("adaptive_kl/raw_kl") for r in rows], window)
+    kl = trailing_means([r.get(metrics.RAW_KL) for r in rows], window)
     reward = trailing_means([r.get("reward") for r in rows], window)
     best = -math.inf
     for row, k, rw in zip(rows, kl, reward):
@@ -278,7 +278,7 @@ def read_copies(paths: list[str]) -> dict[str, dict[tuple[str, int], list[list[d
 def logged_kl(row: dict) -> bool:
     """Whether a row carries a KL: at β = 0 TRL computes none, and the row has no ``adaptive_kl/raw_kl`` (TRL's
     backend), or None (Unsloth's: the package logs NaN, which TRL's ``log`` turns into None), or NaN."""
-    value = row.get("adaptive_kl/raw_kl")
+    value = row.get(metrics.RAW_KL)
     return value is not None and not math.isnan(value)
 
 
@@ -299,7 +299,7 @@ def copy_numbers(rows: list[dict], planned_steps: int, kl_threshold: float | Non
     tail = {key: mean(metric) if has_kl else None for key, (metric, _) in TAIL_METRICS.items()}
     tail = {key: None if value is None or math.isnan(value) else value for key, value in tail.items()}
     return {"complete": rows[-1]["step"] >= planned_steps, "last_step": rows[-1]["step"], "reward": mean("reward"),
-            "length": mean(LENGTH), "kl": mean("adaptive_kl/raw_kl") if has_kl else None, "runaway_step": runaway,
+            "length": mean(LENGTH), "kl": mean(metrics.RAW_KL) if has_kl else None, "runaway_step": runaway,
             **tail}
 
 

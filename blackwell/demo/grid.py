@@ -7,13 +7,15 @@ from __future__ import annotations
 import math
 import re
 
+from unsloth_adaptive_kl import metrics
+
 from .analysis import fmt_interval, read_rows, t_interval
 from .settings import Settings
 from .summary import _mean, cell
 
 FINAL_STEPS = 50  # "final" values: means over the last 50 logged steps of a run
-FINAL_KEYS = {"kl": "adaptive_kl/raw_kl", "reward": "reward", "length": "completions/mean_length",
-              "beta": "adaptive_kl/current_beta"}
+FINAL_KEYS = {"kl": metrics.RAW_KL, "reward": "reward", "length": "completions/mean_length",
+              "beta": metrics.CURRENT_BETA}
 TRACKING = 0.25  # target's claim: the final KL within ±25 % of kl_target
 BETA_IN_TAG = re.compile(r"-b(\d[\d.]*(?:e[+-]?\d+)?)(?=-|$)")
 KT_IN_TAG = re.compile(r"-kt(\d[\d.]*(?:e[+-]?\d+)?)(?=-|$)")

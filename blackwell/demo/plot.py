@@ -5,10 +5,12 @@ from __future__ import annotations
 import math
 import statistics
 
+from unsloth_adaptive_kl.metrics import ADAPTED_KL, CURRENT_BETA, RAW_KL
+
 from .analysis import read_rows
 
 PANELS = [("reward", "reward"), ("completions/mean_length", "completion length (tokens)"),
-          ("adaptive_kl/raw_kl", "KL: raw (solid), adapted (dashed)"), ("adaptive_kl/current_beta", "β")]
+          (RAW_KL, "KL: raw (solid), adapted (dashed)"), (CURRENT_BETA, "β")]
 
 
 def seed_mean_curve(metrics: dict, method: str, seeds: list[int], key: str, smooth: int, std: bool = False):
@@ -52,8 +54,8 @@ def plot(metrics: dict, methods: list[str], seeds: list[int], steps: int, path: 
             if len(seeds) > 1:  # ± one standard deviation over seeds
                 ax.fill_between(xs, [y - d for y, d in zip(ys, sd)], [y + d for y, d in zip(ys, sd)],
                                 color=colors(i), alpha=0.12, linewidth=0)
-            if key == "adaptive_kl/raw_kl":
-                xs, ys = seed_mean_curve(metrics, method, seeds, "adaptive_kl/adapted_kl", smooth)
+            if key == RAW_KL:
+                xs, ys = seed_mean_curve(metrics, method, seeds, ADAPTED_KL, smooth)
                 ax.plot(xs, ys, color=colors(i), linestyle="--")
         ax.set_title(label)
         ax.grid(alpha=0.3)

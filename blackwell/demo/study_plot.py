@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import math
 
+from unsloth_adaptive_kl.metrics import RAW_KL
+
 from .analysis import (LENGTH, CellKey, _mean, compared_cells, final_window_start, fixed_cells, logged_kl, moved_cells,
                        study_cells, target_cells, trailing_means)
 
-RAW_KL = "adaptive_kl/raw_kl"
 SMOOTH = 10  # steps: the trailing mean of the pre-registered runaway and saturation rules
 AVERAGING = "mean over seeds, copies averaged within a seed"
 

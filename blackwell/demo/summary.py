@@ -6,6 +6,8 @@ import json
 import math
 import statistics
 
+from unsloth_adaptive_kl.metrics import ADAPTED_KL, CURRENT_BETA, RAW_KL, TOKEN_KL_MAX
+
 from .scheduler import Run
 
 COLUMNS = [  # (header, key in a run's summary, format)
@@ -41,10 +43,10 @@ def summarize_run(rows: list[dict], window: float) -> dict:
         "peak_reward": max(r["reward"] for r in rows),
         "length_start": _mean(r["completions/mean_length"] for r in head),
         "length_end": _mean(r["completions/mean_length"] for r in tail),
-        "raw_kl_end": _mean(r.get("adaptive_kl/raw_kl") for r in tail),
-        "token_kl_max_final": _last(r.get("adaptive_kl/token_kl_max") for r in rows),  # the tail beside the mean
-        "adapted_kl_end": _mean(r.get("adaptive_kl/adapted_kl") for r in tail),
-        "final_beta": rows[-1]["adaptive_kl/current_beta"],
+        "raw_kl_end": _mean(r.get(RAW_KL) for r in tail),
+        "token_kl_max_final": _last(r.get(TOKEN_KL_MAX) for r in rows),  # the tail beside the mean
+        "adapted_kl_end": _mean(r.get(ADAPTED_KL) for r in tail),
+        "final_beta": rows[-1][CURRENT_BETA],
         "median_step_s": statistics.median(r["step_time"] for r in rows),
     }
 
