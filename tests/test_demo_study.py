@@ -131,7 +131,6 @@ def test_the_study_report_applies_the_pre_registered_tests(tmp_path):
     assert math.isclose(analysis.KL_RATIO_MARGIN, math.log(1.25))
 
 
-
 def test_c_reports_the_kls_token_tail_against_none_with_its_95_interval(tmp_path):
     # Amendment 14: (c)'s token-tail rows, final-window means of the logged tail metrics, paired by seed, 95 % only.
     # Every KL-logging row gets p99 = 2 x its raw KL, max = 10 x, top-1 % share 0.05.
