@@ -165,3 +165,17 @@ def test_the_warnings_name_the_direction_target_kl_steps_and_beta_word_for_word(
         "this run reaches; beta will keep falling toward beta_min=0.001; consider a lower kl_target or a beta_min "
         "(shown once per direction)",
     ]
+
+
+@pytest.mark.parametrize("direction", list(RATIO))
+def test_the_warning_changes_no_beta(direction, caplog):
+    # β, update by update through and past the warning, is Ziegler's update in float64 (the warning only logs)
+    n, kl_horizon, kl_target = 8, 40.0, 0.05
+    c = controller(beta=0.1, kl_target=kl_target, kl_horizon=kl_horizon)
+    kls = [RATIO[direction] * kl_target] * 3 * first_doubling(direction, [n] * 100, kl_horizon)
+    reference = 0.1
+    with caplog.at_level("WARNING", logger="unsloth_adaptive_kl"):
+        for update, kl in enumerate(kls, start=1):
+            reference *= 1.0 + min(max(kl / kl_target - 1.0, -0.2), 0.2) * n / kl_horizon
+            assert c.update(global_step=update, kl=kl, num_completions=n) == pytest.approx(reference, rel=1e-12)
+    assert len(saturation_warnings(caplog)) == 1
