@@ -7,7 +7,6 @@ onto the config class.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 
 from .controllers import CONTROLLERS, ControllerConfig, controller_names, controller_parameters

@@ -40,7 +40,6 @@ are trusted.
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 from typing import Callable
 

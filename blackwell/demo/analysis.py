@@ -467,23 +467,23 @@ def study_report(paths: list[str]) -> str:
                 "alone.", "",
                 "| method | β0 | kl_target | seeds | copies (complete) | final reward | final length | final KL | runaways |",
                 "|---|---|---|---|---|---|---|---|---|"]
-        for key, cell in sorted(cells.items(), key=lambda item: item[0].order):
+        for key, by_seed in sorted(cells.items(), key=lambda item: item[0].order):
             beta, kt = key.beta, key.kl_target
-            numbers = [copy_numbers(rows, steps, threshold) for copies in cell.values() for rows in copies]
-            ran = [f"seed {s} step {copy_numbers(rows, steps, threshold)['runaway_step']}" for s, copies in cell.items()
+            numbers = [copy_numbers(rows, steps, threshold) for copies in by_seed.values() for rows in copies]
+            ran = [f"seed {s} step {copy_numbers(rows, steps, threshold)['runaway_step']}" for s, copies in by_seed.items()
                    for rows in copies if copy_numbers(rows, steps, threshold)["runaway_step"] is not None]
-            col = lambda key, fmt: cell_text([seed_values(c, steps, key) for c in cell.values()], fmt)  # noqa: E731
+            col = lambda key, fmt: cell_text([seed_values(c, steps, key) for c in by_seed.values()], fmt)  # noqa: E731
             runaways = ("— (no natural KL)" if threshold is None and beta > 0 else
                         f"{len(ran)}{': ' + ', '.join(ran) if ran else ''}")
-            out.append(f"| {key.label()} | {beta:g} | {kt if kt is not None else '—'} | {len(cell)} | {len(numbers)} "
+            out.append(f"| {key.label()} | {beta:g} | {kt if kt is not None else '—'} | {len(by_seed)} | {len(numbers)} "
                        f"({sum(n['complete'] for n in numbers)}) | {col('reward', '.3f')} | {col('length', '.1f')} | "
                        f"{col('kl', '.4f')} | {runaways} |")
         out += ["", f"**(a) Length slope after saturation** (tokens / 100 steps, from the first step whose 10-step mean "
                     f"reward reaches the final-window mean - 0.02; a seed's slope: the mean over its copies with >= 50 such "
                     f"steps). TOST margin ±{LENGTH_MARGIN:g}.", "",
                 "| β | seeds | slope: mean | 90 % CI | 95 % CI | verdict |", "|---|---|---|---|---|---|"]
-        for (_, beta, *_), cell in sorted(fixed.items(), key=lambda kv: kv[0][1]):
-            slopes = [seed_slope(copies, steps) for copies in cell.values()]
+        for (_, beta, *_), by_seed in sorted(fixed.items(), key=lambda kv: kv[0][1]):
+            slopes = [seed_slope(copies, steps) for copies in by_seed.values()]
             slopes = [s for s in slopes if s is not None]
             out.append(f"| {beta:g} | {len(slopes)} | {fmt_equivalence(tost(slopes, LENGTH_MARGIN), '.2f')} |")
         targets = target_cells(cells)
@@ -492,13 +492,13 @@ def study_report(paths: list[str]) -> str:
                         f"and Δ final reward against the best fixed β {best[1]:g} by seed (margin ±{REWARD_MARGIN:g}).", "",
                     "| kl_target | β0 | seeds | KL / kl_target | log ratio: 90 % CI | verdict | Δ reward | 90 % CI | 95 % CI | verdict |",
                     "|---|---|---|---|---|---|---|---|---|---|"]
-            for (_, beta, kt, *_), cell in sorted(targets.items(), key=lambda kv: (kv[0][2], kv[0][1])):
-                logs = [math.log(v / kt) for v in (seed_values(c, steps, "kl") for c in cell.values()) if v and v > 0]
+            for (_, beta, kt, *_), by_seed in sorted(targets.items(), key=lambda kv: (kv[0][2], kv[0][1])):
+                logs = [math.log(v / kt) for v in (seed_values(c, steps, "kl") for c in by_seed.values()) if v and v > 0]
                 hold = tost(logs, KL_RATIO_MARGIN)
                 ratio = f"{math.exp(hold.mean):.2f}" if logs else "—"
                 ci = f"[{math.exp(hold.low90):.2f}, {math.exp(hold.high90):.2f}]" if hold.n >= 2 else "—"
-                reward = tost(paired_by_seed(cell, fixed[best], steps, "reward"), REWARD_MARGIN)
-                out.append(f"| {kt:g} | {beta:g} | {len(cell)} | {ratio} | {ci} | {hold.verdict} | {fmt_equivalence(reward)} |")
+                reward = tost(paired_by_seed(by_seed, fixed[best], steps, "reward"), REWARD_MARGIN)
+                out.append(f"| {kt:g} | {beta:g} | {len(by_seed)} | {ratio} | {ci} | {hold.verdict} | {fmt_equivalence(reward)} |")
         others = compared_cells(cells)
         if others:
             out += ["", f"**(c) Against `none` at the same β**, paired by seed: Δ final reward (margin ±{REWARD_MARGIN:g}), "
@@ -506,8 +506,8 @@ def study_report(paths: list[str]) -> str:
                         "(p99, max and top-1 % share of the per-token raw KL, final-window means; Amendment 14) with the "
                         "95 % interval only: no margin was set.", "",
                     "| method | β0 | quantity | Δ mean | 90 % CI | 95 % CI | verdict |", "|---|---|---|---|---|---|---|"]
-            for (method, beta, *_), cell in sorted(others.items()):
-                out += _against(f"`{method}`", beta, cell, cells[CellKey("none", beta, None)], steps, tail=True)
+            for (method, beta, *_), by_seed in sorted(others.items()):
+                out += _against(f"`{method}`", beta, by_seed, cells[CellKey("none", beta, None)], steps, tail=True)
         moved = moved_cells(cells)
         if moved:
             out += ["", f"**(d) KL placement and estimator**: each run against the same method at the same β with the KL "
@@ -516,8 +516,8 @@ def study_report(paths: list[str]) -> str:
                         "interval only); no token tail (Amendment 14: k1's per-token values and k3's differ in their "
                         "tails by estimator).", "",
                     "| method | β0 | quantity | Δ mean | 90 % CI | 95 % CI | verdict |", "|---|---|---|---|---|---|---|"]
-            for key, cell in sorted(moved.items(), key=lambda item: item[0].order):
-                out += _against(key.label(), key.beta, cell, cells[key.baseline()], steps)
+            for key, by_seed in sorted(moved.items(), key=lambda item: item[0].order):
+                out += _against(key.label(), key.beta, by_seed, cells[key.baseline()], steps)
             out += [_raw_kl_note(key) for key in sorted({k._replace(beta=0.0, kl_target=None) for k in moved})
                     if key.estimator != DEFAULT_ESTIMATOR]
         out.append("")

@@ -5,7 +5,7 @@ warm start of seed 0 (`demo.tasks.build_task_checkpoint`), without its determini
     python scripts/gpu/study33_cpu_trial.py HIDDEN LAYERS HEADS STEPS LR [MAX_OPERAND]
     python scripts/gpu/study33_cpu_trial.py 128 4 4 300 3e-3     # Amendment 2's run (8.8 s a step on 2 busy cores)
 """
-import math, random, sys, time, json
+import random, sys, time, json
 import torch
 from unsloth_adaptive_kl import toy
 TASK = dict(min_terms=4, max_terms=5, max_operand=int(sys.argv[6]) if len(sys.argv) > 6 else 99_999_999)

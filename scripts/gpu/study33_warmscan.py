@@ -25,7 +25,6 @@ import json
 import math
 import os
 import random
-import statistics
 import subprocess
 import sys
 import time
