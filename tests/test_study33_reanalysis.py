@@ -4,16 +4,17 @@ Recomputes the three tables of section 7's "Results, phase 1: questions (a) and 
 and runaways; (a) the length slope after saturation; (c) each shaping method against `none` at β 0.04) from the raw
 streams docs/evidence-data/study33-p1-*/*-stream.jsonl.gz, from section 7's written definitions alone, and asserts
 that every number and verdict in the doc's tables equals the recomputation at the printed precision. It does the same
-for "Results, phase 2: question (d), and (b) at the low target", from phase 1's streams and phase 2's
+for "Results, phase 2: questions (d) and (b)", from phase 1's streams and phase 2's
 (docs/evidence-data/study33-p2-*/*-stream.jsonl.gz): the runs table (with β at step 200), (d) (the KL in the reward,
-k1, against in the loss, k3), (b) at the low target (the final KL / kl_target as a geometric mean over seeds, TOST on
-its log; Δ reward against the best fixed β), and every number of (b)'s prose; K_nat, the best fixed β, the targets
-(checked against phase 2's committed run lists) and the runs come from the data and the lists. Independent of
-the project's analysis: nothing from blackwell/ is imported; Student-t quantiles come from bisection on the t CDF
-(the regularized incomplete beta function by its continued fraction), checked against textbook values; the
-thresholds on the reward (a mean of 64 rewards in {0, 0.5, 1}, so a multiple of 1/128) are compared exactly, in
-rationals, so a tie with 0.02 or 0.1 is decided by the definition and not by rounding (the reward's 10-step mean
-falls by exactly 0.1 at β 0's runaway steps of seeds 1 and 4).
+k1, against in the loss, k3), (b) at the low and at the high target (the final KL / kl_target as a geometric mean over
+seeds, TOST on its log; Δ reward against the best fixed β), and every number of (b)'s prose at both targets (β_need,
+the steps at which β and the KL crossed, the full-rate updates, the step of target's warning included); K_nat, the
+best fixed β, the targets (checked against phase 2's committed run lists) and the runs come from the data and the
+lists. Independent of the project's analysis: nothing from blackwell/ is imported; Student-t quantiles come from
+bisection on the t CDF (the regularized incomplete beta function by its continued fraction), checked against
+textbook values; the thresholds on the reward (a mean of 64 rewards in {0, 0.5, 1}, so a multiple of 1/128) are
+compared exactly, in rationals, so a tie with 0.02 or 0.1 is decided by the definition and not by rounding (the
+reward's 10-step mean falls by exactly 0.1 at β 0's runaway steps of seeds 1 and 4).
 
 Two conventions of the project's analysis, which the doc states and this test checks both ways: its t quantiles are
 the standard table's three decimals (the doc's intervals are printed with them; no verdict changes with the exact
@@ -25,6 +26,7 @@ import gzip
 import json
 import math
 import re
+import tarfile
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from fractions import Fraction
@@ -39,7 +41,7 @@ EVIDENCE_DOC = ROOT / "docs" / "evidence.md"
 PHASE_1_STREAMS = "docs/evidence-data/study33-p1-*/*-stream.jsonl.gz"
 PHASE_2_STREAMS = "docs/evidence-data/study33-p2-*/*-stream.jsonl.gz"  # never the probe's or genspeed's streams
 RESULTS_HEADING = "### Results, phase 1: questions (a) and (c)"
-PHASE_2_HEADING = "### Results, phase 2: question (d), and (b) at the low target"
+PHASE_2_HEADING = "### Results, phase 2: questions (d) and (b)"
 
 # -- section 7's definitions ("Definitions fixed here", question (a), Amendment 6: S = 200) ---------------------
 PLANNED_STEPS = 200
@@ -213,6 +215,9 @@ class Copy:
     kl_target: float | None = None
     kl_placement: str = "loss"
     kl_estimator: str = "k3"
+    # the demo's recorded n (completions per optimizer step) and kl_horizon: `target`'s full-rate factor 1 ± 0.2 n / h
+    completions_per_step: int | None = None
+    kl_horizon: float | None = None
 
     def final_value(self, field):
         """Mean over the final window's steps the copy made; None if it was cut before the window or lacks field."""
@@ -252,7 +257,8 @@ def read_copies(pattern):
         assert all((128 * reward).denominator == 1 for reward in exact_reward), f"copy {copy_id}: reward not k/128"
         kl_target = only_value(rows, "kl_target") if method == target_method() else None
         copies.append(Copy(method, beta0, seed, copy_id, len(rows), series, exact_reward, kl_target,
-                           only_value(rows, "kl_placement", "loss"), only_value(rows, "kl_estimator", "k3")))
+                           only_value(rows, "kl_placement", "loss"), only_value(rows, "kl_estimator", "k3"),
+                           only_value(rows, "completions_per_step"), only_value(rows, "kl_horizon")))
     return copies
 
 
@@ -280,12 +286,21 @@ def seed_values(copies, value_of):
     return {seed: float(np.mean(values)) for seed, values in values_by_seed.items()}
 
 
+def seed_finals(copies, field):
+    """{seed: final value of field} over copies (phase 1's cells and phase 2's runs alike)."""
+    return seed_values(copies, lambda copy: copy.final_value(field))
+
+
+def mean_over_seeds(values_by_seed):
+    return float(np.mean(list(values_by_seed.values())))
+
+
 def seed_final_values(method, beta0, field):
-    return seed_values(copies_of(method, beta0), lambda copy: copy.final_value(field))
+    return seed_finals(copies_of(method, beta0), field)
 
 
 def cell_mean(method, beta0, field):
-    return float(np.mean(list(seed_final_values(method, beta0, field).values())))
+    return mean_over_seeds(seed_final_values(method, beta0, field))
 
 
 @lru_cache(maxsize=1)
@@ -635,14 +650,14 @@ def test_the_pinned_length_statement_matches_the_streams():
     assert statement in results_section().replace("\n  ", " ")
 
 
-# == phase 2: question (d), and (b) at the low target ================================================================
+# == phase 2: questions (d) and (b) ====================================================================================
 # Section 7 and Amendments 10 and 12: phase 2's targets are 0.25 x and 4 x K_nat at 2 significant digits; (d) is
 # `none` at β 0.04 with the KL in the reward (k1) against phase 1's `none` at 0.04 (in the loss, k3), with (c)'s
 # tests; (b)'s "holds" is TOST on the log of the final KL / kl_target by seed, margin ±ln 1.25 ("different" when
 # the 95 % interval excludes 0), and its reward the Δ final reward against `none` at the best fixed β by seed, ±0.05.
 LOW_TARGET_FACTOR, HIGH_TARGET_FACTOR = 0.25, 4.0
-# the targets whose (b) rows the doc reports; the high target joins when its seed 4 has run (Amendment 15)
-REPORTED_TARGET_FACTORS = (LOW_TARGET_FACTOR,)
+# the targets whose (b) rows the doc reports, in the runs table's order: phase 2 is complete (Amendment 16)
+REPORTED_TARGET_FACTORS = (LOW_TARGET_FACTOR, HIGH_TARGET_FACTOR)
 LOG_RATIO_MARGIN = math.log(1.25)
 EARLY_STEPS = (1, 50)  # the prose's "steps 1-50", against the final window's 151-200
 
@@ -673,7 +688,7 @@ def reported_runs():
 
 
 def run_seed_finals(run, field):
-    return seed_values(phase_2_copies_of(run), lambda copy: copy.final_value(field))
+    return seed_finals(phase_2_copies_of(run), field)
 
 
 def betas_at_the_end(run):
@@ -714,8 +729,20 @@ def phase_2_runs_row(run):
             range_text(betas_at_the_end(run)), (sum(runaways.values()), runaways))
 
 
-def phase_2_table(first_header_cells):
-    return results_table(first_header_cells, PHASE_2_HEADING)
+# the two (b) tables share their header: each is the table that follows its bold paragraph
+LOW_TARGET_MARKER, HIGH_TARGET_MARKER = "**(b) `target` at the low target**", "**(b) `target` at the high target**"
+
+
+def phase_2_table(first_header_cells, after=None):
+    """The one table of phase 2's section headed first_header_cells; with `after`, the first table following the one
+    paragraph that starts with it, which must be headed first_header_cells."""
+    if after is None:
+        return results_table(first_header_cells, PHASE_2_HEADING)
+    section = doc_section(PHASE_2_HEADING)
+    assert section.count(after) == 1, f"expected {after!r} once in {PHASE_2_HEADING!r}"
+    header, rows = markdown_tables(section[section.index(after):])[0]
+    assert header[:len(first_header_cells)] == list(first_header_cells), f"the table after {after!r}: {header}"
+    return rows
 
 
 def phase_2_prose():
@@ -797,7 +824,7 @@ def log_ratios(run):
 
 def target_row(kl_target, beta0, t_decimals=DOC_T_DECIMALS):
     """(seeds, KL / kl_target, log ratio's 90 % CI exponentiated, verdict, Δ reward, 90 % CI, 95 % CI, verdict) of a
-    (b) table's row, as the doc prints them; any kl_target and β0 (the high target's table will use it as it is)."""
+    (b) table's row, as the doc prints them; any kl_target and β0 (both targets' tables use it)."""
     run = target_run(kl_target, beta0)
     ratios = log_ratios(run)
     interval = t_interval(list(ratios.values()), t_decimals)
@@ -809,17 +836,29 @@ def target_row(kl_target, beta0, t_decimals=DOC_T_DECIMALS):
             tost_verdict(interval, LOG_RATIO_MARGIN), *reward)
 
 
-def test_the_low_target_table_matches_the_streams():
-    low_target = target_of(LOW_TARGET_FACTOR)
-    rows = phase_2_table(["β0", "seeds", "KL / kl_target"])
-    assert [float(row[0]) for row in rows] == list(target_starts(low_target))
+def target_table_matches_the_streams(factor, marker):
+    """Every cell of the (b) table after marker against target_row at factor x K_nat."""
+    kl_target = target_of(factor)
     columns = ("seeds", "KL / kl_target", "log ratio: 90 % CI", "verdict", "Δ reward", "90 % CI", "95 % CI", "verdict")
+    rows = phase_2_table(["β0", *columns], after=marker)
+    assert [float(row[0]) for row in rows] == list(target_starts(kl_target))
     found = []
     for beta_cell, *documented in rows:
-        found += mismatches(f"β0 {beta_cell}", columns, documented, target_row(low_target, float(beta_cell)))
+        found += mismatches(f"β0 {beta_cell}", columns, documented, target_row(kl_target, float(beta_cell)))
     assert not found, "\n".join(found)
+
+
+def test_the_low_target_table_matches_the_streams():
+    target_table_matches_the_streams(LOW_TARGET_FACTOR, LOW_TARGET_MARKER)
     best_beta = natural_kl()[0]
     assert f"Δ final reward against the best fixed β {best_beta:g}, margin ±{REWARD_MARGIN:g}" in phase_2_prose()
+
+
+def test_the_high_target_table_matches_the_streams():
+    target_table_matches_the_streams(HIGH_TARGET_FACTOR, HIGH_TARGET_MARKER)
+    high_target = target_of(HIGH_TARGET_FACTOR)
+    assert (f"{HIGH_TARGET_MARKER}, `kl_target` {high_target:g} = {HIGH_TARGET_FACTOR:g} × K_nat (the same tests as "
+            f"at the low target)") in phase_2_prose()
 
 
 def test_no_phase_2_verdict_depends_on_the_t_tables_rounding():
@@ -827,10 +866,11 @@ def test_no_phase_2_verdict_depends_on_the_t_tables_rounding():
     # quantiles move no verdict of (d) or (b)
     for name, *_ in PLACEMENT_QUANTITIES:
         assert placement_row(name)[3] == placement_row(name, t_decimals=None)[3], name
-    low_target = target_of(LOW_TARGET_FACTOR)
-    for beta0 in target_starts(low_target):
-        rounded, exact = target_row(low_target, beta0), target_row(low_target, beta0, t_decimals=None)
-        assert (rounded[3], rounded[7]) == (exact[3], exact[7]), beta0
+    for factor in (LOW_TARGET_FACTOR, HIGH_TARGET_FACTOR):
+        kl_target = target_of(factor)
+        for beta0 in target_starts(kl_target):
+            rounded, exact = target_row(kl_target, beta0), target_row(kl_target, beta0, t_decimals=None)
+            assert (rounded[3], rounded[7]) == (exact[3], exact[7]), (kl_target, beta0)
 
 
 # -- (b)'s prose: what happened, against the predictions --------------------------------------------------------
@@ -849,7 +889,7 @@ def copies_from(kl_target, starts):
 
 
 def cell_of(run, field):
-    return float(np.mean(list(run_seed_finals(run, field).values())))
+    return mean_over_seeds(run_seed_finals(run, field))
 
 
 def decimals(places):
@@ -920,3 +960,275 @@ def test_the_low_target_prose_matches_the_streams(claim):
     claims = low_target_claims()
     assert sorted(claims) == sorted(LOW_TARGET_CLAIMS)
     assert claims[claim] in phase_2_prose(), f"{claim}: expected {claims[claim]!r} in the doc"
+
+
+# -- (b) at the high target: the prose bullets and the two paragraphs after them --------------------------------------
+TARGET_ERROR_CLIP = 0.2  # `target` clips KL / kl_target - 1 at ±0.2: past ±20 % β moves at its full rate
+COUNT_WORDS = ("no", "one", "two", "three", "four", "five")  # the prose's counts, in words
+RUN_LOG_WARNING = re.compile(r"target: the KL has stayed more than (\d+) % below kl_target=([\d.]+) for (\d+) "
+                             r"updates in a row \(optimizer steps 1-(\d+);")
+
+
+def full_rate_factors(copies):
+    """(down, up): β's factor at a full-rate update, 1 ∓ 0.2 n / kl_horizon, from the copies' recorded settings."""
+    (rate,) = {copy.completions_per_step / copy.kl_horizon for copy in copies}
+    return 1 - TARGET_ERROR_CLIP * rate, 1 + TARGET_ERROR_CLIP * rate
+
+
+def beta_factors(copy):
+    """β's factor at each update: β at step s + 1 over β at step s (step s's KL moves the β of step s + 1)."""
+    betas = copy.series[BETA][:copy.last_step]
+    return betas[1:] / betas[:-1]
+
+
+def full_rate_updates(copy, factor):
+    return int(np.sum(np.isclose(beta_factors(copy), factor, rtol=1e-9, atol=0.0)))
+
+
+def first_step_above(copy, field, level):
+    """The first step whose value of field is above level; None if none is."""
+    steps = np.flatnonzero(copy.series[field][:copy.last_step] > level)
+    return int(steps[0]) + 1 if steps.size else None
+
+
+def beta_at(copy, step):
+    return float(copy.series[BETA][step - 1])
+
+
+def beta_need(kl_target):
+    """((lower β, upper β), β_need): the fixed β at which phase 1's seed-mean final KL equals kl_target, by log-log
+    interpolation between the neighbouring fixed β > 0 that straddle it (section 7, Amendment 10); one crossing."""
+    betas = [beta for beta in FIXED_BETAS if beta > 0]
+    kls = [cell_mean("none", beta, RAW_KL) for beta in betas]
+    crossings = []
+    for (low_beta, low_kl), (high_beta, high_kl) in zip(zip(betas, kls), zip(betas[1:], kls[1:])):
+        if min(low_kl, high_kl) <= kl_target <= max(low_kl, high_kl):
+            position = math.log(kl_target / low_kl) / math.log(high_kl / low_kl)
+            crossings.append(((low_beta, high_beta), low_beta * (high_beta / low_beta) ** position))
+    (crossing,) = crossings
+    return crossing
+
+
+def phase_1_kl_means(first, last):
+    """Each seed's mean raw KL over steps first-last at each fixed β > 0 of phase 1 (every copy that made them)."""
+    return [mean for beta in FIXED_BETAS if beta > 0
+            for mean in seed_values(copies_of("none", beta), lambda copy: mean_over_steps(copy, RAW_KL, first, last)
+                                    if copy.last_step >= last else None).values()]
+
+
+def reward_deltas(run):
+    """{seed: final reward - the best fixed β's}."""
+    baseline = seed_final_values("none", natural_kl()[0], REWARD)
+    return {seed: reward - baseline[seed] for seed, reward in run_seed_finals(run, REWARD).items()}
+
+
+def logged_warnings():
+    """{(seed, β0): (percent, kl_target, updates, last optimizer step)} of `target`'s warning in the run logs of
+    phase 2's `b` calls (each call's runs-*.tar.gz holds a log.txt a run, named target-seedS-bβ0)."""
+    found = {}
+    for path in sorted(ROOT.glob("docs/evidence-data/study33-p2-seed*-b/*-runs.tar.gz")):
+        with tarfile.open(path) as archive:
+            for member in archive.getmembers():
+                name = re.fullmatch(r"\./\d+/runs/target-seed(\d+)-b([\d.]+)/log\.txt", member.name)
+                if name is None:
+                    continue
+                text = archive.extractfile(member).read().decode("utf-8")
+                for warning in RUN_LOG_WARNING.finditer(text):
+                    assert (int(name[1]), float(name[2])) not in found, member.name  # "once per direction"
+                    found[(int(name[1]), float(name[2]))] = (int(warning[1]), float(warning[2]), int(warning[3]),
+                                                            int(warning[4]))
+    return found
+
+
+def high_target_prose():
+    """Phase 2's prose from the high target's (b) paragraph on (the low target's has paragraphs of the same names)."""
+    prose = phase_2_prose()
+    return prose[prose.index(HIGH_TARGET_MARKER):]
+
+
+def signed(value, places=3):
+    return f"{value:+.{places}f}"
+
+
+@cache
+def high_target_claims():
+    """{claim: a sentence fragment of the high target's prose that the doc must contain, its numbers recomputed}."""
+    high_target, natural = target_of(HIGH_TARGET_FACTOR), natural_kl()[1]
+    starts = target_starts(high_target)
+    lowest, middle, highest = starts  # the prose's grouping: from 0.01 β fell past β_need; from 0.1 and 1 it decayed
+    assert highest == 1.0 and lowest < middle < highest
+    kl_threshold = runaway_kl_threshold()
+    every_run = copies_from(high_target, starts)
+    down, up = full_rate_factors(every_run)
+    updates = PLANNED_STEPS - 1  # β is logged at every step, one update between each two
+    rows = {beta0: target_row(high_target, beta0) for beta0 in starts}
+    ratio_90 = {beta0: rows[beta0][2].strip("[]").replace(", ", "-") for beta0 in starts}
+    lowest_fixed = min(beta for beta in FIXED_BETAS if beta > 0)
+    (below_need, above_need), need = beta_need(high_target)
+    deltas = {beta0: reward_deltas(target_run(high_target, beta0)) for beta0 in starts}
+    # Amendment 12's prediction: `target` holds the KL from β0 whose room, how far β can move in the steps before the
+    # final window, holds β_need; at this target the reward equivalent to the best fixed β's
+    room_steps = FINAL_WINDOW_FIRST_STEP - 1
+    holds = [beta0 for beta0 in starts if beta0 * down ** room_steps <= need <= beta0 * up ** room_steps]
+    assert holds == [lowest] and rows[lowest][3] != "equivalent"  # predicted to hold from 0.01 only; it did not
+    assert all(rows[beta0][3] != "equivalent" for beta0 in starts)  # "does not hold" held from 0.1 and 1
+    assert all(rows[beta0][7] != "equivalent" for beta0 in starts)  # "equivalent" failed from every β0
+
+    def runaway(copy):
+        return runaway_step(copy, kl_threshold)
+
+    # from β0 0.01: β fell past β_need at the full rate; the KL passed the target late; three runs ran away
+    small = sorted(copies_from(high_target, (lowest,)), key=lambda copy: copy.seed)
+    ratios = [copy.final_value(RAW_KL) / high_target for copy in small]
+    within = [ratio for ratio in ratios if abs(math.log(ratio)) < LOG_RATIO_MARGIN]
+    assert len(within) == sum(abs(ratio - 1) <= 0.25 for ratio in ratios)  # either reading of "within ±25 %"
+    # the first step whose β is below β_need, the same in every seed ("at step 50 in every seed")
+    (need_step,) = {int(np.flatnonzero(copy.series[BETA][:copy.last_step] < need)[0]) + 1 for copy in small}
+    for copy in small:  # at the full rate from the start to β_need
+        assert np.allclose(beta_factors(copy)[:need_step - 1], down, rtol=1e-9, atol=0.0), copy.seed
+    passes = {copy.seed: first_step_above(copy, RAW_KL, high_target) for copy in small}
+    passed = [copy for copy in small if passes[copy.seed] is not None]
+    assert len(small) - len(passed) == 1  # "(never in the fifth)"
+    for copy in small:  # "kept falling": β fell at every update until the KL first passed the target
+        assert np.all(beta_factors(copy)[:(passes[copy.seed] or copy.last_step) - 1] < 1), copy.seed
+    betas_then = [beta_at(copy, passes[copy.seed]) for copy in passed]
+    small_runaways = [copy for copy in small if runaway(copy) is not None]
+    fastest_rise = max(float(np.max(beta_factors(copy))) for copy in every_run)
+    assert fastest_rise == pytest.approx(up, rel=1e-9)  # "rising at most ×1.02 a step"
+    for copy in small_runaways:  # "that fall went below β 0.001 and the runs ran away before β could climb back"
+        assert float(np.min(copy.series[BETA][:runaway(copy)])) < lowest_fixed, copy.seed
+    lowest_fixed_runaways = {seed for seed, _ in runaway_steps_of("none", lowest_fixed)}
+    below_need_runaways = {seed for seed, _ in runaway_steps_of("none", below_need)}
+    # the runaways lost the reward: theirs are the largest losses
+    losses = sorted(deltas[lowest], key=deltas[lowest].get)
+    assert set(losses[:len(small_runaways)]) == {copy.seed for copy in small_runaways}
+
+    # from β0 1: a decay at the full rate, the KL below the target at every step
+    large = copies_from(high_target, (highest,))
+    large_full = [full_rate_updates(copy, down) for copy in large]
+    large_end = [beta_at(copy, PLANNED_STEPS) for copy in large]
+    large_highest = [float(np.max(copy.series[RAW_KL][:copy.last_step])) for copy in large]
+    assert max(large_highest) < high_target  # "no step's KL reached the target"; its highest at 3 digits, which
+    assert f"{max(large_highest):.2g}" == f"{high_target:g}"  # at 2 would print as the target itself
+    assert all(delta > 0 for delta in deltas[highest].values())  # "in every seed"
+    window_beta = mean_over_seeds(seed_finals(large, BETA))
+    fixed_below = max(beta for beta in FIXED_BETAS if beta < window_beta)
+    fixed_above = min(beta for beta in FIXED_BETAS if beta > window_beta)
+
+    # from β0 0.1: four decays, and the fifth seed passed the target and ran away
+    middle_copies = copies_from(high_target, (middle,))
+    (middle_runaway,) = [copy for copy in middle_copies if runaway(copy) is not None]
+    middle_calm = [copy for copy in middle_copies if copy is not middle_runaway]
+    middle_pass = first_step_above(middle_runaway, RAW_KL, high_target)
+
+    # the reason: phase 1's KL over a run's first half, and how early any high-target run's KL neared the target
+    first_quarter, second_quarter = (1, PLANNED_STEPS // 4), (PLANNED_STEPS // 4 + 1, PLANNED_STEPS // 2)
+    early, later = phase_1_kl_means(*first_quarter), phase_1_kl_means(*second_quarter)
+    assert max(early + later) < high_target / 4  # "under a quarter of this target"
+    near_level = (1 - TARGET_ERROR_CLIP) * high_target
+    near = [step for copy in every_run if (step := first_step_above(copy, RAW_KL, near_level)) is not None]
+    warning_update = math.ceil(math.log(2) / -math.log(down))  # docs/methods.md: where `target` warns, KL below
+    assert min(near) > warning_update  # the KL stayed more than 20 % below the target through the warning's update
+    warnings = logged_warnings()
+    warned_seeds = {seed for seed, _ in warnings}
+    (warned_seed,) = warned_seeds
+    assert sorted(beta0 for _, beta0 in warnings) == sorted(starts)
+    assert set(warnings.values()) == {(round(100 * TARGET_ERROR_CLIP), high_target, warning_update, warning_update)}
+
+    # the cells: phase 1's and phase 2's, by final reward and (those with a KL) final KL
+    cells = ([copies_of(method, beta) for method, beta in study_cells()]
+             + [phase_2_copies_of(run) for run in reported_runs()])
+    rewards = [mean_over_seeds(seed_finals(copies, REWARD)) for copies in cells]  # phase 1's first
+    kls = [mean_over_seeds(finals) for copies in cells if (finals := seed_finals(copies, RAW_KL))]  # β 0: no KL
+    best_run = target_run(high_target, highest)
+    assert max(rewards) == cell_of(best_run, REWARD) and min(kls) == cell_of(best_run, RAW_KL)
+
+    lowest_95 = [float(bound) for bound in rows[lowest][6].strip("[]").split(", ")]
+    assert float(rows[lowest][4]) < 0 and lowest_95[0] < 0 <= lowest_95[1]  # lower; "the 95 % interval just reaches 0"
+    assert float(rows[highest][4]) > 0  # higher
+
+    return {
+        "target": f"`kl_target` {high_target:g} = {HIGH_TARGET_FACTOR:g} × K_nat",
+        "predictions": f"**The KL from β0 {lowest:g}: \"holds\" failed.**",
+        "prediction from 0.1 and 1": f"**From β0 {middle:g} and {highest:g}: \"does not hold\" held**",
+        "reward prediction": f"**The reward: \"equivalent at {HIGH_TARGET_FACTOR:g} × K_nat\" failed from every "
+                             f"β0.**",
+        "ratio from 0.01": f"The ratio is not equivalent to 1 ({rows[lowest][3]}, 90 % interval {ratio_90[lowest]}): "
+                           f"by seed the final KL was {range_text(ratios)} times the target, and "
+                           f"{COUNT_WORDS[len(within)]} seed of {COUNT_WORDS[len(small)]} "
+                           f"({range_text(within, decimals(2))}) ended within ±25 % of it",
+        "beta_need": f"β fell at its full rate (×{down:g} a step) from the start, passed β_need ({beta_text(need)}) "
+                     f"at step {need_step} in every seed and kept falling",
+        "KL passed": f"It first passed the target at step {', '.join(str(passes[copy.seed]) for copy in passed[:-1])} "
+                     f"and {passes[passed[-1].seed]} in {COUNT_WORDS[len(passed)]} seeds (never in the fifth), by "
+                     f"when β was {range_text(betas_then)}, below phase 1's lowest fixed β ({lowest_fixed:g}) in "
+                     f"{COUNT_WORDS[sum(beta < lowest_fixed for beta in betas_then)]} of them",
+        "runaways from 0.01": f"Rising at most ×{up:g} a step from there, β did not catch the KL: "
+                              f"{COUNT_WORDS[len(small_runaways)]} of the {COUNT_WORDS[len(small)]} runs ran away "
+                              f"(steps {', '.join(str(runaway(copy)) for copy in small_runaways)}; final KL "
+                              f"{range_text([copy.final_value(RAW_KL) for copy in small_runaways])}), as "
+                              f"{len(lowest_fixed_runaways)} of {len(SEEDS)} did at a fixed β of {lowest_fixed:g} in "
+                              f"phase 1",
+        "does not hold": f"as \"{rows[highest][3]}\" from {highest:g} ({rows[highest][1]}) and as not equivalent, "
+                         f"{rows[middle][3]}, from {middle:g} ({rows[middle][1]}, 90 % interval {ratio_90[middle]})",
+        "decay from 1": f"From {highest:g}, β fell at the full rate in {range_text(large_full, str)} of every seed's "
+                        f"{updates} updates, to {range_text(large_end)} at step {PLANNED_STEPS}, and no step's KL "
+                        f"reached the target (the highest {min(large_highest):.2g}-{max(large_highest):.3g})",
+        "decay from 0.1": f"From {middle:g}, in {COUNT_WORDS[len(middle_calm)]} seeds, β moved at the full rate in "
+                          f"{range_text([full_rate_updates(copy, down) for copy in middle_calm], str)} of the "
+                          f"{updates} updates, to {range_text([beta_at(copy, PLANNED_STEPS) for copy in middle_calm])} "
+                          f"at step {PLANNED_STEPS}; in the fifth the KL passed the target at step {middle_pass}, "
+                          f"at β {beta_text(beta_at(middle_runaway, middle_pass))}, and the run ran away at step "
+                          f"{runaway(middle_runaway)} (final KL {beta_text(middle_runaway.final_value(RAW_KL))})",
+        "phase 1's early KL": f"in phase 1, the KL's mean over steps {first_quarter[0]}-{first_quarter[1]} was "
+                              f"{range_text(early, decimals(3))} and over steps "
+                              f"{second_quarter[0]}-{second_quarter[1]} {range_text(later, decimals(3))} at every β "
+                              f"from {lowest_fixed:g} to {max(FIXED_BETAS):g}, under a quarter of this target. Over "
+                              f"the first half of a run no β reached {high_target:g}",
+        "first step near": f"(the KL's first step above {1 - TARGET_ERROR_CLIP:g} × the target came no earlier than "
+                           f"step {min(near)}), and from β0 {lowest:g} it went far below β_need",
+        "beta_need's neighbours": f"β_need itself sits between β {below_need:g}, whose mean final KL "
+                                  f"({beta_text(cell_mean('none', below_need, RAW_KL))}) comes from "
+                                  f"{COUNT_WORDS[len(below_need_runaways)]} runaways in "
+                                  f"{COUNT_WORDS[len(SEEDS)]} seeds, and {above_need:g}",
+        "reward from 0.01": f"From {lowest:g} it was lower ({rows[lowest][4]}, not equivalent; the 95 % interval just "
+                            f"reaches 0, so {rows[lowest][7]}): the runaways lost it (by seed "
+                            f"{beta_text(min(deltas[lowest].values()))} to {beta_text(max(deltas[lowest].values()))})",
+        "reward from 0.1": f"From {middle:g}, {rows[middle][7]} ({rows[middle][4]}; seed {middle_runaway.seed}'s "
+                           f"runaway {beta_text(deltas[middle][middle_runaway.seed])})",
+        "reward from 1": f"From {highest:g} it was **higher** than the best fixed β's, in every seed "
+                         f"({signed(float(rows[highest][4]))}, by seed {signed(min(deltas[highest].values()))} to "
+                         f"{signed(max(deltas[highest].values()))}; not equivalent, {rows[highest][7]} from 0): "
+                         f"{fixed(cell_of(best_run, REWARD), 3)}, the highest final reward of any cell in the study, "
+                         f"with the lowest final KL ({fixed(cell_of(best_run, RAW_KL), 4)}; the best fixed β's "
+                         f"{fixed(natural, 4)})",
+        "a beta schedule": f"**What the run from β0 {highest:g} was, and what it is not.** With the KL below the "
+                           f"target throughout, `target` from β0 {highest:g} was a β schedule: ×{down:g} a step, "
+                           f"from {highest:g} to {range_text(large_end)} (its final-window mean "
+                           f"{beta_text(window_beta)}, between the fixed β {fixed_below:g} and {fixed_above:g})",
+        "one cell": f"this is one cell of {COUNT_WORDS[len(large)]} seeds",
+        "falling to": f"a β falling from {highest:g} to ~{round(max(large_end), 2):g} over {PLANNED_STEPS} steps "
+                      f"ended with more reward and less KL than any fixed β of phase 1",
+        "full-rate factor": f"`target` lowers β by `1 - {TARGET_ERROR_CLIP:g} n / kl_horizon` a step for as long as "
+                            f"the KL stays more than {100 * TARGET_ERROR_CLIP:.0f} % below",
+        "fall past 0.001": f"From a small β0 that fall went below β {lowest_fixed:g} and the runs ran away before β "
+                           f"could climb back (×{up:g} a step here)",
+        "warning": f"in every high-target run the KL stayed more than {100 * TARGET_ERROR_CLIP:.0f} % below the target "
+                   f"through update {warning_update}, where the warning fires at this rate",
+        "warning logged": f"seed {warned_seed}'s {COUNT_WORDS[len(warnings)]} runs, made with the warning in the "
+                          f"package, logged it there",
+    }
+
+
+HIGH_TARGET_CLAIMS = ("target", "predictions", "prediction from 0.1 and 1", "reward prediction", "ratio from 0.01",
+                      "beta_need", "KL passed", "runaways from 0.01", "does not hold", "decay from 1", "decay from 0.1",
+                      "phase 1's early KL", "first step near", "beta_need's neighbours", "reward from 0.01",
+                      "reward from 0.1", "reward from 1", "a beta schedule", "one cell", "falling to",
+                      "full-rate factor", "fall past 0.001", "warning", "warning logged")
+
+
+@pytest.mark.parametrize("claim", HIGH_TARGET_CLAIMS)
+def test_the_high_target_prose_matches_the_streams(claim):
+    claims = high_target_claims()
+    assert sorted(claims) == sorted(HIGH_TARGET_CLAIMS)
+    assert claims[claim] in high_target_prose(), f"{claim}: expected {claims[claim]!r} in the doc"
