@@ -1252,3 +1252,18 @@ def test_the_one_line_summary_of_b_matches_the_streams():
     assert (f"of its {len(ratios)} runs ({COUNT_WORDS[len(REPORTED_TARGET_FACTORS)]} targets, "
             f"{COUNT_WORDS[len(starts)]} β0, {COUNT_WORDS[len(SEEDS)]} seeds) {COUNT_WORDS[len(within)]} ended with its "
             f"final KL within ±25 % of its target ({fixed(within[0], 2)} ×)") in phase_2_prose()
+
+
+def test_the_low_target_rate_and_phase_1s_rising_kl_match_the_streams():
+    # "From 0.01, β's climb (at most ×1.02 a step)" and "it rose while β rose, as phase 1's final KL did from β 0.1 to
+    # 0.3": the largest factor of any low-target update is the full rate up; phase 1's seed-mean final KL rose from the
+    # best fixed β to the largest
+    low_target = target_of(LOW_TARGET_FACTOR)
+    every_run = copies_from(low_target, target_starts(low_target))
+    _, up = full_rate_factors(every_run)
+    assert max(float(np.max(beta_factors(copy))) for copy in every_run) == pytest.approx(up, rel=1e-9)
+    best_beta, largest = natural_kl()[0], max(FIXED_BETAS)
+    assert cell_mean("none", largest, RAW_KL) > cell_mean("none", best_beta, RAW_KL)
+    prose = phase_2_prose()
+    assert f"From {min(target_starts(low_target)):g}, β's climb (at most ×{up:g} a step)" in prose
+    assert f"as phase 1's final KL did from β {best_beta:g} to {largest:g}" in prose
