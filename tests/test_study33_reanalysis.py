@@ -916,10 +916,7 @@ def low_target_claims():
     # the longest of each final-window step's shortest completion, over every seed from β0 1
     shortest = max(float(np.max(copy.series[MIN_LENGTH][FINAL_WINDOW_FIRST_STEP - 1:PLANNED_STEPS]))
                    for copy in copies_from(low_target, (highest,)))
-    baseline_reward = seed_final_values("none", best_beta, REWARD)
-    reward_delta = {beta0: float(np.mean([reward - baseline_reward[seed] for seed, reward
-                                          in run_seed_finals(target_run(low_target, beta0), REWARD).items()]))
-                    for beta0 in starts}
+    reward_delta = {beta0: mean_over_seeds(reward_deltas(target_run(low_target, beta0))) for beta0 in starts}
     final_kl = {beta0: fixed(cell_of(target_run(low_target, beta0), RAW_KL), 3) for beta0 in starts}
     ratios = [kl / low_target for kl in final_kls]
     return {
