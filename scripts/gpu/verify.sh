@@ -110,10 +110,29 @@ mkdir -p "$OUT"
 # .gpu-site carried packed (.gpu-site.tgz, ~20 MB for its ~54 MB): with the tree and .gpu-site-ds.tgz it keeps well
 # inside the 64 MiB a call carries. Unpacked here, where PYTHONPATH=$PWD/.gpu-site expects it.
 if [ ! -d .gpu-site ] && [ -f .gpu-site.tgz ]; then tar xzf .gpu-site.tgz; fi
+# The same, packed with xz (~17 MB): what the smollm2 stages carry beside the model's second part.
+if [ ! -d .gpu-site ] && [ -f .gpu-carry/site.txz ]; then tar xJf .gpu-carry/site.txz; fi
+# SmolLM2-135M-Instruct (issue 50): its GGUF (98 MB) travels in two parts over two calls (smollm2-head, then
+# smollm2-join on the still-warm machine); once joined, every later stage and call finds it here.
+SMOLLM2=/tmp/smollm2
+if [ -f $SMOLLM2/SmolLM2-135M-Instruct.Q4_1.gguf ]; then export UAKL_SMOLLM2_GGUF=$SMOLLM2/SmolLM2-135M-Instruct.Q4_1.gguf; fi
+export UAKL_CACHE=$SMOLLM2/cache
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false UNSLOTH_COMPILE_LOCATION=/tmp/unsloth_cache
 for stage in "$@"; do
   echo "== $stage"
   case $stage in
+    smollm2-head)  # call 1 of 2: keep the GGUF's first part (scripts/gpu/smollm2_parts.sh) on the machine
+      mkdir -p $SMOLLM2 && cp .gpu-carry/smollm2.part1 $SMOLLM2/part1 && ls -l $SMOLLM2 && sha256sum $SMOLLM2/part1 ;;
+    smollm2-join)  # call 2 of 2: join it with the second part and check the whole file's size and sha256
+      cat $SMOLLM2/part1 .gpu-carry/smollm2.part2 > $SMOLLM2/SmolLM2-135M-Instruct.Q4_1.gguf || exit 1
+      export UAKL_SMOLLM2_GGUF=$SMOLLM2/SmolLM2-135M-Instruct.Q4_1.gguf
+      python -c "from pathlib import Path; from unsloth_adaptive_kl import smollm2; smollm2.check_gguf(Path('$UAKL_SMOLLM2_GGUF')); print('sha256 ok:', smollm2.GGUF_SHA256); print(smollm2.smollm2_dir())" || exit 1 ;;
+    smollm2-probe)  # the task's step-0 record (scripts/gpu/smollm2_gpu.py probe; docs/real-model.md's rule picks the task)
+      timeout 300 python scripts/gpu/smollm2_gpu.py probe "$OUT" 2>&1 | grep -v Warning | tail -30; cp "$OUT/smollm2-probe.json" $SMOLLM2/ ;;
+    smollm2-tests)  # every built-in method, 3 GRPO steps of SmolLM2 on the Unsloth backend
+      UAKL_GPU_REPORT="$OUT/gpu-report-smollm2.json" UNSLOTH_GRPO_SEQ_PACKING=0 timeout 420 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_smollm2_gpu.py 2>&1 | tee "$OUT/gpu-tests-smollm2.log" | grep -E "passed|failed|Error|FAIL" | tail -30 ;;
+    smollm2-runs)  # step times of one run alone and of eight at once; the two KL numbers; the template tokens' KL
+      timeout 560 python scripts/gpu/smollm2_gpu.py runs "$OUT" 2>&1 | grep -v Warning | tail -60 ;;
     machine)
       nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/machine.txt"
       python -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(), torch.cuda.get_device_capability())" | tee -a "$OUT/machine.txt" ;;
