@@ -58,7 +58,7 @@ def main() -> None:
         # A 135 M-parameter model with a 49,152-token vocabulary: on a CPU a step takes minutes, so the
         # batch is small (2 prompts x 2 completions of at most 48 tokens).
         model, batch, completions, max_length = smollm2.smollm2_dir(), 4, 2, 48
-        reward_funcs, dataset = [smollm2.correct_answer_reward], smollm2.addition_problems(256)
+        reward_funcs, dataset = [smollm2.correct_answer_reward], smollm2.addition_dataset(256)
         learning_rate = 1e-5
     else:
         model = toy.build_checkpoint(os.path.join(output_dir, "model"), warm_start_steps=args.warm_start_steps)

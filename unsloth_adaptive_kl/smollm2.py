@@ -211,3 +211,10 @@ def completion_text(completion) -> str:
 def correct_answer_reward(completions, answer, **_) -> list[float]:
     """TRL reward function: 1.0 where :func:`extract_answer` of the reply equals the problem's answer, else 0.0."""
     return [float(extract_answer(completion_text(c)) == int(a)) for c, a in zip(completions, answer)]
+
+
+def addition_dataset(n: int, **kwargs):
+    """:func:`addition_problems` as a ``datasets.Dataset`` (what ``GRPOTrainer`` takes as ``train_dataset``)."""
+    from datasets import Dataset
+
+    return Dataset.from_list(addition_problems(n, **kwargs))

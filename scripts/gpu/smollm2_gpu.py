@@ -168,7 +168,7 @@ def train(out: str, name: str, fields: dict) -> None:
         learning_rate=float(fields.pop("learning_rate", 2e-5)), warmup_steps=0, save_strategy="no", bf16=True, seed=0,
         temperature=1.0, beta=float(fields.pop("beta", 0.04)), **fields,
     )
-    dataset = smollm2.addition_problems(4096, seed=TRAIN_SEED, **task)
+    dataset = smollm2.addition_dataset(4096, seed=TRAIN_SEED, **task)
     trainer = GRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=[smollm2.correct_answer_reward], args=args, train_dataset=dataset)
     kl = KLCapture(trainer._adaptive_kl) if capture else None
     start = time.perf_counter()

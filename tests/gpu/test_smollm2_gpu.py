@@ -53,7 +53,7 @@ def test_every_method_trains_smollm2_on_unsloth(model_dir, method):
     )
     trainer = GRPOTrainer(
         model=model, processing_class=tokenizer, reward_funcs=[smollm2.correct_answer_reward], args=args,
-        train_dataset=smollm2.addition_problems(256),
+        train_dataset=smollm2.addition_dataset(256),
     )
     assert type(trainer).__name__ == "UnslothGRPOTrainer" and type(trainer._adaptive_kl).__name__ == "UnslothAdaptiveKL"
     trainer.train()
