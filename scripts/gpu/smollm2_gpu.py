@@ -103,21 +103,23 @@ def chosen_task(out: str) -> dict:
 
 
 class KLCapture:
-    """Wraps the Unsloth runtime's ``finish`` (run eagerly: UNSLOTH_COMPILE_DISABLE=1) to keep, per micro-batch,
-    the per-token raw KL, the mask and the token ids it was given."""
+    """Wraps the Unsloth backend's ``FusedKLInputs.finish`` (run eagerly: UNSLOTH_COMPILE_DISABLE=1) to keep, per
+    micro-batch, the per-token raw KL, the mask and the token ids the fused loss gave it."""
 
-    def __init__(self, runtime):
+    def __init__(self):
+        from unsloth_adaptive_kl.backends import unsloth as backend
+
         self.batches = []
-        original = runtime.finish
+        original = backend.FusedKLInputs.finish
 
-        def finish(loss, unsloth_mean_kl, raw, adapted, mask, *args, **kwargs):
-            token_ids = kwargs.get("token_ids", args[3] if len(args) > 3 else None)
+        def finish(inputs, loss, unsloth_mean_kl, raw, adapted, mask, rs_keep, accumulation, token_ids=None, estimator_faults=None):
             if raw is not None:
-                self.batches.append({"raw": raw.detach().float().cpu(), "mask": mask.detach().float().cpu(),
-                                     "ids": None if token_ids is None else token_ids.detach().cpu()})
-            return original(loss, unsloth_mean_kl, raw, adapted, mask, *args, **kwargs)
+                self.batches.append({"unsloth_kl": float(unsloth_mean_kl), "raw": raw.detach().float().cpu().reshape(mask.shape),
+                                     "mask": mask.detach().float().cpu(),
+                                     "ids": None if token_ids is None else token_ids.detach().cpu().reshape(mask.shape)})
+            return original(inputs, loss, unsloth_mean_kl, raw, adapted, mask, rs_keep, accumulation, token_ids, estimator_faults)
 
-        runtime.finish = finish
+        backend.FusedKLInputs.finish = finish
 
     def summary(self) -> list[dict]:
         import torch
@@ -126,11 +128,10 @@ class KLCapture:
         for b in self.batches:
             raw, mask = b["raw"], b["mask"]
             tokens = mask.sum(1)
-            row = {"token_weighted": float((raw * mask).sum() / mask.sum().clamp(min=1)),
+            row = {"unsloth_kl": b["unsloth_kl"], "token_weighted": float((raw * mask).sum() / mask.sum().clamp(min=1)),
                    "per_sequence": float(((raw * mask).sum(1) / tokens.clamp(min=1)).mean()), "tokens": int(mask.sum())}
             ids = b["ids"]
             if ids is not None:
-                ids = ids[:, -raw.shape[1]:]
                 special = torch.zeros_like(mask, dtype=torch.bool)
                 for i in SPECIAL_IDS:
                     special |= ids == i
@@ -170,7 +171,7 @@ def train(out: str, name: str, fields: dict) -> None:
     )
     dataset = smollm2.addition_dataset(4096, seed=TRAIN_SEED, **task)
     trainer = GRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=[smollm2.correct_answer_reward], args=args, train_dataset=dataset)
-    kl = KLCapture(trainer._adaptive_kl) if capture else None
+    kl = KLCapture() if capture else None
     start = time.perf_counter()
     trainer.train()
     record = {"name": name, "task": task, "fields": {k: str(v) for k, v in fields.items()}, "steps": steps,

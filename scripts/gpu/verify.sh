@@ -130,7 +130,7 @@ for stage in "$@"; do
     smollm2-probe)  # the task's step-0 record (scripts/gpu/smollm2_gpu.py probe; docs/real-model.md's rule picks the task)
       timeout 300 python scripts/gpu/smollm2_gpu.py probe "$OUT" 2>&1 | grep -v Warning | tail -30; cp "$OUT/smollm2-probe.json" $SMOLLM2/ ;;
     smollm2-tests)  # every built-in method, 3 GRPO steps of SmolLM2 on the Unsloth backend
-      UAKL_GPU_REPORT="$OUT/gpu-report-smollm2.json" UNSLOTH_GRPO_SEQ_PACKING=0 timeout 420 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_smollm2_gpu.py 2>&1 | tee "$OUT/gpu-tests-smollm2.log" | grep -E "passed|failed|Error|FAIL" | tail -30 ;;
+      UAKL_GPU_REPORT="$OUT/gpu-report-smollm2.json" UNSLOTH_GRPO_SEQ_PACKING=0 timeout 380 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_smollm2_gpu.py 2>&1 | tee "$OUT/gpu-tests-smollm2.log" | grep -E "passed|failed|Error|FAIL" | tail -30 ;;
     smollm2-runs)  # step times of one run alone and of eight at once; the two KL numbers; the template tokens' KL
       timeout 560 python scripts/gpu/smollm2_gpu.py runs "$OUT" 2>&1 | grep -v Warning | tail -60 ;;
     machine)
