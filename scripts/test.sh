@@ -6,4 +6,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/_venv.sh
-python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile "$@"
+# The real_model tests (SmolLM2-135M-Instruct on the CPU, minutes) are .ci/run's own step: -m real_model runs them.
+python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -m "not real_model" "$@"
