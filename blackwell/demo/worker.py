@@ -250,7 +250,7 @@ def train_one(spec_path: str) -> None:
     cuda = torch.cuda.is_available()
     trainer, trained = build_trainer(spec, cuda)
     # copy: this process's id in every row, so that a run started again is a second draw, not a continuation
-    # (docs/evidence.md section 7; analysis.read_copies)
+    # (docs/evidence/study33-long-task.md; analysis.read_copies)
     # kl_placement and kl_estimator as the trainer holds them: the study's (d) compares runs that differ in them
     recorded = {**trained.fields(), "kl_horizon": trainer.args.kl_horizon, "kl_placement": trainer.args.kl_placement,
                 "kl_estimator": trainer.args.kl_estimator, "copy": uuid.uuid4().hex[:12]}
