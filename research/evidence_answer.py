@@ -90,7 +90,11 @@ def study_26(text: str) -> dict:
         spread = {r["method"]: number(r["final KL max / min"]) for r in table_after(text, "**Spread across initial β**", start=start)}
         ratio = [number(r["KL / kl_target"]) for r in table_after(text, "**`target`: final KL / kl_target", start=start)]
         reward = [number(r["final reward"]) for r in runs if r["method"] == "none" and number(r["initial β"]) <= 0.3]
-        out[loss] = {"spread": spread, "target_ratio": ratio, "none_reward": reward}
+        against = table_after(text, "**The best fixed β against every start**", start=start)
+        # a method whose Δ final reward has its 95 % interval above 0: it beat the best fixed β
+        beat = [f"{r['method']} from β {r['initial β']}" for r in against
+                if number(re.search(r"\[(.*?),", r["Δ final reward"]).group(1)) > 0]
+        out[loss] = {"spread": spread, "target_ratio": ratio, "none_reward": reward, "beat": beat}
     return out
 
 
@@ -104,11 +108,13 @@ def answer(s26: dict, s33: dict) -> str:
     shaping = s33["shaping_reward"]
     others = [(f"`{m}`", *shaping[m]) for m in ("soft_clip", "length_normalized")]
     others.append(("KL in the reward", *s33["placement_reward"]))
+    beat = s26["dapo"]["beat"] + s26["grpo"]["beat"] + (["target's β decay"] if gain_bonferroni < 0.05 else [])
+    beaten = "no controller has been shown to beat it" if not beat else "beaten by " + ", ".join(beat)
     correction = "evidence/study33-long-task.md#correction-2026-11-28-issue-51-what-the-record-got-wrong"
     lines = [
         "**What to use**, and what each answer rests on (made from the studies' tables by `research/evidence_answer.py`):",
         "",
-        f"- **β: a fixed {lo_b:g}-{hi_b:g} (`none`).** [Study 33](evidence/study33-long-task.md) (35 M Llama, ~124-token "
+        f"- **β: a fixed {lo_b:g}-{hi_b:g} (`none`); {beaten}.** [Study 33](evidence/study33-long-task.md) (35 M Llama, ~124-token "
         f"sums, 5 seeds): the most reward ({s33['reward'][b1]:.3f}, {s33['reward'][b2]:.3f}) and the least KL of "
         f"{len(s33['fixed_betas'])} fixed β; [study 26](evidence/study26-beta-grid.md) (0.7 M Llama, 4-10 tokens, 3 "
         f"seeds): any β 0.001-0.3 about the same ({span(toy_reward, '.3f')}).",

@@ -102,3 +102,12 @@ def test_the_answer_refuses_more_than_one_screen():
 def test_the_readme_links_the_answer_near_its_top():
     readme = (ROOT / "README.md").read_text().split("\n")
     assert any("](docs/evidence.md)" in line for line in readme[:15])
+
+
+def test_a_controller_that_beat_the_best_fixed_beta_would_change_the_headline():
+    text = evidence_answer.STUDY_26.read_text()
+    s33 = evidence_answer.study_33(evidence_answer.STUDY_33.read_text())
+    edited = text.replace("| `target` | 0.1 | -0.008 [-0.072, 0.055] |", "| `target` | 0.1 | 0.108 [0.072, 0.155] |")
+    assert edited != text
+    assert "no controller has been shown to beat it" in evidence_answer.answer(evidence_answer.study_26(text), s33)
+    assert "beaten by target from β 0.1" in evidence_answer.answer(evidence_answer.study_26(edited), s33)
