@@ -1,4 +1,4 @@
-"""Issue 33, phase 2 from phase 1 (docs/evidence.md section 7): the natural KL, the two targets, question (b)'s
+"""Issue 33, phase 2 from phase 1 (docs/evidence/study33-long-task.md): the natural KL, the two targets, question (b)'s
 mechanical prediction, and the phase-2 run lists.
 
 Reads phase 1's streams with the study's own analysis (``analysis.study_cells`` and ``analysis.natural_kl``, the

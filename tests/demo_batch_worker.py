@@ -19,6 +19,21 @@ from demo.settings import SMOKE, Settings  # noqa: E402
 from unsloth_adaptive_kl import toy  # noqa: E402
 
 
+def record_lengths_given_to_rewards(trainer) -> dict:
+    """{step: [the token count of every completion TRL hands the reward functions that step]}: a reference for
+    the demo's median length taken from another place than the demo's own hook (``_calculate_rewards`` receives
+    the completions' ids after generation). One process here, so nothing to gather."""
+    by_step = {}
+    calculate = trainer._calculate_rewards
+
+    def recorded(inputs, prompts, completions, completion_ids_list):
+        by_step.setdefault(trainer.state.global_step + 1, []).extend(len(ids) for ids in completion_ids_list)
+        return calculate(inputs, prompts, completions, completion_ids_list)
+
+    trainer._calculate_rewards = recorded
+    return by_step
+
+
 def main(backend: str, out_path: str, workdir: str, overrides: dict) -> None:
     settings = replace(Settings(), **{**SMOKE, "warm_start_steps": 0, **overrides})
     settings.check()
@@ -39,7 +54,9 @@ def main(backend: str, out_path: str, workdir: str, overrides: dict) -> None:
               "kl_horizon": trainer.args.kl_horizon,
               "config_default_accumulation": default_accumulation}
     if settings.steps:
-        trainer.add_callback(worker.step_logger(spec["metrics_path"], spec, {**trained.fields(), "kl_horizon": trainer.args.kl_horizon}))
+        trainer.add_callback(worker.step_logger(spec["metrics_path"], spec, {**trained.fields(), "kl_horizon": trainer.args.kl_horizon},
+                                                lengths=worker.CompletionLengths(trainer)))
+        result["reward_lengths"] = record_lengths_given_to_rewards(trainer)
         trainer.train()
         with open(spec["metrics_path"]) as f:
             result["rows"] = [json.loads(line) for line in f]

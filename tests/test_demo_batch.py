@@ -6,6 +6,7 @@ defaults give the same batch and the same training arguments. The Unsloth traine
 import importlib.util
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -90,7 +91,7 @@ def test_unsloth_trains_the_same_batch_and_arguments_as_trl(tmp_path_factory):
 
 @needs_unsloth
 def test_section_6_ran_twice_the_controller_gain_it_was_designed_for(tmp_path_factory):
-    """docs/evidence.md section 6: Unsloth's accumulation of 2 doubled the completions of a step (the demo passed
+    """docs/evidence/study26-beta-grid.md: Unsloth's accumulation of 2 doubled the completions of a step (the demo passed
     8 x 8 per micro-batch and sized kl_horizon for 64), so target moved β by x0.96 a step, not x0.98. The same
     proportions here: 16 completions a step, kl_horizon 80 = 5 steps; the KL starts at 0 (the LoRA starts at the
     reference), below 0.8 x kl_target, so the first update is the full step down: 1 - 0.2 x 16 / 80."""
@@ -100,3 +101,74 @@ def test_section_6_ran_twice_the_controller_gain_it_was_designed_for(tmp_path_fa
     assert rows[1]["completions_per_step"] == 16 and rows[1]["adaptive_kl/current_beta"] == 0.1
     assert rows[1]["adaptive_kl/raw_kl"] < 0.8 * Settings.kl_target
     assert rows[2]["adaptive_kl/current_beta"] == pytest.approx(0.1 * 0.96, rel=1e-12)
+
+
+# The settings of the section-6 test above: its Unsloth run is built once and read by both tests.
+SECTION_6_SETTINGS = dict(steps=2, gradient_accumulation_steps=2, prompts_per_step=4, kl_horizon_steps=5)
+
+
+@pytest.mark.parametrize("backend", ["trl", pytest.param("unsloth", marks=needs_unsloth)])
+def test_each_step_records_the_median_length_of_the_completions_it_trained(backend, tmp_path_factory):
+    """TRL logs a step's mean, min and max completion length; the demo adds the median (issue 51: a mean of short
+    and truncated completions hides the split). Checked against the lengths of the completions TRL hands the
+    reward functions that step, recorded by the worker from another hook, which must also give TRL's own mean,
+    min and max: the median is of the same completions."""
+    r = build(backend, tmp_path_factory, **SECTION_6_SETTINGS)
+    assert [row["step"] for row in r["rows"]] == [1, 2]
+    for row in r["rows"]:
+        lengths = r["reward_lengths"][str(row["step"])]
+        assert len(lengths) == row["completions_per_step"] == 16
+        assert row["completions/median_length"] == statistics.median(lengths)
+        assert (min(lengths), max(lengths)) == (row["completions/min_length"], row["completions/max_length"])
+        assert statistics.fmean(lengths) == pytest.approx(row["completions/mean_length"], rel=1e-6)
+
+
+class _FakeAccelerator:
+    device = "cpu"
+
+    def __init__(self, other_processes):
+        self.other_processes = other_processes
+
+    def gather(self, tensor):
+        import torch
+
+        return torch.cat([tensor, torch.tensor(self.other_processes)])
+
+
+class _FakeTrainer:
+    """The two things CompletionLengths uses: ``_generate`` returning TRL's 8-tuple (prompt_ids, completion_ids,
+    tool_mask, ...) and ``accelerator.gather``."""
+
+    def __init__(self, completion_ids, tool_mask=None, other_processes=()):
+        self.accelerator = _FakeAccelerator(list(other_processes))
+        self.completion_ids, self.tool_mask = completion_ids, tool_mask
+
+    def _generate(self, prompts):
+        return (None, self.completion_ids, self.tool_mask, None, None, {}, None, [])
+
+
+def test_the_median_counts_every_process_and_only_the_models_tokens_under_a_tool_mask():
+    from demo.worker import CompletionLengths
+
+    trainer = _FakeTrainer([[5, 6, 2], [7, 2], [3, 4, 5, 6, 2]], other_processes=[10, 1])
+    lengths = CompletionLengths(trainer)
+    out = trainer._generate(["p"])
+    assert out[1] == trainer.completion_ids  # the trainer's own output, untouched
+    assert lengths.take() == 3.0  # median of 3, 2, 5 and the other process's 10, 1
+    assert lengths.take() is None  # nothing generated since
+    trainer._generate(["p"]), trainer._generate(["p"])  # two generation batches in one step: one median of both
+    assert lengths.take() == 3.0  # 3, 2, 5, 10, 1, 3, 2, 5, 10, 1
+    tools = _FakeTrainer([[5, 6, 2, 9], [7, 2]], tool_mask=[[1, 1, 0, 0], [1, 1]])
+    with_tools = CompletionLengths(tools)
+    tools._generate(["p"])
+    assert with_tools.take() == 2.0  # the model's tokens only, as TRL counts completions/mean_length
+
+
+def test_a_trainer_without_generate_is_refused_by_name():
+    from demo.worker import CompletionLengths
+
+    class Other:
+        pass
+
+    with pytest.raises(RuntimeError, match="Other .* has no _generate"):
+        CompletionLengths(Other())

@@ -1,4 +1,4 @@
-"""The pre-registered analysis of docs/evidence.md section 7 (blackwell/demo/analysis.py): TOST, the runaway
+"""The pre-registered analysis of docs/evidence/study33-long-task.md (blackwell/demo/analysis.py): TOST, the runaway
 criterion, the final window, the drift after saturation, every copy a draw, and the report, against values
 computed by hand (t quantiles from the standard table: t(0.95; 2) = 2.920, t(0.975; 2) = 4.303)."""
 

@@ -90,16 +90,23 @@ def test_the_sites_generated_tables_are_the_readmes_and_versions_pys():
 
 def test_every_generated_block_a_page_asks_for_exists_and_an_unknown_one_fails_the_build():
     hooks = _hooks()
-    asked = {name for page in (ROOT / "docs").glob("*.md") for name in hooks.MARKER.findall(page.read_text())}
+    asked = {name for page in _docs_pages() for name in hooks.MARKER.findall((ROOT / "docs" / page).read_text())}
     assert asked == set(hooks.GENERATORS)
     with pytest.raises(ValueError, match="methods.md: unknown generated block 'shaping-tabel'"):
         hooks.render("<!-- generated: shaping-tabel -->", "methods.md")
 
 
+def _docs_pages() -> list[str]:
+    """Every page of the site, as a path under docs/ (the evidence's studies are in docs/evidence/); the raw
+    outputs of the GPU runs (docs/*-data/) are linked files, not pages."""
+    docs = ROOT / "docs"
+    return sorted(str(p.relative_to(docs)) for p in docs.rglob("*.md") if not p.relative_to(docs).parts[0].endswith("-data"))
+
+
 def test_every_docs_page_is_in_the_sites_nav():
     nav = (ROOT / "mkdocs.yml").read_text().split("\nnav:\n")[1]
     listed = set(re.findall(r":\s*(\S+\.md)\s*$", nav, re.M))
-    pages = {p.name for p in (ROOT / "docs").glob("*.md")}
+    pages = set(_docs_pages())
     assert pages == listed, f"not in mkdocs.yml's nav: {sorted(pages - listed)}; in the nav without a page: {sorted(listed - pages)}"
 
 
@@ -126,6 +133,24 @@ def test_the_layout_check_finds_what_the_site_would_flatten():
     assert len(_list_layout_problems("Some text:\n- an item\n  - a nested item\n\n- fine\n    - fine")) == 2
 
 
-@pytest.mark.parametrize("page", sorted(p.name for p in (ROOT / "docs").glob("*.md")))
+@pytest.mark.parametrize("page", _docs_pages())
 def test_every_list_of_the_docs_renders_on_the_site(page):
     assert _list_layout_problems((ROOT / "docs" / page).read_text()) == []
+
+
+def _relative_links(text: str) -> list[tuple[str, str]]:
+    """(path, #anchor or "") of every relative link outside code blocks."""
+    text = re.sub(r"```.*?```", "", text, flags=re.S)
+    return re.findall(r"\]\(((?!https?:|mailto:)[^)#\s]*)(#[^)\s]+)?\)", text)
+
+
+@pytest.mark.parametrize("page", _docs_pages())
+def test_every_relative_link_of_the_docs_resolves_with_its_anchor(page):
+    """As the README's: a page moved (the evidence's sections into docs/evidence/, issue 51) leaves no link behind."""
+    source = ROOT / "docs" / page
+    for path, anchor in _relative_links(source.read_text()):
+        target = (source.parent / path).resolve() if path else source
+        assert target.exists(), f"{page} links {path}, which does not exist"
+        if anchor and target.suffix == ".md":
+            headings = re.findall(r"^#{1,6} (.+)$", target.read_text(), re.M)
+            assert anchor[1:] in {_github_anchor(h) for h in headings}, f"{page} links {path}{anchor}: no such heading"

@@ -1,5 +1,5 @@
 """scripts/study33_phase2.py: phase 2's targets, (b)'s mechanical prediction and the run lists, from phase-1
-streams, against values computed by hand (docs/evidence.md section 7)."""
+streams, against values computed by hand (docs/evidence/study33-long-task.md)."""
 
 import importlib.util
 import json

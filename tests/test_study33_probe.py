@@ -67,7 +67,7 @@ def test_the_projection_applies_section_7s_cost_rule():
 
 
 def test_the_projected_run_list_is_section_7s():
-    text = open(os.path.join(ROOT, "docs", "evidence.md")).read()
+    text = open(os.path.join(ROOT, "docs", "evidence", "study33-long-task.md")).read()
     section = text[text.index("## 7. Evidence 4"):]
     assert re.search(rf"\n{probe.STUDY_RUNS} runs \(80 with \(d\)\) × {probe.STUDY_STEPS} steps", section)
     rows = re.findall(r"^\| [12] \| \([abc]\) \|.*\| (\d+) \|$", section, flags=re.M)

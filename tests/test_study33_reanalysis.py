@@ -1,4 +1,4 @@
-"""An independent reanalysis of issue 33's study (docs/evidence.md section 7) against the doc's printed results.
+"""An independent reanalysis of issue 33's study (docs/evidence/study33-long-task.md) against the doc's printed results.
 
 Recomputes the three tables of section 7's "Results, phase 1: questions (a) and (c)" (the runs: copies, final values
 and runaways; (a) the length slope after saturation; (c) each shaping method against `none` at β 0.04) from the raw
@@ -37,7 +37,7 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-EVIDENCE_DOC = ROOT / "docs" / "evidence.md"
+EVIDENCE_DOC = ROOT / "docs" / "evidence" / "study33-long-task.md"
 PHASE_1_STREAMS = "docs/evidence-data/study33-p1-*/*-stream.jsonl.gz"
 PHASE_2_STREAMS = "docs/evidence-data/study33-p2-*/*-stream.jsonl.gz"  # never the probe's or genspeed's streams
 RESULTS_HEADING = "### Results, phase 1: questions (a) and (c)"

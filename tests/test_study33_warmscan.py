@@ -1,4 +1,4 @@
-"""Issue 33's warm-start diagnosis and scan (docs/evidence.md section 7, Amendment 2): the token roles of a column
+"""Issue 33's warm-start diagnosis and scan (docs/evidence/study33-long-task.md, Amendment 2): the token roles of a column
 solution, the loss levels a model can reach, the pre-registered choice, the warm start's progress records, and
 scripts/gpu/study33_warmscan.py at tiny size on the CPU."""
 

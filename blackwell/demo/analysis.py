@@ -138,7 +138,7 @@ def analyze(paths: list[str], baseline: str = "none") -> str:
     return "\n".join(out)
 
 
-# -- the pre-registered tests of docs/evidence.md section 7 (issue 33) ----------------------------------
+# -- the pre-registered tests of docs/evidence/study33-long-task.md (issue 33) -----------------------------
 # One-sided 95 % quantiles of Student's t by degrees of freedom 1-30 (standard table values): the two
 # one-sided tests at α = 0.05 of TOST are the 90 % two-sided interval.
 T95 = [6.314, 2.920, 2.353, 2.132, 2.015, 1.943, 1.895, 1.860, 1.833, 1.812, 1.796, 1.782, 1.771, 1.761, 1.753,
@@ -344,7 +344,7 @@ def fmt_difference(differences: list[float], fmt: str = ".4f") -> str:
     return f"{format(mean, fmt)} | — | [{format(low, fmt)}, {format(high, fmt)}] | {verdict}"
 
 
-# The numbers section 7 pre-registers (docs/evidence.md); the report below applies them and nothing else.
+# The numbers section 7 pre-registers (docs/evidence/study33-long-task.md); the report below applies them and nothing else.
 REWARD_MARGIN = 0.05  # equivalence margin for the final-window reward (reward in [0, 1])
 LENGTH_MARGIN = 5.0  # tokens: final-window length, and tokens per 100 steps for the drift slope
 KL_RATIO_MARGIN = math.log(1.25)  # target's final KL / kl_target, on the log scale

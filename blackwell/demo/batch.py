@@ -1,6 +1,6 @@
 """What one optimizer step of a run trained, read from its trainer after construction: Unsloth's GRPO
 config defaults ``gradient_accumulation_steps`` to 2 and TRL's to 1, so the batch size passed in does
-not say how many completions a step trains (docs/evidence.md section 6 ran at twice the number it
+not say how many completions a step trains (docs/evidence/study26-beta-grid.md ran at twice the number it
 printed). Every per-step quantity of the demo (``kl_horizon``) is sized from this."""
 
 from __future__ import annotations

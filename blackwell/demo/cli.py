@@ -75,7 +75,7 @@ def parse_args(argv=None, description: str | None = None):
                    "differ only in the initial β, as --betas writes them): final KL, reward, length and β over the "
                    "last 50 steps per method and β, the spread across β, target's KL / kl_target, the best fixed β "
                    "against target, paired by seed")
-    p.add_argument("--study", action="store_true", help="with --analyze: the pre-registered analysis of docs/evidence.md "
+    p.add_argument("--study", action="store_true", help="with --analyze: the pre-registered analysis of docs/evidence/study33-long-task.md "
                    "section 7 (issue 33): every copy of every run, final window, runaways, (a) length slope after "
                    "saturation, (b) target's KL / kl_target and reward, (c) methods against none; TOST by seed")
     p.add_argument("--plot", metavar="PNG", help="with --analyze: also draw the curves (every method of one setting, "

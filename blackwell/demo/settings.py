@@ -41,7 +41,7 @@ class Settings:
     heads: int = 4
     warm_start_steps: int = 800  # batch 64; seconds on a GPU. 400 left the reward at ~0.7 in a CPU trial
     # AdamW's learning rate in the warm start. 3e-3 suits the 128-wide model; at hidden 256 it left the
-    # loss at 1.47 after 300 steps of the hard task in a CPU trial, against 0.93 with 1e-3 (docs/evidence.md).
+    # loss at 1.47 after 300 steps of the hard task in a CPU trial, against 0.93 with 1e-3 (docs/evidence/study11-drift.md).
     warm_start_lr: float = 3e-3
     summary_window: float = 0.1  # "start" and "end" values are means over this fraction of the steps
     task: str = "easy"  # the offline task's difficulty: a key of TASKS
@@ -81,7 +81,7 @@ class Settings:
 # The offline task's variants: how many terms a sum has and how large they are. "easy" is the
 # original (the reward saturates near 0.9 within ~20 steps); "medium" and "hard" keep accuracy below 1
 # for longer (the longest warm-start completion: ~23 and ~30 tokens). On the GPU, the 800-step warm
-# start taught neither "hard" nor "easy" to a 256x4 model (accuracy ~0.03 and ~0.14: docs/evidence.md).
+# start taught neither "hard" nor "easy" to a 256x4 model (accuracy ~0.03 and ~0.14: docs/evidence/study11-drift.md).
 TASKS = {
     "easy": dict(min_terms=2, max_terms=3, max_operand=9),
     "medium": dict(min_terms=3, max_terms=4, max_operand=9),

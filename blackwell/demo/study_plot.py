@@ -1,4 +1,4 @@
-"""The figure of the pre-registered study (docs/evidence.md section 7, issue 33; ``--analyze ... --study --plot``):
+"""The figure of the pre-registered study (docs/evidence/study33-long-task.md, issue 33; ``--analyze ... --study --plot``):
 per family, the curves behind the tables of ``analysis.study_report``: (a) length and reward of `none` at every
 fixed β, the raw KL of `none` at β > 0 and of `target` against its kl_target, and (c) the other methods against
 `none` at the same β, (d) the reward of each run with the KL in the reward against the same method and β with it in

@@ -137,7 +137,7 @@ def build_task_checkpoint(path: str, settings: Settings, seed: int, device: str,
     solution, weights = SOLUTIONS.get(settings.task, DEFAULT_SOLUTION)
     if settings.task in SOLUTIONS:
         styles = rng.choices(range(len(weights)), weights, k=len(rows))
-    else:  # the tasks of section 2-6 of docs/evidence.md: the draws their checkpoints were built with
+    else:  # the tasks of studies 11 and 26 (docs/evidence/): the draws their checkpoints were built with
         styles = [rng.randrange(3) for _ in rows]
     texts = [r["prompt"] + solution(r["terms"], style) + tokenizer.eos_token for r, style in zip(rows, styles)]
     losses: list[float] = []

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import time
 import uuid
 
@@ -105,6 +106,44 @@ class GenerationClock:
                 "decode_graph_disabled": next((str(s.disabled) for s in states if s.disabled is not None), None)}
 
 
+class CompletionLengths:
+    """The length of every completion the trainer generates, read once per step for its median (TRL logs only the
+    mean, min and max of a step's lengths; a mean hides a split between short and truncated completions).
+
+    It wraps the trainer's ``_generate`` on the instance (TRL's, and Unsloth's generated trainer, which calls
+    ``self._generate(prompts)`` from TRL's source), counts each completion as TRL counts it for
+    ``completions/mean_length`` (its tokens, end of sequence included; only the model's tokens where a tool mask
+    is returned) and gathers the lengths over processes as TRL does, so the median is of the same completions."""
+
+    def __init__(self, trainer):
+        generate = getattr(trainer, "_generate", None)
+        if generate is None:
+            import trl
+
+            raise RuntimeError(f"{type(trainer).__name__} (TRL {trl.__version__}) has no _generate: the demo cannot "
+                               "record the completions' median length")
+        self.lengths: list[int] = []
+
+        def recorded(*args, **kwargs):
+            out = generate(*args, **kwargs)
+            self._add(trainer, completion_ids=out[1], tool_mask=out[2])
+            return out
+
+        trainer._generate = recorded
+
+    def _add(self, trainer, completion_ids, tool_mask) -> None:
+        import torch
+
+        lengths = [sum(mask) for mask in tool_mask] if tool_mask is not None else [len(ids) for ids in completion_ids]
+        gathered = trainer.accelerator.gather(torch.tensor(lengths, device=trainer.accelerator.device))
+        self.lengths += [int(n) for n in gathered.tolist()]
+
+    def take(self) -> float | None:
+        """The median length of the completions generated since the last take (None if there were none)."""
+        taken, self.lengths = self.lengths, []
+        return float(statistics.median(taken)) if taken else None
+
+
 def compiled_graphs() -> int | None:
     """torch.compile's graphs made in this process so far (None before dynamo is imported): a count that grows
     during training means recompiles (a changing shape or a Python value baked into a graph)."""
@@ -114,9 +153,11 @@ def compiled_graphs() -> int | None:
     return None if utils is None else int(utils.counters["stats"]["unique_graphs"])
 
 
-def step_logger(metrics_path: str, spec: dict, trained: dict, clock: GenerationClock | None = None):
-    """A callback writing one JSON line per logged step (with its wall time and, given ``clock``, the part of
-    it spent generating) and a progress line."""
+def step_logger(metrics_path: str, spec: dict, trained: dict, clock: GenerationClock | None = None,
+                lengths: CompletionLengths | None = None):
+    """A callback writing one JSON line per logged step (with its wall time, given ``clock`` the part of it spent
+    generating, and given ``lengths`` the median completion length as ``completions/median_length``) and a
+    progress line."""
     from transformers import TrainerCallback
 
     class StepLogger(TrainerCallback):
@@ -124,10 +165,13 @@ def step_logger(metrics_path: str, spec: dict, trained: dict, clock: GenerationC
             self.started = time.perf_counter()
             if clock is not None:
                 clock.take()
+            if lengths is not None:
+                lengths.take()
 
         def on_step_end(self, args, state, control, **kwargs):
             self.seconds = time.perf_counter() - self.started
             self.generation = clock.take() if clock is not None else (None, None)
+            self.median_length = lengths.take() if lengths is not None else None
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if not logs or "reward" not in logs:  # the end-of-training summary
@@ -139,6 +183,8 @@ def step_logger(metrics_path: str, spec: dict, trained: dict, clock: GenerationC
                 row["generation_time"], row["generate_calls"] = self.generation
                 row.update(clock.decode_graphs())
             row["compiled_graphs"] = compiled_graphs()
+            if lengths is not None:
+                row["completions/median_length"] = self.median_length
             row.update({k: v for k, v in logs.items() if isinstance(v, (int, float)) or v is None})
             line = json.dumps(row) + "\n"
             for path in filter(None, [metrics_path, spec.get("stream")]):
@@ -204,12 +250,12 @@ def train_one(spec_path: str) -> None:
     cuda = torch.cuda.is_available()
     trainer, trained = build_trainer(spec, cuda)
     # copy: this process's id in every row, so that a run started again is a second draw, not a continuation
-    # (docs/evidence.md section 7; analysis.read_copies)
+    # (docs/evidence/study33-long-task.md; analysis.read_copies)
     # kl_placement and kl_estimator as the trainer holds them: the study's (d) compares runs that differ in them
     recorded = {**trained.fields(), "kl_horizon": trainer.args.kl_horizon, "kl_placement": trainer.args.kl_placement,
                 "kl_estimator": trainer.args.kl_estimator, "copy": uuid.uuid4().hex[:12]}
     clock = GenerationClock(trainer.model, cuda)
-    trainer.add_callback(step_logger(spec["metrics_path"], spec, recorded, clock))
+    trainer.add_callback(step_logger(spec["metrics_path"], spec, recorded, clock, CompletionLengths(trainer)))
     print(f"{spec['method']} seed {spec['seed']}: {type(trainer).__module__}.{type(trainer).__name__}", flush=True)
     print(f"trained: {trained.describe()}; kl_horizon {trainer.args.kl_horizon:g}", flush=True)
     print(f"trainer arguments: {json.dumps(trained_args(trainer))}", flush=True)

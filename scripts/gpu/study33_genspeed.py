@@ -1,6 +1,6 @@
 """Issue 33: where a GRPO step of the long task spends its time, before a faster generation is chosen.
 
-Not study data (docs/evidence.md section 7, Amendment 5). One warm start of seed 0 at the chosen rate (3e-4,
+Not study data (docs/evidence/study33-long-task.md, Amendment 5). One warm start of seed 0 at the chosen rate (3e-4,
 Amendment 3), built by the demo's own code, then phases of the demo's own runs from that one checkpoint (the demo
 would warm-start again per invocation: 170 s each). Each phase runs its runs at once, 8 steps each, and records
 per step the step's wall time, the part spent in the policy's ``generate`` (the worker's GenerationClock) and

@@ -34,7 +34,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 DEMO = os.path.join(ROOT, "blackwell", "test_adaptive_kl_grpo.py")
 sys.path.insert(0, os.path.join(ROOT, "blackwell"))
 
-# The study's run list (docs/evidence.md section 7), in run-steps, for the projection; kept equal to the
+# The study's run list (docs/evidence/study33-long-task.md), in run-steps, for the projection; kept equal to the
 # list there by tests/test_study33_probe.py.
 STUDY_RUNS = 75  # 5 seeds x (6 fixed β + 3 shaping methods at β 0.04 + 6 target), without the conditional (d)
 STUDY_STEPS = 200
@@ -79,7 +79,7 @@ def step_times(rows: list[dict]) -> dict:
 
 def projection(k8: dict, warm_start_s: float) -> dict:
     """The study's cost if every call runs k8's concurrency at k8's median step time, after a warm start and a
-    first step as long as k8's (docs/evidence.md section 7's cost rule)."""
+    first step as long as k8's (docs/evidence/study33-long-task.md, the cost rule)."""
     runs, median = k8["runs"], k8["median_s"]
     if not runs or not median:
         return {}

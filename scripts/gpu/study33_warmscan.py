@@ -1,4 +1,4 @@
-"""Issue 33's warm-start learning-rate scan (docs/evidence.md section 7, Amendment 2): not study data.
+"""Issue 33's warm-start learning-rate scan (docs/evidence/study33-long-task.md, Amendment 2): not study data.
 
 The probe's warm start (learning rate 1e-3) stopped at the loss of a model that copies nothing from the prompt;
 this scan warm-starts seed 0 of the long task once for each candidate learning rate, all at once on one GPU

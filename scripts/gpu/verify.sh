@@ -9,7 +9,7 @@
 # drop-in, and GRPOTrainer(loss_class=) against TRL's loss), unsloth-bench (bench_unsloth.py, LoRA, 16 completions,
 # budget 520 s), demo-check (a short demo run), demo-3seeds,
 # evidence:NAME (the demo invocations listed in scripts/gpu/evidence/NAME.txt, all at once; see
-# docs/evidence.md). An evidence stage writes to $OUT: NAME-stream.jsonl (every run's steps, as they
+# docs/evidence/). An evidence stage writes to $OUT: NAME-stream.jsonl (every run's steps, as they
 # come), NAME-analysis.md (the slope table), NAME.log and NAME-runs.tar.gz (logs, summaries, plots); a list with
 # --betas (the beta grid, betagrid*.txt) also NAME-grid.md and NAME-grid.png (--analyze --grid).
 # evidence-pair:A,B (a 2-GPU machine): evidence:A on GPU 0 and evidence:B on GPU 1 at once; writes A-stream.jsonl,
@@ -226,7 +226,7 @@ for stage in "$@"; do
       # A call returns at most 8 files, and two evidence stages write 12: the streams go to $OUT as they grow (all a
       # timeout leaves), A-grid.md and B-grid.md follow, the rest is packed into evidence-pair.tar.gz.
       pair evidence grid "${stage#evidence-pair:}" "tail -25" ;;
-    study33:*)  # issue 33's study (docs/evidence.md section 7, Amendments 5-6): evidence:NAME with Unsloth's GRPO sequence
+    study33:*)  # issue 33's study (docs/evidence/study33-long-task.md, Amendments 5-6): evidence:NAME with Unsloth's GRPO sequence
       # packing off and a 560 s limit (one invocation a list line: one warm start, its runs at once), then the study's
       # own analysis of the stream (--analyze --study) into NAME-study.md
       name=${stage#study33:}

@@ -1,0 +1,160 @@
+"""The one-screen answer at the top of docs/evidence.md (issue 51), made from the studies' tables.
+
+    python research/evidence_answer.py           # prints the answer
+    python research/evidence_answer.py --write   # rewrites it in docs/evidence.md, between its two markers
+
+Every number of the answer is read from a table of a study page (docs/evidence/*.md): the wording is this file's,
+the numbers are the tables'. tests/test_evidence_pages.py fails while docs/evidence.md holds another answer than
+this one, so a table that changes changes the answer, or the test says so.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+INDEX = ROOT / "docs" / "evidence.md"
+STUDY_26 = ROOT / "docs" / "evidence" / "study26-beta-grid.md"
+STUDY_33 = ROOT / "docs" / "evidence" / "study33-long-task.md"
+MARKER = "<!-- answer -->"
+MAX_LINES = 10  # one screen
+
+
+def clean(cell: str) -> str:
+    return cell.replace("**", "").replace("`", "").strip()
+
+
+def table_after(text: str, marker: str, start: str | None = None) -> list[dict[str, str]]:
+    """The rows of the first markdown table after the first line that starts with ``marker`` (searched from the
+    first line starting with ``start``, if given), as {header: cell} with bold and code marks removed. A header
+    that appears twice (two "verdict" columns) keeps both: the second as "header 2"."""
+    lines = text.split("\n")
+    begin = 0
+    if start is not None:
+        begin = next(i for i, line in enumerate(lines) if line.startswith(start))
+    at = next(i for i in range(begin, len(lines)) if lines[i].startswith(marker))
+    first = next(i for i in range(at, len(lines)) if lines[i].startswith("|"))  # the marker may be the header
+    rows = []
+    for line in lines[first:]:
+        if not line.startswith("|"):
+            break
+        rows.append([clean(c) for c in line.strip().strip("|").split("|")])
+    header, body = rows[0], rows[2:]
+    names = [h if header[:i].count(h) == 0 else f"{h} {header[:i].count(h) + 1}" for i, h in enumerate(header)]
+    return [dict(zip(names, row)) for row in body]
+
+
+def number(cell: str) -> float:
+    """The first number of a cell ("0.762 ± 0.035", "2: seed 0 step 147", "+0.052", "0.1 (best)")."""
+    return float(re.search(r"[-+]?\d+(?:\.\d+)?(?:e-?\d+)?", cell).group())
+
+
+def span(values, fmt: str) -> str:
+    low, high = min(values), max(values)
+    return format(low, fmt) if format(low, fmt) == format(high, fmt) else f"{format(low, fmt)}-{format(high, fmt)}"
+
+
+def study_33(text: str) -> dict:
+    runs = table_after(text, "| method | β0 | copies", start="### Results, phase 1")
+    fixed = {number(r["β0"]): r for r in runs if r["method"] == "none"}
+    by_reward = sorted((b for b in fixed if b > 0), key=lambda b: -number(fixed[b]["final reward"]))
+    shaping = {r["method"]: r for r in runs if r["method"] != "none"}
+    low = table_after(text, "**(b) `target` at the low target**")
+    high = table_after(text, "**(b) `target` at the high target**")
+    c = table_after(text, "**(c) Against `none` at β 0.04**")
+    d = table_after(text, "**(d) KL in the reward (k1) against in the loss (k3)**")
+    correction = table_after(text, "Points 1 and 4 in one table")
+    zero, gain = correction
+    return {
+        "best": by_reward[:2], "reward": {b: number(fixed[b]["final reward"]) for b in fixed},
+        "kl": {b: number(fixed[b]["final KL"]) for b in fixed if b > 0}, "fixed_betas": sorted(fixed),
+        "runaways": {m: number(r["runaways (copies)"]) for m, r in shaping.items()},
+        "none_0.04_runaways": number(fixed[0.04]["runaways (copies)"]),
+        "target_ratio": [number(r["KL / kl_target"]) for r in low + high],
+        "target_reward": [number(r["Δ reward"]) for r in low + high], "target_cells": len(low + high),
+        "shaping_reward": {r["method"]: (number(r["Δ mean"]), r["verdict"]) for r in c if r["quantity"] == "reward"},
+        "placement_reward": next((number(r["Δ mean"]), r["verdict"]) for r in d if r["quantity"] == "reward"),
+        "zero": (number(zero["Δ final reward"]), zero["95 % CI"], zero["verdict"], int(number(zero["seeds"])),
+                 number(zero["sign-flip p"])),
+        "gain": (number(gain["Δ final reward"]), number(gain["sign-flip p"]), number(gain["Bonferroni"])),
+    }
+
+
+def study_26(text: str) -> dict:
+    out = {}
+    for loss in ("dapo", "grpo"):
+        start = f"#### Loss `{loss}`"
+        runs = table_after(text, "| method | initial β | seeds", start=start)
+        spread = {r["method"]: number(r["final KL max / min"]) for r in table_after(text, "**Spread across initial β**", start=start)}
+        ratio = [number(r["KL / kl_target"]) for r in table_after(text, "**`target`: final KL / kl_target", start=start)]
+        reward = [number(r["final reward"]) for r in runs if r["method"] == "none" and number(r["initial β"]) <= 0.3]
+        against = table_after(text, "**The best fixed β against every start**", start=start)
+        # a method whose Δ final reward has its 95 % interval above 0: it beat the best fixed β
+        beat = [f"{r['method']} from β {r['initial β']}" for r in against
+                if number(re.search(r"\[(.*?),", r["Δ final reward"]).group(1)) > 0]
+        out[loss] = {"spread": spread, "target_ratio": ratio, "none_reward": reward, "beat": beat}
+    return out
+
+
+def answer(s26: dict, s33: dict) -> str:
+    b1, b2 = s33["best"]
+    lo_b, hi_b = sorted((b1, b2))
+    toy_reward = s26["dapo"]["none_reward"] + s26["grpo"]["none_reward"]
+    spread = lambda m: [s26[loss]["spread"][m] for loss in ("dapo", "grpo")]  # noqa: E731
+    z_mean, z_ci, z_verdict, z_seeds, z_sign_p = s33["zero"]
+    gain, gain_p, gain_bonferroni = s33["gain"]
+    shaping = s33["shaping_reward"]
+    others = [(f"`{m}`", *shaping[m]) for m in ("soft_clip", "length_normalized")]
+    others.append(("KL in the reward", *s33["placement_reward"]))
+    beat = s26["dapo"]["beat"] + s26["grpo"]["beat"] + (["target's β decay"] if gain_bonferroni < 0.05 else [])
+    beaten = "no controller has been shown to beat it" if not beat else "beaten by " + ", ".join(beat)
+    correction = "evidence/study33-long-task.md#correction-2026-11-28-issue-51-what-the-record-got-wrong"
+    lines = [
+        "**What to use**, and what each answer rests on (made from the studies' tables by `research/evidence_answer.py`):",
+        "",
+        f"- **β: a fixed {lo_b:g}-{hi_b:g} (`none`); {beaten}.** [Study 33](evidence/study33-long-task.md) (35 M Llama, ~124-token "
+        f"sums, 5 seeds): the most reward ({s33['reward'][b1]:.3f}, {s33['reward'][b2]:.3f}) and the least KL of "
+        f"{len(s33['fixed_betas'])} fixed β; [study 26](evidence/study26-beta-grid.md) (0.7 M Llama, 4-10 tokens, 3 "
+        f"seeds): any β 0.001-0.3 about the same ({span(toy_reward, '.3f')}).",
+        f"- **β = 0 (TRL's default):** study 33: {z_mean:+.3f} {z_ci} reward against β {b1:g}, "
+        + (f"{'lower' if z_mean < 0 else 'higher'} in all {z_seeds} seeds, " if z_sign_p == 2 / 2**z_seeds else "")
+        + f"{z_verdict} ([correction]({correction})).",
+        f"- **`target`: only for a KL you know you want, with a `beta_min`.** Study 26 held it under `grpo` from every "
+        f"initial β ({span(s26['grpo']['target_ratio'], '.2f')} × the target; `dapo`: "
+        f"{span(s26['dapo']['target_ratio'], '.2f')}); study 33 held neither of its targets "
+        f"({span(s33['target_ratio'], '.2f')} × in {s33['target_cells']} cells), reward "
+        f"{min(s33['target_reward']):+.3f} to {max(s33['target_reward']):+.3f} against the best fixed β.",
+        f"- **`dynamic`, `clip`: no gain.** Study 26: final-KL spread across initial β "
+        f"{span(spread('dynamic') + spread('clip'), '.1f')}× (`none` {span(spread('none'), '.1f')}×, `target` "
+        f"{span(spread('target'), '.2f')}×), and runaway seeds of their own; study 33, β 0.04: `clip` "
+        f"{s33['runaways']['clip']:g} runaways in 5 seeds, `none` {s33['none_0.04_runaways']:g}.",
+        "- **" + ", ".join(name for name, _, _ in others) + ":** study 33, β 0.04: Δ reward against `none` "
+        + ", ".join(f"{mean:+.3f}" for _, mean, _ in others) + "; no gain.",
+        "- **Not known:** pretrained models and real tasks (no study has run one); `schedule`, `reward_conditioned`, "
+        f"and `dynamic` beyond the toy task; whether study 33's β decay found after the data ({gain:+.3f}, 1 of 6 "
+        f"tests, Bonferroni p {gain_bonferroni:.3f}, exact p {gain_p:.4f}) is real; tasks where longer completions pay.",
+    ]
+    if len(lines) > MAX_LINES:
+        raise ValueError(f"the answer has {len(lines)} lines: allowed: at most {MAX_LINES} (one screen)")
+    return "\n".join(lines)
+
+
+def current() -> str:
+    return answer(study_26(STUDY_26.read_text()), study_33(STUDY_33.read_text()))
+
+
+def with_answer(index: str, block: str) -> str:
+    """The index with ``block`` between its two markers."""
+    before, _, after = index.split(MARKER)
+    return f"{before}{MARKER}\n{block}\n{MARKER}{after}"
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--write"]:
+        INDEX.write_text(with_answer(INDEX.read_text(), current()))
+    elif sys.argv[1:]:
+        raise SystemExit(f"usage: python {sys.argv[0]} [--write]")
+    else:
+        print(current())
