@@ -154,12 +154,6 @@ def test_the_training_and_the_evaluation_tail_windows_are_kept_apart():
 
 
 # -- kl_monitor ------------------------------------------------------------------------------------------------------
-def test_kl_monitor_computes_the_kl_at_beta_zero_and_without_it_beta_zero_computes_none():
-    assert _adaptive(beta=0.0, kl_monitor=True).computes_kl is True
-    assert not _adaptive(beta=0.0, kl_monitor=False).computes_kl
-    assert _adaptive(beta=0.1, kl_monitor=False).computes_kl is True
-
-
 def test_the_sampled_monitor_watches_every_nth_training_batch_the_first_included_and_every_evaluation_batch():
     sampled = _adaptive(beta=0.0, kl_monitor=True, kl_monitor_every=3)
     assert [sampled.monitors_batch(i) for i in range(7)] == [True, False, False, True, False, False, True]

@@ -76,7 +76,7 @@ def test_the_alarm_stays_quiet_on_a_calm_run(seed):
 
 
 def test_a_kl_rise_without_a_falling_reward_does_not_fire():
-    kl, reward = runaway_series()
+    kl, _ = runaway_series()
     assert feed(kl, [0.5 + 0.001 * s for s in range(len(kl))]) == []  # the reward keeps rising: no alarm
 
 

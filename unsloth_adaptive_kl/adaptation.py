@@ -86,12 +86,6 @@ class AdaptiveKL:
     def batch_statistic(self, ref_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
         return self.term.batch_statistic(ref_logp, mask)
 
-    @property
-    def computes_kl(self) -> bool:
-        """Whether the KL may be computed: while β != 0, and with ``kl_monitor`` also at β = 0 (only logged then), on
-        the generation batches :meth:`monitors_batch` selects."""
-        return self.beta != 0.0 or self.monitor
-
     def monitors_batch(self, index: int, *, training: bool = True) -> bool:
         """Whether ``kl_monitor`` runs the reference forward at β = 0 for generation batch ``index`` (0, 1, ... in
         training): every ``kl_monitor_every``-th, the first included; every evaluation batch. A function of the index

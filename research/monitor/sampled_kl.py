@@ -24,8 +24,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-from blackwell.demo import analysis  # noqa: E402
-from unsloth_adaptive_kl import metrics  # noqa: E402
+from blackwell.demo import analysis
+from unsloth_adaptive_kl import metrics
 
 STREAMS = "docs/evidence-data/study33-p[12]-*/*-stream.jsonl.gz"
 K_NAT = 0.0247  # section 7's natural KL; its runaway threshold is 10 x K_NAT

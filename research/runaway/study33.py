@@ -30,9 +30,9 @@ from dataclasses import dataclass
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-from blackwell.demo import analysis  # noqa: E402
-from unsloth_adaptive_kl import metrics  # noqa: E402
-from unsloth_adaptive_kl.runaway import RunawayAlarm, RunawayRule  # noqa: E402
+from blackwell.demo import analysis
+from unsloth_adaptive_kl import metrics
+from unsloth_adaptive_kl.runaway import RunawayAlarm, RunawayRule
 
 STREAMS = "docs/evidence-data/study33-p[12]-*/*-stream.jsonl.gz"  # phases 1 and 2; not the probe's or genspeed's
 K_NAT = 0.0247  # section 7's natural KL (phase 1's best fixed beta, 0.1); its runaway threshold is 10 x K_NAT
@@ -77,7 +77,10 @@ def read_copies(pattern: str = STREAMS) -> list[Copy]:
     return copies
 
 
-def alarm_step(rows: list[dict], every: int = 1, phase: int = 0, rule: RunawayRule = RunawayRule()) -> int | None:
+RULE = RunawayRule()  # the package's thresholds
+
+
+def alarm_step(rows: list[dict], every: int = 1, phase: int = 0, rule: RunawayRule = RULE) -> int | None:
     """The step at which the package's RunawayAlarm fires on ``rows`` (None: never), with the KL of steps whose
     ``(step - 1) % every == phase`` only (the sampled kl_monitor: ``every`` = kl_monitor_every)."""
     alarm = RunawayAlarm(rule)
@@ -103,12 +106,15 @@ def populations(copies: list[Copy]) -> dict[str, list[Copy]]:
 
 
 def report(copies: list[Copy], every_list: list[int]) -> str:
-    rule = RunawayRule()
+    rule = RULE
     groups = populations(copies)
-    out = [
+    stated = (
         f"rule: mean KL over the last {rule.recent_steps} steps >= {rule.kl_ratio:g} x the median KL of the "
         f"{rule.base_steps} steps before them (>= {rule.min_base_observations} KLs there), while the mean reward over the "
-        f"last {rule.recent_steps} steps is below the mean over those {rule.base_steps}; judged from step {rule.span}",
+        f"last {rule.recent_steps} steps is below the mean over those {rule.base_steps}; judged from step {rule.span}"
+    )
+    out = [
+        stated,
         f"copies read: {len(copies)} ({len(copies) - len(groups['beta 0 (no KL logged)'])} with a KL)",
         "",
         "## Section 7's runaways (beta > 0) and the alarm",
@@ -122,12 +128,15 @@ def report(copies: list[Copy], every_list: list[int]) -> str:
         delays.append(None if fired is None else fired - c.section7_step)
         out.append(f"| {c.label} | {c.section7_step} | {fired if fired is not None else 'never'} | {'' if fired is None else fired - c.section7_step} |")
     flagged = [d for d in delays if d is not None]
-    out += ["", f"runaways flagged: {len(flagged)} of {len(delays)}; alarm - section 7's step: "
-            f"{min(flagged)} to {max(flagged)} steps (negative: the alarm came first)" if flagged else "runaways flagged: 0", ""]
+    summary = (
+        f"runaways flagged: {len(flagged)} of {len(delays)}; alarm - section 7's step: {min(flagged)} to {max(flagged)} steps "
+        "(negative: the alarm came first)" if flagged else "runaways flagged: 0"
+    )
+    out += ["", summary, ""]
     calm = groups["calm"]
     calm_flags = [(c, alarm_step(c.rows)) for c in calm]
     hits = [(c, s) for c, s in calm_flags if s is not None]
-    out += [f"## Calm copies (beta > 0, in runs section 7 found no runaway in)", "",
+    out += ["## Calm copies (beta > 0, in runs section 7 found no runaway in)", "",
             f"calm copies flagged: {len(hits)} of {len(calm)} ({100 * len(hits) / len(calm):.1f} %)"]
     out += [f"- {c.label}: step {s}" for c, s in hits]
     cut = groups["cut copies of runaway runs"]
@@ -137,11 +146,13 @@ def report(copies: list[Copy], every_list: list[int]) -> str:
     low_hits = [c for c in low if alarm_step(c.rows) is not None]
     low_none = [c for c in low if c.method == "none"]
     low_none_hits = [c for c in low_none if alarm_step(c.rows) is not None]
-    out += ["", "## The definition on the beta 0.04-0.1 runs (issue 51, item 4)", "",
-            f"every copy at beta0 0.04 or 0.1 (any method, target included): flagged {len(low_hits)} of {len(low)} "
-            f"({100 * len(low_hits) / len(low):.1f} %); section 7's definition names {sum(c.section7_step is not None for c in low)} of them",
-            f"method none at beta 0.04 or 0.1 (KL in the loss or the reward): flagged {len(low_none_hits)} of {len(low_none)}; "
-            f"section 7's reward rule alone flags {sum(analysis.runaway_step(c.rows, None) is not None for c in low_none)} of them"]
+    named = sum(c.section7_step is not None for c in low)
+    reward_rule = sum(analysis.runaway_step(c.rows, None) is not None for c in low_none)
+    out += ["", "## The definition on the beta 0.04-0.1 runs (issue 51, item 4)", ""]
+    out.append(f"every copy at beta0 0.04 or 0.1 (any method, target included): flagged {len(low_hits)} of {len(low)} "
+               f"({100 * len(low_hits) / len(low):.1f} %); section 7's definition names {named} of them")
+    out.append(f"method none at beta 0.04 or 0.1 (KL in the loss or the reward): flagged {len(low_none_hits)} of {len(low_none)}; "
+               f"section 7's reward rule alone flags {reward_rule} of them")
     others = [c for c in low if c.section7_step is None and c not in cut]
     others_hits = [c for c in others if c in low_hits]
     out.append(f"the other copies at beta0 0.04 or 0.1 (neither section 7's runaways nor cut copies of their runs): flagged "
@@ -149,9 +160,10 @@ def report(copies: list[Copy], every_list: list[int]) -> str:
     out += [f"- flagged: {c.label}: step {alarm_step(c.rows)} (section 7: {c.section7_step or 'no runaway'})" for c in low_hits]
     out += ["", f"beta 0 copies: {len(groups['beta 0 (no KL logged)'])}, not judged (no KL logged; kl_monitor gives one)"]
     if every_list:
-        out += ["", "## The KL seen every N-th step only (the sampled kl_monitor), over the N phases", "",
-                "| every N steps | runaways flagged (mean over phases) | fewest | calm flagged (mean) | most | most calm (%) | latest alarm - section 7 |",
-                "|---|---|---|---|---|---|---|"]
+        out += ["", "## The KL seen every N-th step only (the sampled kl_monitor), over the N phases", ""]
+        out.append("| every N steps | runaways flagged (mean over phases) | fewest | calm flagged (mean) | most | most calm (%) "
+                   "| latest alarm - section 7 |")
+        out.append("|---|---|---|---|---|---|---|")
         for every in every_list:
             ra, ca, late = [], [], []
             for phase in range(every):

@@ -268,6 +268,7 @@ def test_sampled_kl_monitor_skips_the_reference_forward_between_its_batches_and_
             assert sampled[step][name] == full[step][name], (step, name)
     assert [h["reward"] for h in sampled] == [h["reward"] for h in full]  # the same training
     assert all(h[metrics.CURRENT_BETA] == 0.0 for h in sampled)
+    assert [h[metrics.RUNAWAY_ALARM] for h in sampled] == [0.0] * 4  # logged every step; 4 steps cannot be judged
 
 
 def test_kl_monitor_every_is_validated(tmp_path):
