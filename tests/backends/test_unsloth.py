@@ -82,20 +82,6 @@ def test_a_config_created_before_unsloth_generates_its_trainer_gets_the_patched_
     assert "backend: Unsloth fused loss (UnslothGRPOTrainer.UnslothGRPOTrainer, grpo_compute_loss)" in line, line
 
 
-def test_sampled_kl_monitor_runs_the_reference_forward_on_every_second_batch_and_logs_the_full_monitors_kl_there(tmp_path_factory):
-    """kl_monitor_every=2 at beta = 0 (4 steps, one generation batch a step): the reference forward runs for batches 0 and
-    2 only; steps 1 and 3 log the KL the full monitor logged at those steps (the same training: both losses are stock
-    Unsloth's beta = 0 loss), steps 2 and 4 no adaptive_kl KL, and Unsloth's own kl its stock beta = 0 value, 0."""
-    monitor = run_worker("unsloth-first", "diagnostics", tmp_path_factory)["monitor_train"]
-    sampled, full = monitor["sampled"], monitor["zero"]
-    assert sampled["ref_calls"] == [0, 2] and full["ref_calls"] == [0, 1, 2, 3], monitor
-    assert ["adaptive_kl/raw_kl" in h for h in sampled["logs"]] == [True, False, True, False], sampled
-    assert [sampled["logs"][step]["kl"] for step in (1, 3)] == [0.0, 0.0], sampled
-    for step in (0, 2):
-        for name in ("adaptive_kl/raw_kl", "kl", "adaptive_kl/token_kl_max"):
-            assert sampled["logs"][step][name] == full["logs"][step][name], (step, name, monitor)
-
-
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_method_none_with_k3_is_identical_to_stock_unsloth(loss_type, tmp_path_factory):
     r = run_worker("unsloth-first", "identity", tmp_path_factory)
@@ -309,6 +295,20 @@ def test_kl_monitor_runs_the_reference_forward_and_logs_the_kl_at_beta_zero_in_t
         assert math.isfinite(h["adaptive_kl/raw_kl"]) and math.isfinite(h["kl"]), h
         assert h["adaptive_kl/token_kl_max"] >= h["adaptive_kl/token_kl_p99"] >= 0, h
     assert logs[-1]["adaptive_kl/raw_kl"] > 0 and logs[-1]["kl"] > 0, logs  # the policy moved, and the log shows it
+
+
+def test_sampled_kl_monitor_runs_the_reference_forward_on_every_second_batch_and_logs_the_full_monitors_kl_there(tmp_path_factory):
+    """kl_monitor_every=2 at beta = 0 (4 steps, one generation batch a step): the reference forward runs for batches 0 and
+    2 only; steps 1 and 3 log the KL the full monitor logged at those steps (the same training: both losses are stock
+    Unsloth's beta = 0 loss), steps 2 and 4 no adaptive_kl KL, and Unsloth's own kl its stock beta = 0 value, 0."""
+    monitor = run_worker("unsloth-first", "diagnostics", tmp_path_factory)["monitor_train"]
+    sampled, full = monitor["sampled"], monitor["zero"]
+    assert sampled["ref_calls"] == [0, 2] and full["ref_calls"] == [0, 1, 2, 3], monitor
+    assert ["adaptive_kl/raw_kl" in h for h in sampled["logs"]] == [True, False, True, False], sampled
+    assert [sampled["logs"][step]["kl"] for step in (1, 3)] == [0.0, 0.0], sampled
+    for step in (0, 2):
+        for name in ("adaptive_kl/raw_kl", "kl", "adaptive_kl/token_kl_max"):
+            assert sampled["logs"][step][name] == full["logs"][step][name], (step, name, monitor)
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
