@@ -44,6 +44,9 @@ ZERO = "beta -> 0 (dynamic, beta_min=0)"
 # package's whole cost). kl_monitor's cost, the reference forward at β = 0, is MONITOR against STOCK_BETA0.
 STOCK_BETA0 = "stock, beta=0"
 MONITOR = "kl_monitor (beta=0)"
+#: The sampled monitor at its default kl_monitor_every (issue 53): one timed call is a cycle of kl_monitor_every steps, the
+#: first with the reference forward, and its time is reported per step (Row.steps_per_call): the mean cost of a step.
+MONITOR_SAMPLED = "kl_monitor sampled (beta=0, default kl_monitor_every)"
 EXCLUDE = "none, kl_exclude_token_ids (4 ids)"
 UNPATCHED_KEYS = ("stock", "stock_beta0")
 
@@ -58,7 +61,7 @@ def methods() -> list[str]:
 
 
 def row_keys() -> list[str]:
-    return ["stock", *methods(), "zero", "stock_beta0", "monitor", "exclude"]
+    return ["stock", *methods(), "zero", "stock_beta0", "monitor", "monitor_sampled", "exclude"]
 
 
 # -- the command line and the rows ----------------------------------------------------------------------------
@@ -115,8 +118,10 @@ def row_name_and_fields(key: str, stock_name: str) -> tuple[str, dict]:
         return stock_name, {}
     if key == "stock_beta0":
         return STOCK_BETA0, dict(beta=0.0)
-    if key == "monitor":
-        return MONITOR, dict(kl_adaptation_method="none", beta=0.0, kl_monitor=True)
+    if key == "monitor":  # the full monitor: the reference forward at every step
+        return MONITOR, dict(kl_adaptation_method="none", beta=0.0, kl_monitor=True, kl_monitor_every=1)
+    if key == "monitor_sampled":
+        return MONITOR_SAMPLED, dict(kl_adaptation_method="none", beta=0.0, kl_monitor=True)
     if key == "exclude":  # ids the fixed batch draws from (4..vocab); the cost is one comparison per id
         return EXCLUDE, dict(kl_adaptation_method="none", kl_exclude_token_ids=[4, 5, 6, 7])
     if key == "zero":
@@ -128,16 +133,31 @@ def row_name_and_fields(key: str, stock_name: str) -> tuple[str, dict]:
     return key, fields
 
 
+def steps_per_call(trainer) -> int:
+    """How many training steps one call of :func:`training_step`'s function runs: under ``kl_monitor`` a cycle of
+    ``kl_monitor_every`` steps (the first runs the reference forward), so every timed call holds the same share of
+    monitored steps and its time per step is the monitor's mean cost; 1 otherwise."""
+    runtime = getattr(trainer, "_adaptive_kl", None)
+    return runtime.monitor_every if runtime is not None and runtime.monitor else 1
+
+
 def training_step(trainer, model, optimizer, batch) -> Callable[[], None]:
-    """One timed step of ``trainer`` on the fixed batch: the reference forward (skipped at β = 0, as
-    the trainers skip it), the loss, backward, the optimizer, and the step-end callbacks (β updates)."""
+    """One timed call of ``trainer`` on the fixed batch (:func:`steps_per_call` steps): the reference forward (skipped
+    at β = 0, as the trainers skip it; under kl_monitor run on the steps it watches, one generation batch a step here),
+    the loss, backward, the optimizer, and the step-end callbacks (β updates)."""
     runtime = getattr(trainer, "_adaptive_kl", None)  # None for a stock trainer
+    cycle = steps_per_call(trainer)
 
     def step():
+        for _ in range(cycle):
+            one_step()
+
+    def one_step():
         if runtime is not None:
             runtime.observe_reward(0.0)  # what generation reports (no generation here): the dynamic controller's input
         inputs = dict(batch)
-        if trainer.beta != 0.0 or (runtime is not None and runtime.computes_kl):  # kl_monitor: also at β = 0
+        watched = runtime is not None and runtime.monitors_batch(trainer.state.global_step)  # kl_monitor: also at β = 0
+        if trainer.beta != 0.0 or watched:
             inputs["ref_per_token_logps"] = reference_logps(trainer, model, inputs)
         loss = trainer.compute_loss(model, inputs)
         loss.backward()
@@ -218,11 +238,16 @@ def time_mode(report, title: str, rows, trainers, stock: str, note: str, args, d
 def monitor_note(rows) -> str:
     """kl_monitor's own cost: its row against stock at β = 0 (paired, as the table's ratios), when both ran."""
     by_name = {r.name: r for r in rows}
-    monitor, stock = by_name.get(MONITOR), by_name.get(STOCK_BETA0)
-    if monitor is None or stock is None or not monitor.times or not stock.times:
-        return ""
-    point, low, high = paired_interval(round_ratios(monitor.times, monitor.rounds, stock.times, stock.rounds))
-    return f"; {MONITOR} vs {STOCK_BETA0} (the reference forward and the logged KL): paired {point:.3f}x [{low:.3f}, {high:.3f}]"
+    stock = by_name.get(STOCK_BETA0)
+    notes = []
+    for name, what in ((MONITOR, "the reference forward and the logged KL"), (MONITOR_SAMPLED, "per step, over cycles of kl_monitor_every steps")):
+        monitor = by_name.get(name)
+        if monitor is None or stock is None or not monitor.times or not stock.times:
+            continue
+        point, low, high = paired_interval(round_ratios(monitor.times, monitor.rounds, stock.times, stock.rounds))
+        every = f", kl_monitor_every={monitor.steps_per_call}" if name == MONITOR_SAMPLED else ""
+        notes.append(f"; {name} vs {STOCK_BETA0} ({what}{every}): paired {point:.3f}x [{low:.3f}, {high:.3f}]")
+    return "".join(notes)
 
 
 # -- the model ----------------------------------------------------------------------------------------------
@@ -464,6 +489,7 @@ class Row:
     graphs_in_timed_steps: int = 0
     graphs_in_warmup: int = 0
     info: dict = field(default_factory=dict)
+    steps_per_call: int = 1  # training steps in one step() call (the sampled monitor's cycle); times are per step
 
 
 def compiled_graphs() -> int:
@@ -517,7 +543,7 @@ def run_rounds(
                 for _ in range(steps):
                     timer.start()
                     row.step()
-                    row.times.append(timer.stop())
+                    row.times.append(timer.stop() / row.steps_per_call)
                     row.rounds.append(round_index)
                 row.graphs_in_timed_steps += compiled_graphs() - graphs_before
                 if cuda:
@@ -569,7 +595,7 @@ class Report:
     def update(self, title: str, rows: list[Row], stock_name: str, note: str = "", *, tables: bool = True) -> None:
         raw = [
             {"name": r.name, "times_s": r.times, "rounds": r.rounds, "peaks_bytes": r.peaks, "graphs": r.graphs_in_timed_steps,
-             "graphs_in_warmup": r.graphs_in_warmup, **r.info}
+             "graphs_in_warmup": r.graphs_in_warmup, "steps_per_call": r.steps_per_call, **r.info}
             for r in rows
         ]  # fmt: skip
         text = table(rows, stock_name) if tables or title not in self.sections else self.sections[title][0]

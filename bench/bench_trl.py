@@ -16,8 +16,10 @@ trains on the same fixed batch (``_common.fixed_batch``: no generation). A row i
 Rows: ``stock`` (TRL with ``unsloth_adaptive_kl.unpatch()``), each ``kl_adaptation_method``
 (patched; every patched row computes the tail metrics), ``beta -> 0`` (``dynamic`` with ``beta_min=0``
 reaching 0 after its first, untimed step: the reference forward and the KL are skipped in every timed
-step), ``stock, beta=0`` and ``kl_monitor (beta=0)`` (the monitor's cost: the report's note pairs the
-two), and ``none`` with ``kl_exclude_token_ids``. Timing, interleaving,
+step), ``stock, beta=0``, ``kl_monitor (beta=0)`` (the full monitor, ``kl_monitor_every=1``) and ``kl_monitor sampled``
+(its default ``kl_monitor_every``: one timed call is a cycle of that many steps, the first with the reference
+forward, timed per step) (the monitors' cost: the report's note pairs each with ``stock, beta=0``), and ``none``
+with ``kl_exclude_token_ids``. Timing, interleaving,
 statistics and tables: ``bench/_common.py`` and docs/benchmarks.md.
 
 The defaults make a step GPU-bound: 16 completions of 512-1024 tokens (17,408 tokens with the
@@ -105,7 +107,7 @@ def make_row(key, *, args, model, ref_model, optimizer, batch, tokenizer, loss_c
             train_step()
             info["head_path"] = module.head_path
 
-    return _common.Row(name=name, step=step, activate=activate, info=info), trainer
+    return _common.Row(name=name, step=step, activate=activate, info=info, steps_per_call=_common.steps_per_call(trainer)), trainer
 
 
 def build_rows(args, common) -> tuple[list, list]:

@@ -11,8 +11,11 @@ step is: the reference forward (``_common.reference_logps``, skipped when β = 0
 
 Rows: ``stock`` (Unsloth's own functions: the package switched off), each ``kl_adaptation_method``
 (every patched row computes the tail metrics in the fused loss), ``beta -> 0`` (``dynamic`` with
-``beta_min=0``, 0 from its second step on), ``stock, beta=0``, ``kl_monitor (beta=0)`` (the monitor's cost:
-the report's note pairs it with ``stock, beta=0``) and ``none`` with ``kl_exclude_token_ids``.
+``beta_min=0``, 0 from its second step on), ``stock, beta=0``, ``kl_monitor (beta=0)`` (the full monitor,
+``kl_monitor_every=1``), ``kl_monitor sampled`` (its default ``kl_monitor_every``: a timed call is a cycle of that
+many steps, the first with the reference forward, timed per step; its unmonitored steps take Unsloth's own β = 0
+graph, compiled in its first, untimed cycle) (the monitors' cost: the report's note pairs each with ``stock,
+beta=0``) and ``none`` with ``kl_exclude_token_ids``.
 
 Switching between stock and patched: ``unpatch()`` then ``patch()`` would compile the rewritten
 functions anew, and ``torch.compile`` would compile the fused loss again after every switch. So
@@ -119,7 +122,8 @@ def make_row(key, *, switch, module, args, model, ref_model, optimizer, batch, t
         raise SystemExit(f"row {name}: full fine-tuning without a reference model (beta {args.beta})")
     trainer.current_gradient_accumulation_steps = 1  # set by the training loop, which does not run here
     step = _common.training_step(trainer, model, optimizer, batch)
-    return _common.Row(name=name, step=step, activate=activate, info={"beta_start": float(trainer.beta)}), trainer
+    row = _common.Row(name=name, step=step, activate=activate, info={"beta_start": float(trainer.beta)}, steps_per_call=_common.steps_per_call(trainer))
+    return row, trainer
 
 
 def run_mode(mode, args, checkpoint, module, switch, report, deadline):

@@ -40,6 +40,8 @@ METHODS = {
     **{name: dict(kl_adaptation_method=name, **SETTINGS) for name in controller_names()},  # halve among them
     "halve+clip": dict(kl_adaptation_method="halve+clip", kl_clip_threshold=0.05),
     "target-reward": dict(kl_adaptation_method="target", kl_target=0.01, kl_horizon=20.0, kl_placement="reward"),
+    # the sampled kl_monitor at β = 0: the reference forward on generation batches 0 and 2 of 3, on both ranks
+    "monitor-sampled": dict(kl_adaptation_method="none", beta=0.0, kl_monitor=True, kl_monitor_every=2),
 }
 
 
@@ -116,7 +118,7 @@ def main():
         args = GRPOConfig(
             output_dir=tempfile.mkdtemp(prefix=f"mp-{name}-"), use_cpu=True, bf16=False, report_to="none",
             per_device_train_batch_size=2, num_generations=4, max_completion_length=6, max_steps=3, logging_steps=1,
-            learning_rate=2e-2, beta=0.04, save_strategy="no", seed=0, **fields,
+            learning_rate=2e-2, save_strategy="no", seed=0, **{"beta": 0.04, **fields},
         )  # fmt: skip
         trainer = GRPOTrainer(
             model=CHECKPOINT, reward_funcs=[toy.format_reward, toy.correctness_reward], args=args, train_dataset=toy.prompt_dataset(32)
@@ -126,11 +128,15 @@ def main():
         uneven_batches(trainer, rank)
         record_sums(trainer._adaptive_kl, rows)
         record_penalties(trainer._adaptive_kl, penalties)
+        ref_calls = []
+        if trainer.ref_model is not None:
+            trainer.ref_model.register_forward_hook(lambda *a, calls=ref_calls, t=trainer: calls.append(t.state.global_step))
         trainer.train()
         logged = [h for h in trainer.state.log_history if metrics.CURRENT_BETA in h]
         results[name] = {
             "betas": betas, "rows": rows, "logged_betas": [h[metrics.CURRENT_BETA] for h in logged], "penalties": penalties,
             "logged_tail": [[h.get(name) for name in metrics.WINDOW_TAIL_METRICS] for h in logged],
+            "ref_calls": sorted(set(ref_calls)), "logged_raw_kl": [h.get(metrics.RAW_KL) for h in logged],
         }  # fmt: skip
         torch.distributed.barrier()
     with open(os.path.join(OUT, f"rank{rank}.json"), "w") as f:

@@ -154,10 +154,48 @@ def test_the_training_and_the_evaluation_tail_windows_are_kept_apart():
 
 
 # -- kl_monitor ------------------------------------------------------------------------------------------------------
-def test_kl_monitor_computes_the_kl_at_beta_zero_and_without_it_beta_zero_computes_none():
-    assert _adaptive(beta=0.0, kl_monitor=True).computes_kl is True
-    assert not _adaptive(beta=0.0, kl_monitor=False).computes_kl
-    assert _adaptive(beta=0.1, kl_monitor=False).computes_kl is True
+def test_the_sampled_monitor_watches_every_nth_training_batch_the_first_included_and_every_evaluation_batch():
+    sampled = _adaptive(beta=0.0, kl_monitor=True, kl_monitor_every=3)
+    assert [sampled.monitors_batch(i) for i in range(7)] == [True, False, False, True, False, False, True]
+    assert all(sampled.monitors_batch(i, training=False) for i in range(4))
+    assert all(_adaptive(beta=0.0, kl_monitor=True, kl_monitor_every=1).monitors_batch(i) for i in range(4))
+    assert not any(_adaptive(beta=0.0).monitors_batch(i, training=t) for i in range(4) for t in (True, False))
+
+
+def test_a_micro_batch_computes_the_kl_at_beta_zero_only_when_its_batch_carries_reference_logps():
+    ref = torch.zeros(2, 3)
+    monitored, unmonitored = _adaptive(beta=0.0, kl_monitor=True), _adaptive(beta=0.0)
+    assert monitored.computes_kl_with(ref) and not monitored.computes_kl_with(None)
+    assert not unmonitored.computes_kl_with(ref)
+    assert _adaptive(beta=0.1).computes_kl_with(None)  # β != 0: the loss asks for them (and refuses their absence)
+
+
+@pytest.mark.parametrize(
+    "accumulation, per_generation, iterations, expected",
+    [
+        (1, 1, 1, [0, 1, 2, 3]),  # TRL's defaults: a generation batch an optimizer step
+        (2, 2, 1, [0, 1, 2, 3]),  # two micro-steps a step, one generation batch for both
+        (1, 2, 1, [0, 0, 1, 1]),  # a generation batch trains two optimizer steps
+        (2, 2, 2, [0, 0, 1, 1]),  # each batch trained twice (num_iterations)
+    ],
+)
+def test_the_generation_index_counts_trls_generation_batches_from_the_optimizer_step(accumulation, per_generation, iterations, expected):
+    """The index the sampled monitor decides on, at each optimizer step's first micro-step (TRL generates there, when
+    it generates), as TRL's own schedule counts batches (``_step // (steps_per_generation * num_iterations)``); after
+    a resume TRL's ``_step`` restarts at 0 and the optimizer step keeps the count."""
+    from unsloth_adaptive_kl.backends._trainer import TrainerAdaptiveKL
+
+    args = SimpleNamespace(gradient_accumulation_steps=accumulation, steps_per_generation=per_generation)
+    trainer = SimpleNamespace(args=args, num_iterations=iterations, state=SimpleNamespace(global_step=0), _step=0)
+    runtime = SimpleNamespace(trainer=trainer)
+    seen = []
+    for step in range(4):
+        trainer.state.global_step, trainer._step = step, step * accumulation
+        seen.append(TrainerAdaptiveKL.generation_index(runtime))
+        assert seen[-1] == trainer._step // (per_generation * iterations)
+        trainer._step = 0  # resumed here: TRL's counter starts again
+        assert TrainerAdaptiveKL.generation_index(runtime) == seen[-1]
+    assert seen == expected
 
 
 # -- the non-finite warning ------------------------------------------------------------------------------------------

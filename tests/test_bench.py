@@ -291,16 +291,47 @@ def test_bench_trl_smoke_times_kl_monitor_against_stock_at_beta_zero_and_the_exc
 
     out = tmp_path / "trl.md"
     try:
-        assert bench_trl.main(["--smoke", "--modes", "full", "--rows", "stock_beta0,monitor,exclude", "--rounds", "2", "--out", str(out)]) == 0
+        rows = "stock_beta0,monitor,monitor_sampled,exclude"
+        assert bench_trl.main(["--smoke", "--modes", "full", "--rows", rows, "--rounds", "2", "--out", str(out)]) == 0
     finally:
         unsloth_adaptive_kl.patch()  # the stock rows unpatch; leave the suite patched, as it started
     text = out.read_text()
     assert f"{_common.MONITOR} vs {_common.STOCK_BETA0} (the reference forward and the logged KL): paired" in text
+    assert f"{_common.MONITOR_SAMPLED} vs {_common.STOCK_BETA0} (per step, over cycles of kl_monitor_every steps, kl_monitor_every=16): paired" in text
     (raw,) = json.loads((tmp_path / "trl.md.json").read_text()).values()
     rows = {r["name"]: r for r in raw}
-    assert list(rows) == [_common.STOCK_BETA0, _common.MONITOR, _common.EXCLUDE]
+    assert list(rows) == [_common.STOCK_BETA0, _common.MONITOR, _common.MONITOR_SAMPLED, _common.EXCLUDE]
     assert all(r["rounds"] == [0, 1] and min(r["times_s"]) > 0 for r in rows.values())
-    assert rows[_common.MONITOR]["beta_now"] == rows[_common.STOCK_BETA0]["beta_now"] == 0.0
+    assert [r["steps_per_call"] for r in rows.values()] == [1, 1, 16, 1]
+    assert rows[_common.MONITOR]["beta_now"] == rows[_common.STOCK_BETA0]["beta_now"] == rows[_common.MONITOR_SAMPLED]["beta_now"] == 0.0
+
+
+def test_the_sampled_monitor_row_runs_the_reference_forward_once_per_cycle(monkeypatch):
+    """A call of the sampled row is kl_monitor_every steps, the reference forward in the first only (counted)."""
+    import types
+
+    import _common
+
+    runtime = types.SimpleNamespace(monitor=True, monitor_every=4, observe_reward=lambda r: None)
+    runtime.monitors_batch = lambda index: index % 4 == 0
+    trainer = types.SimpleNamespace(
+        _adaptive_kl=runtime, beta=0.0, state=types.SimpleNamespace(global_step=0), args=None, _metrics={"train": {}},
+        callback_handler=types.SimpleNamespace(on_step_end=lambda *a: None), control=None,
+    )  # fmt: skip
+    seen = []
+    trainer.compute_loss = lambda model, inputs: seen.append("ref_per_token_logps" in inputs) or _Loss()
+    monkeypatch.setattr(_common, "reference_logps", lambda *a: "ref")
+    optimizer = types.SimpleNamespace(step=lambda: None, zero_grad=lambda set_to_none: None)
+    assert _common.steps_per_call(trainer) == 4
+    step = _common.training_step(trainer, None, optimizer, {})
+    step()
+    step()
+    assert seen == [True, False, False, False] * 2 and trainer.state.global_step == 8
+
+
+class _Loss:
+    def backward(self):
+        pass
 
 
 @pytest.mark.skipif(importlib.util.find_spec("unsloth") is None, reason="unsloth is not installed")
@@ -310,7 +341,7 @@ def test_bench_unsloth_smoke_times_kl_monitor_against_stock_at_beta_zero(tmp_pat
     out = tmp_path / "unsloth.md"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(BENCH), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(
-        [sys.executable, os.path.join(BENCH, "bench_unsloth.py"), "--smoke", "--modes", "full", "--rows", "stock_beta0,monitor", "--out", str(out)],
+        [sys.executable, os.path.join(BENCH, "bench_unsloth.py"), "--smoke", "--modes", "full", "--rows", "stock_beta0,monitor,monitor_sampled", "--out", str(out)],
         capture_output=True, text=True, timeout=600, env=env,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -319,6 +350,7 @@ def test_bench_unsloth_smoke_times_kl_monitor_against_stock_at_beta_zero(tmp_pat
     assert f"{_common.MONITOR} vs {_common.STOCK_BETA0} (the reference forward and the logged KL): paired" in out.read_text()
     (raw,) = json.loads((tmp_path / "unsloth.md.json").read_text()).values()
     rows = {r["name"]: r for r in raw}
-    assert list(rows) == [_common.STOCK_BETA0, _common.MONITOR]
+    assert f"{_common.MONITOR_SAMPLED} vs {_common.STOCK_BETA0} (per step" in out.read_text()
+    assert list(rows) == [_common.STOCK_BETA0, _common.MONITOR, _common.MONITOR_SAMPLED]
     assert all(min(r["times_s"]) > 0 and r["graphs"] == 0 for r in rows.values()), rows
-    assert rows[_common.MONITOR]["beta_now"] == rows[_common.STOCK_BETA0]["beta_now"] == 0.0
+    assert rows[_common.MONITOR]["beta_now"] == rows[_common.STOCK_BETA0]["beta_now"] == rows[_common.MONITOR_SAMPLED]["beta_now"] == 0.0

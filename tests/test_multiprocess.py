@@ -131,3 +131,13 @@ def test_reward_placement_penalties_are_gathered_in_process_order_and_the_metric
             assert row["logged"] == pytest.approx(sum(every) / len(every), rel=1e-12)  # the mean over all completions
             # the controller got the sum of both ranks' scoring-time KL sums
             assert row["total_sums"] == pytest.approx([x + y for x, y in zip(a["local_sums"], b["local_sums"])], rel=1e-12)
+
+
+def test_the_sampled_monitor_takes_the_same_decision_on_every_rank(ranks):
+    """kl_monitor_every=2 at β = 0, 3 steps: both ranks run the reference forward for generation batches 0 and 2 (a
+    collective inside it would deadlock otherwise), and both log the same global KL on steps 1 and 3, none on step 2."""
+    zero, one = ranks[0]["monitor-sampled"], ranks[1]["monitor-sampled"]
+    assert zero["ref_calls"] == one["ref_calls"] == [0, 2]
+    assert zero["logged_raw_kl"] == one["logged_raw_kl"]
+    assert [value is not None for value in zero["logged_raw_kl"]] == [True, False, True]
+    assert zero["logged_betas"] == one["logged_betas"] == [0.0, 0.0, 0.0]

@@ -13,11 +13,12 @@ from typing import Callable
 import torch
 
 from . import metrics, tail
-from .config import checked_beta, controller_config
+from .config import checked_beta, controller_config, monitor_every
 from .controllers import BetaController, ControllerMismatchError, make_controller
 from .estimators import nonfinite_estimator_error
 from .kl_term import KLTerm
 from .method import format_method
+from .runaway import RunawayAlarm
 
 logger = logging.getLogger("unsloth_adaptive_kl")
 
@@ -42,6 +43,8 @@ class AdaptiveKL:
         self.reduce = reduce or _no_reduce
         self.process_index, self.num_processes = process_index, num_processes
         self.monitor = bool(getattr(config, "kl_monitor", False))  # kl_monitor: the KL is computed and logged at β = 0 too
+        self.monitor_every = monitor_every(config)  # ... on every monitor_every-th generation batch of training
+        self.alarm = RunawayAlarm()  # fed each optimizer step with its KL and reward (end_step)
         self._step_sums: torch.Tensor | None = None
         self._tail_window: dict[bool, tail.TailTotals | None] = {True: None, False: None}  # by training
         self._warned_nonfinite = False
@@ -83,10 +86,16 @@ class AdaptiveKL:
     def batch_statistic(self, ref_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
         return self.term.batch_statistic(ref_logp, mask)
 
-    @property
-    def computes_kl(self) -> bool:
-        """Whether this step computes the KL: while β != 0, and with ``kl_monitor`` also at β = 0 (only logged then)."""
-        return self.beta != 0.0 or self.monitor
+    def monitors_batch(self, index: int, *, training: bool = True) -> bool:
+        """Whether ``kl_monitor`` runs the reference forward at β = 0 for generation batch ``index`` (0, 1, ... in
+        training): every ``kl_monitor_every``-th, the first included; every evaluation batch. A function of the index
+        alone, which every process computes from the same counters, so all ranks take the same decision."""
+        return self.monitor and (not training or index % self.monitor_every == 0)
+
+    def computes_kl_with(self, ref_logps) -> bool:
+        """Whether this micro-batch computes the KL, from what its generation batch carries: while β != 0; at β = 0
+        under ``kl_monitor`` when the reference forward ran for its generation batch (``ref_logps`` is not None)."""
+        return self.beta != 0.0 or (self.monitor and ref_logps is not None)
 
     def per_token(self, logp, ref_logp, mask, coef=None, statistic=None, estimator=None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(raw, adapted)`` per-token KL: :meth:`KLTerm.per_token`. No branch on β here: compiled callers
@@ -183,6 +192,7 @@ class AdaptiveKL:
 
     def observe_reward(self, reward: float) -> None:
         self.controller.observe_reward(reward)
+        self.alarm.observe_reward(reward)
 
     def check_step_size(self, num_completions: int) -> None:
         """Refuse, when the trainer is created, a configuration that ``num_completions`` completions per
@@ -205,7 +215,23 @@ class AdaptiveKL:
         else:
             kl = metrics.token_mean(sums[metrics.RAW_SUM].item(), sums[metrics.TOKENS].item())
         completions = 0 if sums is None else int(sums[metrics.COMPLETIONS].item())
+        self.watch_runaway(global_step, kl)
         return self.controller.update(global_step=global_step, kl=kl, num_completions=completions)
+
+    def watch_runaway(self, step: int, kl: float | None) -> None:
+        """Feed the runaway alarm the step's KL (the loss's, the scoring-time KL under ``kl_placement="reward"``, or
+        ``kl_monitor``'s at β = 0; None on a step without one); warn the one time it fires."""
+        if not self.alarm.end_step(step, kl):
+            return
+        signal, rule = self.alarm.last, self.alarm.rule
+        logger.warning(
+            "unsloth_adaptive_kl: runaway alarm at step %d: the KL's mean over the last %d steps is %.1fx its median over "
+            "the %d steps before them (alarm at >= %gx) while the mean reward fell from %.4g to %.4g; the policy may be "
+            "running away from the reference (a larger beta, or a checkpoint from before this step). Logged as %s = 1 "
+            "from this step on; this warning is shown once (docs/runaway.md)",
+            step, rule.recent_steps, signal.kl_ratio, rule.base_steps, rule.kl_ratio, signal.base_reward, signal.recent_reward,
+            metrics.RUNAWAY_ALARM,
+        )
 
     def state_dict(self) -> dict:
         return {"controller": self.controller.state_dict(), "kl_adaptation_method": self.method_text}

@@ -80,7 +80,17 @@ FIELDS: tuple[FieldSpec, ...] = (
         False,
         "With beta = 0 (set, or reached by a β controller), still run the reference forward and compute and log "
         "the KL (adaptive_kl/* and TRL's kl), while the loss stays exactly the backend's beta = 0 loss. Costs the reference "
-        "forward. TRL (>= 1.8) and Unsloth 2026.10; refused on Unsloth 2026.8/2026.9 and with GRPOTrainer(loss_class=...).",
+        "forward (on the generation batches kl_monitor_every selects). TRL (>= 1.8) and Unsloth 2026.10; refused on Unsloth "
+        "2026.8/2026.9 and with GRPOTrainer(loss_class=...).",
+    ),
+    FieldSpec(
+        "kl_monitor_every",
+        int,
+        16,
+        "With kl_monitor=True: at beta = 0 the reference forward runs on every kl_monitor_every-th generation batch of "
+        "training (the first included; with TRL's defaults one batch is one optimizer step), and only those steps log "
+        "the KL. 1: every batch (the full monitor, ~1.3-1.5x a stock beta = 0 step); the default 16 costs about 1/16 of "
+        "that. Evaluation batches are always monitored. See docs/metrics-tail.md.",
     ),
     FieldSpec(
         "kl_exclude_token_ids",
@@ -227,6 +237,7 @@ def validate(config) -> Method:
     get_estimator(config.kl_estimator)
     _require(isinstance(config.restart_beta_controller, bool), "restart_beta_controller", config.restart_beta_controller, "true or false")
     _require(isinstance(config.kl_monitor, bool), "kl_monitor", config.kl_monitor, "true or false")
+    monitor_every(config)
     excluded_token_ids(config.kl_exclude_token_ids)
     beta = checked_beta(config.beta)
     given = shaping_kwargs(config)
@@ -254,6 +265,20 @@ def validate(config) -> Method:
             "loss placement; allowed: kl_monitor=False, or kl_placement='loss'"
         )
     return method
+
+
+def monitor_every(config) -> int:
+    """``config.kl_monitor_every`` (checked): an integer >= 1, and other than its default only with ``kl_monitor=True``
+    (without it the value would select nothing, silently). ValueError naming the field, the value and what is allowed."""
+    value = getattr(config, "kl_monitor_every", DEFAULTS["kl_monitor_every"])
+    valid = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    _require(valid, "kl_monitor_every", value, "an integer >= 1 (1: every generation batch; the default 16: one in 16)")
+    if value != DEFAULTS["kl_monitor_every"] and getattr(config, "kl_monitor", False) is not True:
+        raise ValueError(
+            f"kl_monitor_every={value!r} is not valid with kl_monitor=False: it chooses the steps whose KL kl_monitor logs at "
+            f"beta = 0; allowed: kl_monitor=True, or kl_monitor_every={DEFAULTS['kl_monitor_every']} (the default)"
+        )
+    return value
 
 
 #: ``kl_placement``'s values: where β·KL acts (docs/kl-placement.md).

@@ -26,7 +26,12 @@ NONFINITE_KL_BATCHES = "adaptive_kl/nonfinite_kl_batches"
 TOKEN_KL_MAX = "adaptive_kl/token_kl_max"
 TOKEN_KL_P99 = "adaptive_kl/token_kl_p99"
 TOKEN_KL_TOP1PCT_SHARE = "adaptive_kl/token_kl_top1pct_share"
-METRIC_NAMES = (RAW_KL, ADAPTED_KL, CURRENT_BETA, SKIPPED_UPDATES, NONFINITE_KL_BATCHES, TOKEN_KL_MAX, TOKEN_KL_P99, TOKEN_KL_TOP1PCT_SHARE)
+#: 0 until the runaway alarm (:mod:`.runaway`) fires, 1 from the step it fired at on (logged every optimizer step).
+RUNAWAY_ALARM = "adaptive_kl/runaway_alarm"
+METRIC_NAMES = (
+    RAW_KL, ADAPTED_KL, CURRENT_BETA, SKIPPED_UPDATES, NONFINITE_KL_BATCHES, TOKEN_KL_MAX, TOKEN_KL_P99, TOKEN_KL_TOP1PCT_SHARE,
+    RUNAWAY_ALARM,
+)  # fmt: skip
 #: Statistics of every token of the logging window pooled (over its micro-batches, steps and processes),
 #: logged as their latest value: the max over the window, the p99 and top-1 % share of the window's tokens.
 WINDOW_TAIL_METRICS = (TOKEN_KL_MAX, TOKEN_KL_P99, TOKEN_KL_TOP1PCT_SHARE)
@@ -34,8 +39,8 @@ WINDOW_TAIL_METRICS = (TOKEN_KL_MAX, TOKEN_KL_P99, TOKEN_KL_TOP1PCT_SHARE)
 #: β · (each completion's KL) subtracted from its reward; logged once per generation batch.
 KL_PENALTY = "adaptive_kl/kl_penalty"
 #: Logged as their latest value in the logging window, not averaged over it: the β of the window's
-#: last step (an average of several steps' β is a β no step used) and a running count.
-LATEST_VALUE_METRICS = (CURRENT_BETA, SKIPPED_UPDATES)
+#: last step (an average of several steps' β is a β no step used), a running count and the alarm's state.
+LATEST_VALUE_METRICS = (CURRENT_BETA, SKIPPED_UPDATES, RUNAWAY_ALARM)
 #: Summed over the logging window (a count per window), not averaged.
 WINDOW_SUM_METRICS = (NONFINITE_KL_BATCHES,)
 

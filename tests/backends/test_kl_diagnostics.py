@@ -224,7 +224,7 @@ def _policy_logps(trainer, inputs):
 def test_kl_monitor_runs_the_reference_forward_and_logs_the_kl_at_beta_zero_in_training(tiny_checkpoint, tmp_path, start_beta):
     """beta = 0 from the start, or reached by the dynamic controller after 2 steps: every step's reference forward
     runs and the KL is logged (adaptive_kl/* and TRL's kl), with β 0 where it is 0."""
-    overrides = dict(beta=start_beta, kl_monitor=True, max_steps=4, learning_rate=2e-2)
+    overrides = dict(beta=start_beta, kl_monitor=True, kl_monitor_every=1, max_steps=4, learning_rate=2e-2)
     if start_beta:
         overrides.update(kl_adaptation_method="dynamic", reward_threshold=100.0, beta_min=0.0, beta_schedule_steps=2)
     trainer = make_trainer(tiny_checkpoint, tmp_path, **overrides)
@@ -238,6 +238,46 @@ def test_kl_monitor_runs_the_reference_forward_and_logs_the_kl_at_beta_zero_in_t
         assert math.isfinite(h[metrics.RAW_KL]) and h["kl"] == pytest.approx(h[metrics.RAW_KL], rel=1e-6)
         assert h[metrics.TOKEN_KL_MAX] >= h[metrics.TOKEN_KL_P99] >= 0
     assert logs[-1][metrics.RAW_KL] > 0  # the policy moved from the reference, and the log shows it
+
+
+def _monitored_run(checkpoint, folder, **overrides):
+    """A 4-step run at beta = 0 under kl_monitor: its logs (one per step) and the steps whose reference forward ran."""
+    trainer = make_trainer(checkpoint, folder, beta=0.0, kl_monitor=True, max_steps=4, learning_rate=2e-2, **overrides)
+    ref_calls = []
+    trainer.ref_model.register_forward_hook(lambda *a: ref_calls.append(trainer.state.global_step))
+    trainer.train()
+    return [h for h in trainer.state.log_history if metrics.CURRENT_BETA in h], sorted(set(ref_calls))
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_sampled_kl_monitor_skips_the_reference_forward_between_its_batches_and_logs_the_full_monitors_kl_on_them(
+    tiny_checkpoint, tmp_path, accumulation
+):
+    """kl_monitor_every=2, one generation batch an optimizer step (gradient_accumulation_steps 1, or 2 with
+    steps_per_generation 2): the reference forward runs for batches 0 and 2 only, and steps 1 and 3 log exactly the
+    KL the full monitor (kl_monitor_every=1) logged there: both runs train on stock TRL's beta = 0 loss, so they are the
+    same run. Steps 2 and 4 log no KL (neither adaptive_kl/* nor TRL's kl), only beta."""
+    batch = dict(per_device_train_batch_size=4 // accumulation, gradient_accumulation_steps=accumulation)
+    full, full_calls = _monitored_run(tiny_checkpoint, tmp_path / "full", kl_monitor_every=1, **batch)
+    sampled, sampled_calls = _monitored_run(tiny_checkpoint, tmp_path / "sampled", kl_monitor_every=2, **batch)
+    assert full_calls == [0, 1, 2, 3] and sampled_calls == [0, 2]
+    assert [metrics.RAW_KL in h for h in sampled] == [True, False, True, False]
+    assert ["kl" in h for h in sampled] == [True, False, True, False]
+    for step in (0, 2):
+        for name in ("kl", metrics.RAW_KL, metrics.ADAPTED_KL, metrics.TOKEN_KL_MAX):
+            assert sampled[step][name] == full[step][name], (step, name)
+    assert [h["reward"] for h in sampled] == [h["reward"] for h in full]  # the same training
+    assert all(h[metrics.CURRENT_BETA] == 0.0 for h in sampled)
+    assert [h[metrics.RUNAWAY_ALARM] for h in sampled] == [0.0] * 4  # logged every step; 4 steps cannot be judged
+
+
+def test_kl_monitor_every_is_validated(tmp_path):
+    assert grpo_config(tmp_path, beta=0.0, kl_monitor=True).kl_monitor_every == 16  # the default: one batch in 16
+    for bad in (0, -3, 2.0, True, "4"):
+        with pytest.raises(ValueError, match=rf"kl_monitor_every={bad!r} is not valid; allowed: an integer >= 1"):
+            grpo_config(tmp_path, beta=0.0, kl_monitor=True, kl_monitor_every=bad)
+    with pytest.raises(ValueError, match=r"kl_monitor_every=4 is not valid with kl_monitor=False.*allowed: kl_monitor=True"):
+        grpo_config(tmp_path, beta=0.0, kl_monitor_every=4)
 
 
 def test_kl_monitor_is_validated_and_refused_where_it_cannot_act(tiny_checkpoint, tmp_path):
@@ -259,4 +299,4 @@ def test_the_rewritten_generation_calls_no_zero_argument_super():
 
     rewritten = trl_backend.PLAN.build(trl_backend.owners())["GRPOTrainer._generate_and_score_completions"]
     source = inspect.getsource(rewritten.__code__)
-    assert "super()" not in source and source.count("super(GRPOTrainer, self)") == 2 and "self._adaptive_kl.computes_kl" in source
+    assert "super()" not in source and source.count("super(GRPOTrainer, self)") == 2 and "self._adaptive_kl.runs_reference()" in source

@@ -297,6 +297,20 @@ def test_kl_monitor_runs_the_reference_forward_and_logs_the_kl_at_beta_zero_in_t
     assert logs[-1]["adaptive_kl/raw_kl"] > 0 and logs[-1]["kl"] > 0, logs  # the policy moved, and the log shows it
 
 
+def test_sampled_kl_monitor_runs_the_reference_forward_on_every_second_batch_and_logs_the_full_monitors_kl_there(tmp_path_factory):
+    """kl_monitor_every=2 at beta = 0 (4 steps, one generation batch a step): the reference forward runs for batches 0 and
+    2 only; steps 1 and 3 log the KL the full monitor logged at those steps (the same training: both losses are stock
+    Unsloth's beta = 0 loss), steps 2 and 4 no adaptive_kl KL, and Unsloth's own kl its stock beta = 0 value, 0."""
+    monitor = run_worker("unsloth-first", "diagnostics", tmp_path_factory)["monitor_train"]
+    sampled, full = monitor["sampled"], monitor["zero"]
+    assert sampled["ref_calls"] == [0, 2] and full["ref_calls"] == [0, 1, 2, 3], monitor
+    assert ["adaptive_kl/raw_kl" in h for h in sampled["logs"]] == [True, False, True, False], sampled
+    assert [sampled["logs"][step]["kl"] for step in (1, 3)] == [0.0, 0.0], sampled
+    for step in (0, 2):
+        for name in ("adaptive_kl/raw_kl", "kl", "adaptive_kl/token_kl_max"):
+            assert sampled["logs"][step][name] == full["logs"][step][name], (step, name, monitor)
+
+
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_kl_part_of_the_fused_loss_under_gradient_accumulation_matches_float64_for_every_method(loss_type, tmp_path_factory):
     """3 accumulation steps: the fused loss divides every method's KL part as Unsloth divides its loss (issue 38);

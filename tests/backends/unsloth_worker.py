@@ -444,7 +444,7 @@ def monitor_training():
         stock.train()
     finally:
         unsloth_adaptive_kl.patch()
-    monitored = trainer(beta=0.0, kl_monitor=True, max_steps=1)
+    monitored = trainer(beta=0.0, kl_monitor=True, kl_monitor_every=1, max_steps=1)
     ref_calls = []
     monitored.ref_model.register_forward_hook(lambda *a: ref_calls.append(monitored.state.global_step))
     monitored.train()
@@ -456,8 +456,11 @@ def monitor_training():
         "stock_log": stock_log, "monitored_log": monitored_log,
     }
     for name, overrides in {
-        "zero": dict(beta=0.0),
-        "dynamic_to_zero": dict(beta=0.04, kl_adaptation_method="dynamic", reward_threshold=100.0, beta_min=0.0, beta_schedule_steps=2),
+        "zero": dict(beta=0.0, kl_monitor_every=1),
+        "dynamic_to_zero": dict(
+            beta=0.04, kl_adaptation_method="dynamic", reward_threshold=100.0, beta_min=0.0, beta_schedule_steps=2, kl_monitor_every=1,
+        ),
+        "sampled": dict(beta=0.0, kl_monitor_every=2),  # the reference forward on generation batches 0 and 2 only
     }.items():
         t = trainer(kl_monitor=True, max_steps=4, **overrides)
         calls = []
@@ -637,7 +640,9 @@ def scenario_compiled():
         "fixed": dict(kl_adaptation_method="none"),
         "dynamic": dict(kl_adaptation_method="dynamic", reward_threshold=-1.0),
         "dynamic_to_zero": dict(kl_adaptation_method="dynamic", reward_threshold=-1.0, beta_min=0.0, beta_schedule_steps=3),
-        "monitor_to_zero": dict(kl_adaptation_method="dynamic", reward_threshold=-1.0, beta_min=0.0, beta_schedule_steps=3, kl_monitor=True),
+        "monitor_to_zero": dict(
+            kl_adaptation_method="dynamic", reward_threshold=-1.0, beta_min=0.0, beta_schedule_steps=3, kl_monitor=True, kl_monitor_every=1,
+        ),
     }
     for name, overrides in runs.items():
         torch._dynamo.reset()

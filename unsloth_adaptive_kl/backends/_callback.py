@@ -58,7 +58,9 @@ def _callback_classes():
             runtime = self.runtime
             runtime.end_step(state.global_step)  # the controller owns β; trainer.beta reads it
             # After the update, so the log written right after this step shows its skip.
-            runtime.log_metrics({metrics.SKIPPED_UPDATES: float(runtime.skipped_updates)}, "train")
+            runtime.log_metrics(
+                {metrics.SKIPPED_UPDATES: float(runtime.skipped_updates), metrics.RUNAWAY_ALARM: float(runtime.alarm.fired)}, "train"
+            )
 
         def state(self) -> dict:
             return {"args": {}, "attributes": {"adaptive_kl_state": self.runtime.state_dict()}}

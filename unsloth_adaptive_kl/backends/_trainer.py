@@ -87,6 +87,30 @@ class TrainerAdaptiveKL(RewardPlacement, AdaptiveKL):
         """Which loss computes this trainer's KL, in words (logged once when the trainer is created)."""
         raise NotImplementedError
 
+    def generation_index(self) -> int:
+        """The index (0, 1, ...) of the training generation batch being generated: the micro-step over TRL's generation
+        period (``steps_per_generation * num_iterations`` micro-steps). The micro-step is counted from the optimizer step
+        (``state.global_step``, which a checkpoint restores) plus TRL's ``_step`` within it, the same on every process."""
+        trainer = self.trainer
+        if not all(hasattr(trainer, name) for name in ("_step", "num_iterations")):
+            raise PatchError(
+                f"{type(trainer).__qualname__} has no _step or num_iterations: kl_monitor_every cannot count its generation "
+                "batches (an unsupported TRL or Unsloth version)"
+            )
+        accumulation = trainer.args.gradient_accumulation_steps
+        micro_step = trainer.state.global_step * accumulation + trainer._step % accumulation
+        return micro_step // (trainer.args.steps_per_generation * trainer.num_iterations)
+
+    def runs_reference(self) -> bool:
+        """Whether the generation now running scores the reference (the rewritten generation asks): while β != 0, and
+        at β = 0 under ``kl_monitor`` on the batches :meth:`AdaptiveKL.monitors_batch` selects."""
+        if self.beta != 0.0:
+            return True
+        if not self.monitor:
+            return False
+        training = self.trainer.model.training
+        return self.monitors_batch(self.generation_index() if training else 0, training=training)
+
     @classmethod
     @contextlib.contextmanager
     def building(cls, config):
@@ -316,7 +340,14 @@ def _wrap_generate(original, runtime_cls):
         mode = "train" if self.model.training else "eval"
         rewards = self._metrics[mode]["reward"]
         before = len(rewards)
+        runtime = self._adaptive_kl
+        monitored = runtime.monitor and runtime.beta == 0.0 and runtime.runs_reference()
         output = original(self, *args, **kwargs)
+        if monitored and (not isinstance(output, dict) or output.get("ref_per_token_logps") is None):
+            raise PatchError(
+                f"{type(self).__qualname__}._generate_and_score_completions returned no reference log-probs for a generation "
+                "batch kl_monitor watches at beta = 0 (its reference forward did not run); the KL cannot be computed"
+            )
         if mode == "train":
             rewards = self._metrics["train"]["reward"]
             if len(rewards) != before + 1:

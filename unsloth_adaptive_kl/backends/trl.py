@@ -55,7 +55,7 @@ def _kl(anchor: str, mask: str, coef: str, tail: str = "") -> Rewrite:
         library="trl",
         anchor=anchor + tail,
         replacement=f"""        adaptive_kl_adapted = adaptive_kl_mask = None
-        if self._adaptive_kl.computes_kl:
+        if self._adaptive_kl.computes_kl_with(inputs.get("ref_per_token_logps")):
             ref_per_token_logps = self._adaptive_kl.reference_logps(inputs)
             adaptive_kl_mask = self._adaptive_kl.term.kl_mask({mask}, inputs["completion_ids"])
             per_token_kl, adaptive_kl_adapted = self._adaptive_kl.per_token(
@@ -63,7 +63,7 @@ def _kl(anchor: str, mask: str, coef: str, tail: str = "") -> Rewrite:
             )
 {tail}""",
         why="the per-token KL (raw, for TRL's kl metric) and its adapted form come from the KL term, without the "
-        "excluded tokens; also at β = 0 under kl_monitor",
+        "excluded tokens; also at β = 0 under kl_monitor, on the batches whose reference forward it ran",
     )
 
 
@@ -87,7 +87,7 @@ def _after_aggregation(anchor: str, mask: str, mode: str) -> Rewrite:
         library="trl",
         anchor=anchor,
         replacement=f"""        loss = self._adaptive_kl.after_aggregation(
-            loss, per_token_kl if self._adaptive_kl.computes_kl else None, adaptive_kl_adapted, {mask}, {mode}, adaptive_kl_mask
+            loss, per_token_kl if adaptive_kl_mask is not None else None, adaptive_kl_adapted, {mask}, {mode}, adaptive_kl_mask
         )
 """ + anchor,
         why="after aggregation: the length-normalised term, and the adaptive_kl/* metrics",
@@ -100,8 +100,9 @@ _REFERENCE_WHILE_MONITORED = Rewrite(
     library="trl",
     anchor="            # Compute the per-token log probabilities for the reference model\n            if self.beta != 0.0:\n",
     replacement="            # Compute the per-token log probabilities for the reference model\n"
-    "            if self._adaptive_kl.computes_kl:\n",
-    why="kl_monitor: the reference forward also runs at β = 0 (checked on trl 1.8, 1.11, 1.14, 1.15, 1.16)",
+    "            if self._adaptive_kl.runs_reference():\n",
+    why="kl_monitor: the reference forward also runs at β = 0, on every kl_monitor_every-th generation batch (checked on "
+    "trl 1.8, 1.11, 1.14, 1.15, 1.16)",
 )
 
 

@@ -26,8 +26,9 @@ batch's completion count and the estimator's batch statistic). The ``beta`` argu
 threads through its compiled loss stays a Python constant: 1.0 while β != 0 and 0.0 once β is 0
 (it selects Unsloth's ``if beta != 0.0`` branches). β itself is the tensor, so a changing β never
 recompiles the fused loss (a float would: 6.7x slower steps, measured); a tensor in those branches
-would break ``fullgraph=True``. Under ``kl_monitor`` the gate stays 1.0 at β = 0 too (the KL is computed, so
-β reaching 0 compiles nothing new) and a 0-dim flag keeps the KL out of the loss and its gradient
+would break ``fullgraph=True``. Under ``kl_monitor`` the gate stays 1.0 at β = 0 on the batches it watches (the KL
+is computed, so β reaching 0 compiles nothing new; the batches ``kl_monitor_every`` skips take the gate 0.0, Unsloth's
+own β = 0 graph, compiled once) and a 0-dim flag keeps the KL out of the loss and its gradient
 (:meth:`FusedKLInputs.kl_inputs`, :meth:`FusedKLInputs.in_loss`); :data:`MONITOR_PLAN` runs the reference forward
 at β = 0 in the generation (2026.10 only: the older lines refuse kl_monitor). The ``mean_kl`` slot
 carries ``[unsloth_kl, local sums...]``: it is the only output of Unsloth's autograd function a
@@ -223,9 +224,10 @@ MONITOR_PLAN = Plan(
                     "unsloth",
                     "            # Compute the per-token log probabilities for the reference model\n            if self.beta != 0.0:\n",
                     "            # Compute the per-token log probabilities for the reference model\n"
-                    "            if self._adaptive_kl.computes_kl:\n"
+                    "            if self._adaptive_kl.runs_reference():\n"
                     "                self._adaptive_kl.before_reference_forward(_unsloth_grpo_autocast_unscored)\n",
-                    "kl_monitor: the reference forward also runs at β = 0, with the loss's precision latch of a β = 0 run",
+                    "kl_monitor: the reference forward also runs at β = 0 (every kl_monitor_every-th generation batch), with the "
+                    "loss's precision latch of a β = 0 run",
                 ),
                 *(reward_placement.explicit_super(_MONITOR_GENERATE, "unsloth", line) for line in reward_placement.SUPER_CALLS),
             ),
@@ -309,6 +311,7 @@ class UnslothAdaptiveKL(_trainer.TrainerAdaptiveKL):
     """The trainer-side state for Unsloth's generated trainer."""
 
     stock_when_unattached = False  # its loss is rewritten in place: method none is stock Unsloth
+    fused_computes_kl = False  # whether the last micro-batch's fused loss computed the KL (fused_beta_gate sets it)
 
     def __init__(self, trainer):
         super().__init__(trainer)
@@ -372,15 +375,12 @@ class UnslothAdaptiveKL(_trainer.TrainerAdaptiveKL):
         """Put this step's :class:`FusedKLInputs` in the loss kwargs; return the constant gate the
         compiled loss sees as its ``beta`` (1.0 while β != 0, else 0.0; module docstring)."""
         beta = float(self.trainer.beta)
-        if beta == 0.0 and not self.monitor:
+        # At β = 0 the KL is computed only for a batch kl_monitor watched (the generation checks that it has reference
+        # log-probs): the others take Unsloth's own β = 0 loss, gate 0.0 (a second graph, compiled once).
+        self.fused_computes_kl = self.computes_kl_with(ref_logps)
+        if not self.fused_computes_kl:
             kwargs["adaptive_kl"] = FusedKLInputs(self.term, None, None, None)
             return 0.0
-        if self.monitor and ref_logps is None:
-            raise PatchError(
-                f"unsloth {version_of('unsloth')} / unsloth_zoo {version_of('unsloth_zoo')}: kl_monitor=True, but this batch "
-                "reached the fused loss without reference log-probs (the generation did not score the reference); the KL "
-                "cannot be computed"
-            )
         if beta != 0.0 and self.length_normalized and kwargs.get("sample_weight") is not None:
             raise ValueError(
                 "kl_adaptation_method with length_normalized cannot be combined with Unsloth's per-completion "
@@ -409,7 +409,7 @@ class UnslothAdaptiveKL(_trainer.TrainerAdaptiveKL):
                 f"no adaptive-KL statistics (got {getattr(stats, 'shape', stats)}); this loss path is not patched"
             )
         beta = float(self.trainer.beta)
-        observed = stats[1:] if self.computes_kl else None  # at β = 0 only kl_monitor computes the KL
+        observed = stats[1:] if self.fused_computes_kl else None  # at β = 0 only kl_monitor's batches compute the KL
         self.log_metrics(self.record_sums(observed, training=mode == "train", beta=beta), mode)
         return stats[0].item()
 

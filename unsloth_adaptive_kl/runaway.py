@@ -1,0 +1,115 @@
+"""The runaway alarm: one cheap check per optimizer step of the KL against its own recent level, while the
+reward falls (docs/runaway.md).
+
+A run "runs away" when its KL leaves the level it had held and the reward drops with it: the policy found
+tokens the reference finds unlikely and is losing what it learnt. :class:`RunawayAlarm` is fed once per
+optimizer step with the step's KL (None on a step that computed none: the sampled ``kl_monitor``'s other
+steps) and the reward of the generation batches scored in it; it fires once, at the first step where
+
+* the mean KL of the steps in the recent window (the last :attr:`RunawayRule.recent_steps` steps) is at least
+  :attr:`RunawayRule.kl_ratio` times the median KL of the :attr:`RunawayRule.base_steps` steps before that
+  window, and
+* the mean reward of the recent window is below the mean reward of those steps before it.
+
+The windows are in optimizer steps, so a KL observed every N-th step (``kl_monitor_every``) is compared over the
+same span of training; the base window must hold at least :attr:`RunawayRule.min_base_observations` KLs.
+The thresholds come from study 33's streams (``research/runaway/study33.py`` prints the counts). Pure Python on
+host floats: the KL and the reward are already on the host when the controller updates β.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RunawayRule:
+    """The alarm's thresholds (docs/runaway.md: chosen on study 33's streams, with the counts they give)."""
+
+    recent_steps: int = 10
+    base_steps: int = 50
+    kl_ratio: float = 6.0
+    min_base_observations: int = 3
+
+    @property
+    def span(self) -> int:
+        return self.recent_steps + self.base_steps
+
+
+@dataclass(frozen=True)
+class RunawaySignal:
+    """What the check saw at one step: the recent KL over the base median, and the two reward means."""
+
+    step: int
+    kl_ratio: float
+    recent_reward: float
+    base_reward: float
+    fired: bool
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values) if values else math.nan
+
+
+def check(step: int, kls: list[tuple[int, float]], rewards: list[tuple[int, float]], rule: RunawayRule = RunawayRule()) -> RunawaySignal | None:
+    """The rule at ``step`` from ``(step, value)`` observations (finite values only, any older ones ignored).
+    None when it cannot be judged yet: no KL at ``step``, the base window not yet elapsed, too few KLs or no
+    reward in a window, or a base KL median that is not positive."""
+    if step < rule.span or not kls or kls[-1][0] != step:
+        return None
+    recent_from, base_from = step - rule.recent_steps, step - rule.span  # recent: (recent_from, step]; base: (base_from, recent_from]
+    recent_kl = [v for s, v in kls if recent_from < s <= step]
+    base_kl = [v for s, v in kls if base_from < s <= recent_from]
+    recent_reward = _mean(v for s, v in rewards if recent_from < s <= step)
+    base_reward = _mean(v for s, v in rewards if base_from < s <= recent_from)
+    if len(base_kl) < rule.min_base_observations or math.isnan(recent_reward) or math.isnan(base_reward):
+        return None
+    base = statistics.median(base_kl)
+    if not base > 0:
+        return None
+    ratio = _mean(recent_kl) / base
+    return RunawaySignal(step, ratio, recent_reward, base_reward, fired=ratio >= rule.kl_ratio and recent_reward < base_reward)
+
+
+class RunawayAlarm:
+    """The alarm's state: the last :attr:`RunawayRule.span` steps' KLs and rewards, and the step it fired at."""
+
+    def __init__(self, rule: RunawayRule = RunawayRule()):
+        self.rule = rule
+        self._kls: deque[tuple[int, float]] = deque()
+        self._rewards: deque[tuple[int, float]] = deque()
+        self._pending_rewards: list[float] = []
+        self.fired_at: int | None = None
+        self.last: RunawaySignal | None = None
+
+    @property
+    def fired(self) -> bool:
+        return self.fired_at is not None
+
+    def observe_reward(self, reward: float) -> None:
+        """A generation batch's mean reward (the trainer's logged ``reward``); it counts at the next :meth:`end_step`."""
+        if reward is not None and math.isfinite(reward):
+            self._pending_rewards.append(float(reward))
+
+    def end_step(self, step: int, kl: float | None) -> bool:
+        """Close optimizer step ``step`` (1-based: the steps completed) with its KL (None: none computed).
+        Returns True at the one step the alarm fires."""
+        if self._pending_rewards:
+            self._rewards.append((step, _mean(self._pending_rewards)))
+            self._pending_rewards = []
+        if kl is not None and math.isfinite(kl):
+            self._kls.append((step, float(kl)))
+        for window in (self._kls, self._rewards):
+            while window and window[0][0] <= step - self.rule.span:
+                window.popleft()
+        if self.fired:
+            return False
+        self.last = check(step, list(self._kls), list(self._rewards), self.rule)
+        if self.last is not None and self.last.fired:
+            self.fired_at = step
+            return True
+        return False
