@@ -30,6 +30,7 @@
 # kl_exclude_token_ids; writes bench-trl-kl-diagnostics.md and bench-unsloth-kl-diagnostics.md (+ .json, .log).
 # monitor-sampled (issue 53, one GPU, <= 580 s): the same benches with the rows stock beta=0, kl_monitor (every step)
 # and kl_monitor sampled (default kl_monitor_every); writes bench-trl-monitor-sampled.md, bench-unsloth-monitor-sampled.md.
+# MONITOR_BUDGET (default 270) is bench_trl's budget in seconds, bench_unsloth's is 10 s less.
 # study33:NAME (issue 33's study, one GPU, <= ~575 s): evidence:NAME with UNSLOTH_GRPO_SEQ_PACKING=0 exported (Amendment 5)
 # and EVIDENCE_TIMEOUT=560, then --analyze --study of its stream; writes NAME-stream.jsonl, NAME.log, NAME-analysis.md,
 # NAME-runs.tar.gz and NAME-study.md. study33-pair:A,B (a 2-GPU machine): study33:A on GPU 0 and study33:B on GPU 1 at
@@ -179,19 +180,19 @@ for stage in "$@"; do
     kl-diagnostics)  # issue 36 (one GPU, <= 580 s): what the tail metrics, kl_monitor and kl_exclude_token_ids cost.
       # The tail metrics are on in every patched row, so none vs stock is the package's whole cost with them (aim
       # <= 1.005x); kl_monitor (beta=0) vs stock, beta=0 is the monitor's cost (the report's note pairs them).
-      timeout 290 python bench/bench_trl.py --modes lora,full --batch 16 --rounds 200 --budget 270 \
+      timeout $((${MONITOR_BUDGET:-270} + 20)) python bench/bench_trl.py --modes lora,full --batch 16 --rounds 200 --budget ${MONITOR_BUDGET:-270} \
         --rows stock,none,stock_beta0,monitor,exclude --out "$OUT/bench-trl-kl-diagnostics.md" > "$OUT/bench-trl-kl-diagnostics.log" 2>&1
       echo "bench_trl exit status $?"; cat "$OUT/bench-trl-kl-diagnostics.md" 2>/dev/null || tail -30 "$OUT/bench-trl-kl-diagnostics.log"
-      timeout 280 python bench/bench_unsloth.py --modes lora --batch 16 --rounds 200 --budget 260 \
+      timeout $((${MONITOR_BUDGET:-270} + 10)) python bench/bench_unsloth.py --modes lora --batch 16 --rounds 200 --budget $((${MONITOR_BUDGET:-270} - 10)) \
         --rows stock,none,stock_beta0,monitor,exclude --out "$OUT/bench-unsloth-kl-diagnostics.md" > "$OUT/bench-unsloth-kl-diagnostics.log" 2>&1
       echo "bench_unsloth exit status $?"; cat "$OUT/bench-unsloth-kl-diagnostics.md" 2>/dev/null || tail -30 "$OUT/bench-unsloth-kl-diagnostics.log" ;;
     monitor-sampled)  # issue 53 item 2 (one GPU, <= 580 s): the sampled kl_monitor (default kl_monitor_every) against stock
       # at beta = 0, beside the full monitor; a timed call of the sampled row is a cycle of kl_monitor_every steps (timed per
       # step), so few rows: aim <= 1.05x paired, the 95 % interval's upper end <= 1.08 (the report's note pairs them).
-      timeout 290 python bench/bench_trl.py --modes lora,full --batch 16 --rounds 200 --budget 270 \
+      timeout $((${MONITOR_BUDGET:-270} + 20)) python bench/bench_trl.py --modes lora,full --batch 16 --rounds 200 --budget ${MONITOR_BUDGET:-270} \
         --rows stock_beta0,monitor,monitor_sampled --out "$OUT/bench-trl-monitor-sampled.md" > "$OUT/bench-trl-monitor-sampled.log" 2>&1
       echo "bench_trl exit status $?"; cat "$OUT/bench-trl-monitor-sampled.md" 2>/dev/null || tail -30 "$OUT/bench-trl-monitor-sampled.log"
-      timeout 280 python bench/bench_unsloth.py --modes lora --batch 16 --rounds 200 --budget 260 \
+      timeout $((${MONITOR_BUDGET:-270} + 10)) python bench/bench_unsloth.py --modes lora --batch 16 --rounds 200 --budget $((${MONITOR_BUDGET:-270} - 10)) \
         --rows stock_beta0,monitor,monitor_sampled --out "$OUT/bench-unsloth-monitor-sampled.md" > "$OUT/bench-unsloth-monitor-sampled.log" 2>&1
       echo "bench_unsloth exit status $?"; cat "$OUT/bench-unsloth-monitor-sampled.md" 2>/dev/null || tail -30 "$OUT/bench-unsloth-monitor-sampled.log" ;;
     liger-conformance)  # Liger's own GRPO test file, stock vs the drop-in, 8 shards each; then loss_class= vs TRL
