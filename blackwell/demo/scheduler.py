@@ -10,7 +10,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
-from .settings import Settings, run_pairs, setting_labels
+from .settings import SMOLLM2_MODEL, Settings, run_pairs, setting_labels
 
 ENTRY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "test_adaptive_kl_grpo.py")
 
@@ -49,7 +49,7 @@ def make_runs(args, settings_list: list[tuple[Settings, str]], backend: str, che
                       os.path.join(run_dir, "metrics.jsonl"), beta=beta, label=label)
             spec = dict(method=method, seed=seed, backend=backend, model=model, dataset=args.dataset,
                         settings=asdict(settings), run_dir=run_dir, metrics_path=run.metrics_path,
-                        max_seq_length=512 if args.model else settings.max_seq_length, tag=tag,
+                        max_seq_length=512 if args.model and settings.model != SMOLLM2_MODEL else settings.max_seq_length, tag=tag,
                         stream=os.path.abspath(args.stream) if args.stream else None)
             with open(run.spec_path, "w") as f:
                 json.dump(spec, f, indent=1)
