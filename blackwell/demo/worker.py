@@ -250,7 +250,8 @@ def model_record(trainer, spec: dict) -> dict:
     return {"model": spec["settings"]["model"], "model_path": spec["model"], "parameters": sum(p.numel() for p in parameters),
             "trainable_parameters": sum(p.numel() for p in parameters if p.requires_grad), "vocab_size": len(tokenizer),
             "eos_token": tokenizer.eos_token, "eos_token_id": tokenizer.eos_token_id, "pad_token": tokenizer.pad_token,
-            "pad_token_id": tokenizer.pad_token_id, "generation_eos_token_ids": list(getattr(trainer, "eos_token_ids", None) or [])}
+            "pad_token_id": tokenizer.pad_token_id, "padding_side": tokenizer.padding_side,
+            "generation_eos_token_ids": list(getattr(trainer, "eos_token_ids", None) or [])}
 
 
 def train_one(spec_path: str) -> None:
@@ -274,7 +275,8 @@ def train_one(spec_path: str) -> None:
     print(f"trainer arguments: {json.dumps(trained_args(trainer))}", flush=True)
     print(f"model: {model['model']} from {model['model_path']}: {model['parameters']} parameters ({model['trainable_parameters']} "
           f"trained), vocabulary {model['vocab_size']}; eos {model['eos_token']!r} ({model['eos_token_id']}), generation "
-          f"stops at {model['generation_eos_token_ids']}; pad {model['pad_token']!r} ({model['pad_token_id']})", flush=True)
+          f"stops at {model['generation_eos_token_ids']}; pad {model['pad_token']!r} ({model['pad_token_id']}, "
+          f"{model['padding_side']})", flush=True)
     with open(os.path.join(spec["run_dir"], "trained.json"), "w") as f:
         json.dump({**recorded, "args": trained_args(trainer), "trainer": type(trainer).__name__, **model}, f, indent=1)
     settings = Settings(**spec["settings"])
