@@ -11,6 +11,7 @@ subprocesses, several at a time (--jobs): a tiny model leaves the GPU mostly idl
     python blackwell/test_adaptive_kl_grpo.py --seeds 3         # mean ± std across seeds
     python blackwell/test_adaptive_kl_grpo.py --smoke           # CPU, tiny, every method, ~1 min
     python blackwell/test_adaptive_kl_grpo.py --task medium --loss-type grpo --beta 0.04 --steps 300 --seeds 3
+    python blackwell/test_adaptive_kl_grpo.py --model smollm2   # SmolLM2-135M-Instruct, pretrained: chat a + b
     python blackwell/test_adaptive_kl_grpo.py --analyze out/metrics.jsonl   # length slopes, paired intervals
 
 Under --output-dir: metrics.jsonl (one line per run and step), summary.md (the header and the
@@ -25,7 +26,7 @@ See docs/demo.md.
 # The demo's code is in blackwell/demo/, a module per part:
 #   settings.py   Settings, the tasks, the methods and the adaptive-KL fields every run gets
 #   gpu.py        the GPU check (unsloth_adaptive_kl.gpu_support's rule, as doctor uses it) and the backend
-#   tasks.py      the offline task and its warm-started starting model; the hub data set and model
+#   tasks.py      the offline task and its warm-started starting model; SmolLM2's addition task; the hub data set and model
 #   worker.py     one training run, in its own process (--worker SPEC)
 #   scheduler.py  one subprocess per (method, seed), several at a time, with progress lines
 #   summary.py    the table; analysis.py the --analyze drift tables; plot.py the curves

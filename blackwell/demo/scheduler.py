@@ -10,7 +10,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
-from .settings import Settings, run_pairs, setting_labels
+from .settings import SMOLLM2_MODEL, Settings, run_pairs, setting_labels
 
 ENTRY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "test_adaptive_kl_grpo.py")
 
@@ -40,6 +40,7 @@ def make_runs(args, settings_list: list[tuple[Settings, str]], backend: str, che
     runs = []
     several = len(settings_list) > 1
     labels = setting_labels(settings_list)
+    hub_model = bool(args.model) and args.model != SMOLLM2_MODEL  # 512 positions; the other models: their settings'
     for seed, model in checkpoints.items():
         for settings, tag, method in run_pairs(args, settings_list):
             beta, label = (settings.beta, labels[tag]) if several else (None, None)
@@ -49,7 +50,7 @@ def make_runs(args, settings_list: list[tuple[Settings, str]], backend: str, che
                       os.path.join(run_dir, "metrics.jsonl"), beta=beta, label=label)
             spec = dict(method=method, seed=seed, backend=backend, model=model, dataset=args.dataset,
                         settings=asdict(settings), run_dir=run_dir, metrics_path=run.metrics_path,
-                        max_seq_length=512 if args.model else settings.max_seq_length, tag=tag,
+                        max_seq_length=512 if hub_model else settings.max_seq_length, tag=tag,
                         stream=os.path.abspath(args.stream) if args.stream else None)
             with open(run.spec_path, "w") as f:
                 json.dump(spec, f, indent=1)

