@@ -56,10 +56,11 @@ def main() -> None:
     output_dir = args.output_dir or tempfile.mkdtemp(prefix="adaptive-kl-quickstart-")
     if args.model == "smollm2":
         # A 135 M-parameter model with a 49,152-token vocabulary: on a CPU a step takes minutes, so the
-        # batch is small (2 prompts x 2 completions of at most 48 tokens).
-        model, batch, completions, max_length = smollm2.smollm2_dir(), 4, 2, 48
+        # batch is small (2 prompts x 4 completions of at most 64 tokens). Four completions a prompt: a group
+        # whose rewards all agree has no advantage, and then step 1 moves nothing and step 2's KL is 0.
+        model, batch, completions, max_length = smollm2.smollm2_dir(), 8, 4, 64
         reward_funcs, dataset = [smollm2.correct_answer_reward], smollm2.addition_dataset(256)
-        learning_rate = 1e-5
+        learning_rate = 5e-5
     else:
         model = toy.build_checkpoint(os.path.join(output_dir, "model"), warm_start_steps=args.warm_start_steps)
         batch, completions, max_length = 8, 8, 8
@@ -95,7 +96,7 @@ def main() -> None:
     for h in trainer.state.log_history:
         if unsloth_adaptive_kl.CURRENT_BETA not in h:
             continue
-        fmt = lambda v: "-" if v is None else f"{v:.5f}"  # noqa: E731  (None: KL not computed at beta 0)
+        fmt = lambda v: "-" if v is None else f"{v:.5f}" if v == 0 or abs(v) >= 1e-3 else f"{v:.1e}"  # noqa: E731  (None: KL not computed at beta 0)
         print(
             f"{h['step']:>4} {h['reward']:>7.3f} {fmt(h[unsloth_adaptive_kl.RAW_KL]):>9} "
             f"{fmt(h[unsloth_adaptive_kl.ADAPTED_KL]):>10} {h[unsloth_adaptive_kl.CURRENT_BETA]:>9.5f} "
