@@ -14,7 +14,7 @@ import torch
 
 from . import metrics, tail
 from .config import checked_beta, controller_config
-from .controllers import BetaController, ControllerMismatchError, make_controller
+from .controllers import BetaController, ControllerMismatchError, check_controller_beta, make_controller
 from .estimators import nonfinite_estimator_error
 from .kl_term import KLTerm
 from .method import format_method
@@ -39,6 +39,7 @@ class AdaptiveKL:
         self.term = KLTerm.from_config(config)
         self.term.check_user_functions()
         self.controller: BetaController = make_controller(self.term.method.controller, controller_config(config, self.term.method))
+        check_controller_beta(self.controller, self.controller.beta, when="when it was created")
         self.reduce = reduce or _no_reduce
         self.process_index, self.num_processes = process_index, num_processes
         self.monitor = bool(getattr(config, "kl_monitor", False))  # kl_monitor: the KL is computed and logged at β = 0 too
@@ -205,7 +206,8 @@ class AdaptiveKL:
         else:
             kl = metrics.token_mean(sums[metrics.RAW_SUM].item(), sums[metrics.TOKENS].item())
         completions = 0 if sums is None else int(sums[metrics.COMPLETIONS].item())
-        return self.controller.update(global_step=global_step, kl=kl, num_completions=completions)
+        returned = self.controller.update(global_step=global_step, kl=kl, num_completions=completions)
+        return check_controller_beta(self.controller, returned, when=f"after update(global_step={global_step})")
 
     def state_dict(self) -> dict:
         return {"controller": self.controller.state_dict(), "kl_adaptation_method": self.method_text}
@@ -232,6 +234,7 @@ class AdaptiveKL:
         else:
             self._restore(state)
         self.controller.resume_at(global_step)
+        check_controller_beta(self.controller, self.controller.beta, when=f"after resume_at({global_step})")
 
     def _restore(self, state: dict) -> None:
         """The checkpoint's controller state into this controller; another controller's: the resume error."""
