@@ -22,6 +22,12 @@ from .method import Method
 from .shaping import check_user_steps, length_normalized_term, sequence_mean, shape_per_token, user_steps
 
 
+#: Under ``kl_placement="reward"`` each token's KL (after the shaping) enters its completion's penalty clamped to
+#: [-10, 10]: verl's clamp of k3's value (``kl_penalty``, ``low_var_kl``), here for every estimator, since in the reward
+#: one token's KL lands in the advantages of its whole group (docs/kl-placement.md, "How large a penalty can be").
+REWARD_KL_BOUND = 10.0
+
+
 @dataclass(frozen=True)
 class KLTerm:
     method: Method
@@ -154,9 +160,12 @@ class KLTerm:
 
     def reward_penalty(self, adapted: torch.Tensor, mask: torch.Tensor, *, beta: float) -> torch.Tensor:
         """The amount ``kl_placement="reward"`` subtracts from each completion's reward, ``(B,)`` float64,
-        detached: ``beta * sum_t adapted_t`` over its valid tokens, or under ``length_normalized``
-        ``beta * mean_t adapted_t`` (0 for a completion with no valid token)."""
+        detached: ``beta * sum_t c(adapted_t)`` over its valid tokens, or under ``length_normalized``
+        ``beta * mean_t c(adapted_t)`` (0 for a completion with no valid token), with ``c`` the clamp to
+        ±:data:`REWARD_KL_BOUND` of a finite value (NaN and inf stay: the caller counts such a penalty)."""
         with torch.no_grad():
-            adapted = torch.where(mask.bool(), adapted.double(), 0.0)
+            adapted = adapted.double()
+            adapted = torch.where(torch.isfinite(adapted), adapted.clamp(-REWARD_KL_BOUND, REWARD_KL_BOUND), adapted)
+            adapted = torch.where(mask.bool(), adapted, 0.0)
             per_completion = sequence_mean(adapted, mask) if self.length_normalized else adapted.sum(-1)
             return beta * per_completion
