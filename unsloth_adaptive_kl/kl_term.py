@@ -96,6 +96,25 @@ class KLTerm:
             return None
         return nonfinite_on_finite_inputs(kl, logp, ref_logp)
 
+    def check_vocabulary(self, vocab_size: int | None) -> None:
+        """Refuse ``kl_exclude_token_ids`` that do not fit a vocabulary of ``vocab_size`` tokens (None: unknown, not
+        checked): an id outside it excludes nothing (a typo, another tokenizer's id), and a list that excludes every
+        token leaves no KL term at all. ValueError naming the field, the ids and what is allowed."""
+        if vocab_size is None or not self.exclude_token_ids:
+            return
+        outside = [i for i in self.exclude_token_ids if i >= vocab_size]
+        if outside:
+            raise ValueError(
+                f"kl_exclude_token_ids={list(self.exclude_token_ids)} is not valid: {outside} are outside the model's "
+                f"vocabulary of {vocab_size} tokens, so they would exclude nothing; allowed: ids from 0 to {vocab_size - 1} "
+                "(check each id against the tokenizer: convert_tokens_to_ids of a token it lacks gives <unk>'s id or None)"
+            )
+        if len(self.exclude_token_ids) >= vocab_size:
+            raise ValueError(
+                f"kl_exclude_token_ids lists all {vocab_size} tokens of the model's vocabulary: no token would have a KL "
+                "term; allowed: a list of some tokens (EOS, chat-template tokens), or beta=0 for no KL term"
+            )
+
     def excluded(self, token_ids: torch.Tensor) -> torch.Tensor | None:
         """Where ``token_ids`` is one of :attr:`exclude_token_ids` (bool, same shape); None when none is excluded.
         One comparison per excluded id: no tensor is made from the list, so no copy to the device and no
