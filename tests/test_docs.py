@@ -129,3 +129,47 @@ def test_the_layout_check_finds_what_the_site_would_flatten():
 @pytest.mark.parametrize("page", sorted(p.name for p in (ROOT / "docs").glob("*.md")))
 def test_every_list_of_the_docs_renders_on_the_site(page):
     assert _list_layout_problems((ROOT / "docs" / page).read_text()) == []
+
+
+def test_every_generated_table_is_committed_in_its_page_as_the_registries_make_it():
+    """Issue 52, finding 9: docs/fields.md (linked from the README) and methods.md showed no table on GitHub; the
+    tables existed only on the built site. Each page now holds its generated blocks' text between start and end
+    markers, and the text is what the registries (and versions.py, the README) make now."""
+    hooks = _hooks()
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        text = page.read_text()
+        starts = hooks.MARKER.findall(text)
+        assert len(hooks.BLOCK.findall(text)) == len(starts), f"{page.name}: a <!-- generated: NAME --> line without its end line"
+        assert hooks.with_generated_blocks(text, page.name) == text, (
+            f"docs/{page.name}'s generated tables are not the registries': run `python scripts/docs_hooks.py docs`"
+        )
+    fields = (ROOT / "docs" / "fields.md").read_text()
+    assert "| `kl_adaptation_method` |" in fields and "| `kl_placement` |" in fields
+    methods = (ROOT / "docs" / "methods.md").read_text()
+    assert "| `schedule` |" in methods and "| `reward_conditioned` |" in methods
+
+
+def test_a_stale_committed_table_is_made_anew_on_the_site_and_by_the_command():
+    hooks = _hooks()
+    stale = "before\n<!-- generated: controller-table -->\n| old |\n<!-- end generated: controller-table -->\nafter"
+    assert hooks.render(stale) == f"before\n{hooks.controller_table()}\nafter"
+    assert hooks.with_generated_blocks(stale) == f"before\n<!-- generated: controller-table -->\n{hooks.controller_table()}\n<!-- end generated: controller-table -->\nafter"
+
+
+def test_no_relative_link_of_the_docs_is_dead_on_the_site():
+    """Issue 52, finding 9: 10 links of the built site pointed to raw data that exclude_docs leaves out, and
+    `mkdocs build --strict` did not see them. The hook fails the build on a link to no file, and shows a link to a
+    file the site leaves out as its repository path."""
+    hooks = _hooks()
+    rewritten = 0
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        site = hooks.site_links(hooks.render(page.read_text(), page.name), page.name)
+        for directory in hooks.excluded_dirs():
+            assert f"]({directory}" not in site, f"{page.name}: a link into {directory} is left on the site"
+        rewritten += site.count("` in the repository)")
+    assert rewritten >= 10  # the raw-data links the issue counted, now text
+    with pytest.raises(ValueError, match=r"a\.md: dead link 'nope\.md#x'"):
+        hooks.site_links("see [x](nope.md#x)", "a.md")
+    assert hooks.site_links("```\n[x](nope.md)\n```", "a.md") == "```\n[x](nope.md)\n```"  # code is not a link
+    assert hooks.site_links("[data](evidence-data/x.md)", "a.md") if (ROOT / "docs/evidence-data/x.md").exists() else True
+    assert hooks.site_links("[ok](fields.md#fields) [web](https://x.org/a)", "a.md") == "[ok](fields.md#fields) [web](https://x.org/a)"
