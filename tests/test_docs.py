@@ -173,3 +173,18 @@ def test_no_relative_link_of_the_docs_is_dead_on_the_site():
     assert hooks.site_links("```\n[x](nope.md)\n```", "a.md") == "```\n[x](nope.md)\n```"  # code is not a link
     assert hooks.site_links("[data](evidence-data/x.md)", "a.md") if (ROOT / "docs/evidence-data/x.md").exists() else True
     assert hooks.site_links("[ok](fields.md#fields) [web](https://x.org/a)", "a.md") == "[ok](fields.md#fields) [web](https://x.org/a)"
+
+
+def test_every_built_in_controller_has_its_section_in_methods_and_its_line_in_resume():
+    """Issue 52, finding 9: `schedule` and `reward_conditioned` had one generated line each in methods.md, and
+    docs/resume.md listed only `dynamic` and `target`. Read from the registry: a new built-in needs both."""
+    from unsloth_adaptive_kl.controllers import CONTROLLERS, controller_names
+
+    methods = (ROOT / "docs" / "methods.md").read_text()
+    resume = (ROOT / "docs" / "resume.md").read_text()
+    for name in (n for n in controller_names() if CONTROLLERS[n].builtin):
+        section = methods.split(f"\n## `{name}`\n", 1)
+        assert len(section) == 2, f"docs/methods.md has no '## `{name}`' section"
+        body = section[1].split("\n## ", 1)[0]
+        assert len(body) > 400 and all(p.name in body for p in CONTROLLERS[name].parameters), name
+        assert f"`{name}`" in resume, f"docs/resume.md does not say how `{name}` resumes"
