@@ -14,7 +14,7 @@ import torch
 
 from unsloth_adaptive_kl import metrics
 from unsloth_adaptive_kl.backends._trainer import TrainerAdaptiveKL
-from unsloth_adaptive_kl.backends import reward_placement
+from unsloth_adaptive_kl import kl_term
 from unsloth_adaptive_kl.config import DEFAULTS
 
 
@@ -156,7 +156,7 @@ def test_the_dominated_groups_match_a_python_loop_on_random_batches_with_unscore
     penalty = torch.rand(24, generator=g).double() * 1.5
     penalty[torch.rand(24, generator=g) < 0.1] = math.inf
     spreads = _spreads64(rewards.tolist(), penalty.tolist(), 4)
-    count, worst = reward_placement.kl_dominated_groups(rewards, penalty, 4)
+    count, worst = kl_term.kl_dominated_groups(rewards, penalty, 4)
     assert count == sum(p > r > 0 for p, r in spreads)
     if count:
         assert worst == max(((p, r) for p, r in spreads if p > r > 0), key=lambda s: s[0] / s[1])

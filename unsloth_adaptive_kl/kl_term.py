@@ -188,3 +188,28 @@ class KLTerm:
             adapted = torch.where(mask.bool(), adapted, 0.0)
             per_completion = sequence_mean(adapted, mask) if self.length_normalized else adapted.sum(-1)
             return beta * per_completion
+
+
+def kl_dominated_groups(rewards: torch.Tensor, penalty: torch.Tensor, num_generations: int) -> tuple[int, tuple[float, float]]:
+    """How many groups of ``num_generations`` completions have a spread (max - min) of finite penalties larger than the
+    spread of their task rewards (``rewards``, NaN: unscored, left out of both), among groups whose rewards differ (a
+    group of equal rewards has no task signal to lose); and, for the group with the largest ratio, its two spreads."""
+    scored = ~torch.isnan(rewards) & torch.isfinite(penalty)
+    r = torch.where(scored, rewards.double(), torch.nan).reshape(-1, num_generations)
+    p = torch.where(scored, penalty.double(), torch.nan).reshape(-1, num_generations)
+    reward_spread = _nan_spread(r)
+    penalty_spread = _nan_spread(p)
+    dominated = (reward_spread > 0) & (penalty_spread > reward_spread)
+    if not dominated.any():
+        return 0, (0.0, 0.0)
+    ratio = torch.where(dominated, penalty_spread / reward_spread, -1.0)
+    worst = int(ratio.argmax())
+    return int(dominated.sum()), (penalty_spread[worst].item(), reward_spread[worst].item())
+
+
+def _nan_spread(x: torch.Tensor) -> torch.Tensor:
+    """max - min over the last dimension, NaN left out (0 for a row with fewer than two values)."""
+    kept = ~torch.isnan(x)
+    high = torch.where(kept, x, -torch.inf).amax(-1)
+    low = torch.where(kept, x, torch.inf).amin(-1)
+    return torch.where(kept.sum(-1) >= 2, high - low, 0.0)
