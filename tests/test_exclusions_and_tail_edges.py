@@ -66,3 +66,21 @@ def test_a_signed_kl_summing_to_zero_still_has_no_share():
     values = torch.tensor([0.5, -0.5, 0.25, -0.25])
     stats = tail.statistics(tail.TailTotals.from_reduced(tail.spread(tail.local_tail(values, torch.ones(4)), 0, 1)))
     assert math.isnan(stats.top_share)
+
+
+def test_the_eos_example_of_the_docs_excludes_no_unknown_token_on_a_tokenizer_without_the_chat_tokens():
+    """Issue 52, finding 9: docs/metrics-tail.md's example used convert_tokens_to_ids("<|im_end|>"), which on a
+    tokenizer without that token returns <unk>'s id: <unk> was excluded without a word. Run as written (GRPOConfig
+    stands in as a function returning its keywords) on the toy tokenizer, which has neither chat token."""
+    import re
+    from pathlib import Path
+
+    from unsloth_adaptive_kl import toy
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "metrics-tail.md").read_text()
+    code = re.search(r"\*\*The EOS use case\.\*\*.*?```python\n(.*?)```", page, re.S).group(1)
+    tokenizer = toy.build_tokenizer()
+    assert "<|im_end|>" not in tokenizer.get_vocab() and tokenizer.unk_token_id is not None
+    namespace = {"tokenizer": tokenizer, "GRPOConfig": lambda *args, **kwargs: kwargs}
+    exec(compile(code, "docs/metrics-tail.md (the EOS use case)", "exec"), namespace)  # noqa: S102 -- the docs' own example
+    assert namespace["config"]["kl_exclude_token_ids"] == [tokenizer.eos_token_id]
