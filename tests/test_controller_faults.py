@@ -135,3 +135,14 @@ def test_reward_conditioned_ignores_a_nan_reward_without_counting_a_skip(caplog)
     assert c.skipped_updates == 0 and not caplog.records
     c.observe_reward(math.inf)
     assert c.skipped_updates == 1 and c.update(global_step=2, kl=0.1, num_completions=4) == 0.1
+
+
+def test_a_user_controller_that_leaves_a_beta_of_zero_is_refused(user_controller):
+    """β = 0 is final (the docs): the reference log-probs are no longer computed, so a β that came back would have
+    nothing to multiply (TRL would fail with a KeyError at a later loss)."""
+    state = AdaptiveKL(_config("faulty"))
+    user_controller["set"] = 0.0
+    assert state.end_step(1) == 0.0
+    user_controller["set"] = 0.02
+    with pytest.raises(ValueError, match=r"'faulty'.*moved beta from 0 to 0\.02; allowed: beta stays 0 once it is 0"):
+        state.end_step(2)

@@ -206,8 +206,9 @@ class AdaptiveKL:
         else:
             kl = metrics.token_mean(sums[metrics.RAW_SUM].item(), sums[metrics.TOKENS].item())
         completions = 0 if sums is None else int(sums[metrics.COMPLETIONS].item())
+        before = self.controller.beta
         returned = self.controller.update(global_step=global_step, kl=kl, num_completions=completions)
-        return check_controller_beta(self.controller, returned, when=f"after update(global_step={global_step})")
+        return check_controller_beta(self.controller, returned, when=f"after update(global_step={global_step})", before=before)
 
     def state_dict(self) -> dict:
         return {"controller": self.controller.state_dict(), "kl_adaptation_method": self.method_text}

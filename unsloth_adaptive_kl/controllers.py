@@ -259,11 +259,12 @@ def _declares_adapts_beta(cls) -> bool:
     return any("adapts_beta" in vars(base) for base in cls.__mro__ if base is not BetaController and issubclass(base, BetaController))
 
 
-def check_controller_beta(controller: "BetaController", returned, *, when: str) -> float:
+def check_controller_beta(controller: "BetaController", returned, *, when: str, before: float | None = None) -> float:
     """The β a controller holds after ``when`` (its ``update()``, ``resume_at()``), checked as ``trainer.beta`` is: a
     finite number >= 0 (a Python int or float: a tensor or a bool is refused), and ``returned`` (what ``update()``
     returned; ``self.beta`` for a call that returns nothing) equal to it. ValueError naming the controller otherwise.
-    Returns β as a float, which is also stored back (an int β becomes a float, as a checkpoint reads it)."""
+    ``before``: β before the call; a β that leaves 0 is refused (β = 0 is final: the reference log-probs are no longer
+    computed). Returns β as a float, which is also stored back (an int β becomes a float, as a checkpoint reads it)."""
     who = f"β controller {controller.name!r} ({type(controller).__qualname__}) {when}"
     beta = controller.beta
     try:
@@ -274,6 +275,11 @@ def check_controller_beta(controller: "BetaController", returned, *, when: str) 
         raise ValueError(
             f"{who}: it returned {returned!r} but left self.beta={beta!r}: the trainer trains with self.beta, so the returned "
             "β would be lost; allowed: set self.beta to the new β and return self.beta"
+        )
+    if before == 0.0 and beta != 0:
+        raise ValueError(
+            f"{who}: it moved beta from 0 to {beta!r}; allowed: beta stays 0 once it is 0 (the trainer no longer computes "
+            "the reference log-probs a non-zero beta would multiply)"
         )
     controller.beta = float(beta)
     return controller.beta
