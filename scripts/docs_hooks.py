@@ -218,6 +218,12 @@ def excluded_dirs() -> tuple[str, ...]:
     return tuple(line for line in lines if line)
 
 
+def site_pages() -> list[Path]:
+    """Every Markdown page of the site: docs/ and its folders, less those ``exclude_docs`` leaves out."""
+    excluded = tuple(d.rstrip("/") for d in excluded_dirs())
+    return sorted(p for p in DOCS.rglob("*.md") if not str(p.relative_to(DOCS)).startswith(tuple(f"{d}/" for d in excluded)))
+
+
 def site_links(markdown: str, page: str) -> str:
     """``markdown`` (the page ``page``, relative to docs/) with each relative link checked: ValueError for a target
     that does not exist; a link to a file the site leaves out (under ``exclude_docs``, or outside docs/) becomes its
@@ -286,7 +292,7 @@ if __name__ == "__main__":
         path = ROOT / "README.md"
         path.write_text(readme_with_generated_blocks(path.read_text()))
     elif sys.argv[1:] == ["docs"]:
-        for path in sorted(DOCS.glob("*.md")):
+        for path in site_pages():
             text = path.read_text()
             made = with_generated_blocks(text, path.name)
             if made != text:

@@ -110,6 +110,7 @@ def test_the_unsloth_fused_statistics_carry_unsloths_kl_first_then_the_metric_su
 
     trainer = _Trainer()
     trainer._adaptive_kl = UnslothAdaptiveKL(trainer)
+    trainer._adaptive_kl.fused_computes_kl = True  # what the fused loss's β gate records where the runtime tracks it
     assert isinstance(trainer._adaptive_kl, TrainerAdaptiveKL)
     assert trainer._adaptive_kl.record_fused(stats, "train") == pytest.approx(0.123)
     r = ref.double() - logp.double()

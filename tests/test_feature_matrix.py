@@ -126,7 +126,7 @@ def _run_loss_placement(runtime, args, settings, controller, case):
         kept = _kept(mask, ids, excluded)
         kl_mask = runtime.term.kl_mask(mask, ids)
         assert torch.equal(kl_mask.bool(), kept), case
-        assert runtime.computes_kl == (beta != 0 or monitor), case
+        assert runtime.monitor == monitor and runtime.beta == beta, case
         coef = torch.exp(logp - old)  # use_bias_correction_kl: the importance ratio
         raw, adapted = runtime.per_token(logp, ref, kl_mask, coef)
         raw64, shaped64 = reference.raw_and_shaped_kl(method, logp, ref, old, kept, estimator=VALUE_OF.get(estimator, estimator),
