@@ -1,7 +1,10 @@
 """MkDocs hooks (mkdocs.yml, ``hooks:``): the site's generated parts, made at build time.
 
-A page asks for one with a line ``<!-- generated: NAME -->``; the hook replaces that line with the
-text below, so nothing on the site is copied by hand:
+A page holds one as a block: a line ``<!-- generated: NAME -->``, the generated text, and a line
+``<!-- end generated: NAME -->``. The text is committed in the page, so GitHub shows it as the site does;
+the hook replaces the block with the text made anew at build time, ``python scripts/docs_hooks.py docs``
+rewrites the pages' blocks, and tests/test_docs.py fails while a page's block differs from its generator's
+output. (A lone ``<!-- generated: NAME -->`` line, with no end line, is replaced too.) The blocks:
 
 - ``shaping-table``: the README's shaping-method table (between its ``<!-- shaping-table -->``
   markers, which tests/test_shaping.py checks against the registry);
@@ -18,7 +21,9 @@ The README, which GitHub shows as it is, holds the controller table as text betw
 ``<!-- controller-table -->`` markers: ``python scripts/docs_hooks.py readme`` rewrites it from the registry,
 and tests/test_docs.py fails while it differs.
 
-An unknown NAME fails the build. ``versions.py`` is loaded from its file and ``__all__`` is read from
+An unknown NAME fails the build, and so does a dead relative link (:func:`site_links`): a link to a file that does
+not exist, or to one the site leaves out (``exclude_docs``: the raw data; a file outside ``docs/``), which on the
+site becomes its repository path as text, since ``mkdocs build --strict`` does not see those. ``versions.py`` is loaded from its file and ``__all__`` is read from
 ``__init__.py``'s syntax tree. The registry tables import the package's core (torch, no TRL): its modules are
 loaded under a bare package, so building the docs never patches TRL.
 """
@@ -28,6 +33,7 @@ from __future__ import annotations
 import ast
 import importlib
 import importlib.util
+import os
 import re
 import sys
 import types
@@ -166,16 +172,86 @@ GENERATORS = {
 }
 
 
+#: A generated block as committed in a page: the start line, the text, the end line.
+BLOCK = re.compile(r"^<!-- generated: ([\w-]+) -->\n((?:(?!<!-- generated: ).)*?)\n?<!-- end generated: \1 -->$", re.M | re.S)
+
+
+def _generated(name: str, where: str) -> str:
+    if name not in GENERATORS:
+        raise ValueError(f"{where}: unknown generated block {name!r} (known: {sorted(GENERATORS)})")
+    return GENERATORS[name]()
+
+
 def render(markdown: str, where: str = "") -> str:
-    """``markdown`` with every ``<!-- generated: NAME -->`` line replaced by its generated text."""
+    """``markdown`` with every generated block (or lone ``<!-- generated: NAME -->`` line) replaced by its text."""
+    markdown = BLOCK.sub(lambda m: _generated(m.group(1), where), markdown)
+    return MARKER.sub(lambda m: _generated(m.group(1), where), markdown)
 
-    def generate(match: re.Match) -> str:
-        name = match.group(1)
-        if name not in GENERATORS:
-            raise ValueError(f"{where}: unknown generated block {name!r} (known: {sorted(GENERATORS)})")
-        return GENERATORS[name]()
 
-    return MARKER.sub(generate, markdown)
+def with_generated_blocks(markdown: str, where: str = "") -> str:
+    """``markdown`` with each generated block's text made anew, its markers kept (what a page should commit); a lone
+    start line becomes a block."""
+    def block(name: str) -> str:
+        return f"<!-- generated: {name} -->\n{_generated(name, where)}\n<!-- end generated: {name} -->"
+
+    parts, last = [], 0
+    for match in BLOCK.finditer(markdown):  # the blocks, then the lone start lines between them
+        parts += [MARKER.sub(lambda m: block(m.group(1)), markdown[last : match.start()]), block(match.group(1))]
+        last = match.end()
+    return "".join(parts) + MARKER.sub(lambda m: block(m.group(1)), markdown[last:])
+
+
+# -- links the site would leave dead ----------------------------------------------------------------------------
+DOCS = ROOT / "docs"
+LINK = re.compile(r"(!?)\[([^\]]*)\]\(([^)\s]+)\)")
+FENCE = re.compile(r"^```.*?^```[^\n]*$", re.M | re.S)
+
+
+def excluded_dirs() -> tuple[str, ...]:
+    """The folders of mkdocs.yml's ``exclude_docs`` (relative to docs/): in the repository, not on the site."""
+    block = (ROOT / "mkdocs.yml").read_text().split("\nexclude_docs: |\n", 1)[1]
+    lines = []
+    for line in block.splitlines():
+        if not line.startswith("  "):
+            break
+        lines.append(line.strip())
+    return tuple(line for line in lines if line)
+
+
+def site_pages() -> list[Path]:
+    """Every Markdown page of the site: docs/ and its folders, less those ``exclude_docs`` leaves out."""
+    excluded = tuple(d.rstrip("/") for d in excluded_dirs())
+    return sorted(p for p in DOCS.rglob("*.md") if not str(p.relative_to(DOCS)).startswith(tuple(f"{d}/" for d in excluded)))
+
+
+def site_links(markdown: str, page: str) -> str:
+    """``markdown`` (the page ``page``, relative to docs/) with each relative link checked: ValueError for a target
+    that does not exist; a link to a file the site leaves out (under ``exclude_docs``, or outside docs/) becomes its
+    repository path as code, which a reader of the site can open in the repository. Fenced code is left alone."""
+    excluded = excluded_dirs()
+    folder = Path(page).parent
+
+    def check(match: re.Match) -> str:
+        image, text, target = match.groups()
+        if re.match(r"^[a-zA-Z][\w+.-]*:", target) or target.startswith("#"):
+            return match.group(0)
+        relative = Path(os.path.normpath(folder / target.split("#", 1)[0]))
+        path = (DOCS / relative).resolve()
+        if not path.exists():
+            raise ValueError(f"{page}: dead link {target!r} (no file {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path})")
+        inside = path.is_relative_to(DOCS)
+        if inside and not any(str(relative).startswith(d.rstrip("/") + "/") for d in excluded):
+            return match.group(0)
+        where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+        return f"{text} (`{where}` in the repository)" if not image else f"(image `{where}` in the repository)"
+
+    parts, last = [], 0
+    for fence in FENCE.finditer(markdown):
+        parts.append(LINK.sub(check, markdown[last : fence.start()]))
+        parts.append(fence.group(0))
+        last = fence.end()
+    parts.append(LINK.sub(check, markdown[last:]))
+    return "".join(parts)
 
 
 #: A Sphinx role the docstrings use (``:func:`~pkg.mod.name```), as Markdown renders it.
@@ -190,7 +266,7 @@ def plain_roles(html: str) -> str:
 
 
 def on_page_markdown(markdown, page, config, files):
-    return render(markdown, page.file.src_uri)
+    return site_links(render(markdown, page.file.src_uri), page.file.src_uri)
 
 
 def on_page_content(html, page, config, files):
@@ -212,7 +288,17 @@ def readme_with_generated_blocks(readme: str) -> str:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] != ["readme"]:
-        sys.exit("usage: python scripts/docs_hooks.py readme   (rewrites README.md's generated tables from the registries)")
-    path = ROOT / "README.md"
-    path.write_text(readme_with_generated_blocks(path.read_text()))
+    if sys.argv[1:] == ["readme"]:
+        path = ROOT / "README.md"
+        path.write_text(readme_with_generated_blocks(path.read_text()))
+    elif sys.argv[1:] == ["docs"]:
+        for path in site_pages():
+            text = path.read_text()
+            made = with_generated_blocks(text, path.name)
+            if made != text:
+                path.write_text(made)
+    else:
+        sys.exit(
+            "usage: python scripts/docs_hooks.py readme|docs   (rewrites README.md's, or docs/*.md's, generated tables "
+            "from the registries)"
+        )

@@ -100,8 +100,8 @@ def record_penalties(runtime, penalties):
         penalties.append({"local_sums": local_sums.tolist(), "total_sums": totals.tolist()})
         return totals
 
-    def penalized(rewards, local_penalty, mode):
-        out = penalized_rewards(rewards, local_penalty, mode)
+    def penalized(rewards, local_penalty, mode, *group_size):
+        out = penalized_rewards(rewards, local_penalty, mode, *group_size)
         penalties[-1].update(
             local=local_penalty.tolist(), rewards=rewards.tolist(), penalized=out.tolist(),
             logged=runtime.trainer._metrics[mode][metrics.KL_PENALTY][-1],

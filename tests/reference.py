@@ -214,13 +214,17 @@ NEXT_BETA = {
 }
 
 
+#: docs/kl-placement.md: each token's KL enters the reward placement's penalty clamped to [-10, 10] (verl's k3 clamp).
+REWARD_KL_BOUND64 = 10.0
+
+
 def reward_penalty64(method, logp, ref, mask, *, estimator, beta, clip_threshold, kl_target):
-    """Float64 kl_placement='reward' penalty per completion: ``beta * sum_t shaped`` (``mean_t`` under
+    """Float64 kl_placement='reward' penalty per completion: ``beta * sum_t clamp(shaped, -10, 10)`` (``mean_t`` under
     length_normalized) of the estimator on the sampled tokens, no importance ratio; and the raw per-token KL."""
     raw, shaped = raw_and_shaped_kl(
         method, logp, ref, logp, mask, estimator=estimator, clip_threshold=clip_threshold, kl_target=kl_target, bias_correction=False
     )
-    per_completion = shaped.sum(-1)
+    per_completion = shaped.double().clamp(-REWARD_KL_BOUND64, REWARD_KL_BOUND64).sum(-1)
     if "length_normalized" in method.split("+"):
         per_completion = per_completion / mask.sum(-1).clamp(min=1)
     return beta * per_completion, raw

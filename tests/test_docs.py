@@ -154,3 +154,63 @@ def test_every_relative_link_of_the_docs_resolves_with_its_anchor(page):
         if anchor and target.suffix == ".md":
             headings = re.findall(r"^#{1,6} (.+)$", target.read_text(), re.M)
             assert anchor[1:] in {_github_anchor(h) for h in headings}, f"{page} links {path}{anchor}: no such heading"
+
+
+def test_every_generated_table_is_committed_in_its_page_as_the_registries_make_it():
+    """Issue 52, finding 9: docs/fields.md (linked from the README) and methods.md showed no table on GitHub; the
+    tables existed only on the built site. Each page now holds its generated blocks' text between start and end
+    markers, and the text is what the registries (and versions.py, the README) make now."""
+    hooks = _hooks()
+    for page in hooks.site_pages():
+        text = page.read_text()
+        starts = hooks.MARKER.findall(text)
+        assert len(hooks.BLOCK.findall(text)) == len(starts), f"{page.name}: a <!-- generated: NAME --> line without its end line"
+        assert hooks.with_generated_blocks(text, page.name) == text, (
+            f"docs/{page.name}'s generated tables are not the registries': run `python scripts/docs_hooks.py docs`"
+        )
+    fields = (ROOT / "docs" / "fields.md").read_text()
+    assert "| `kl_adaptation_method` |" in fields and "| `kl_placement` |" in fields
+    methods = (ROOT / "docs" / "methods.md").read_text()
+    assert "| `schedule` |" in methods and "| `reward_conditioned` |" in methods
+
+
+def test_a_stale_committed_table_is_made_anew_on_the_site_and_by_the_command():
+    hooks = _hooks()
+    stale = "before\n<!-- generated: controller-table -->\n| old |\n<!-- end generated: controller-table -->\nafter"
+    assert hooks.render(stale) == f"before\n{hooks.controller_table()}\nafter"
+    assert hooks.with_generated_blocks(stale) == f"before\n<!-- generated: controller-table -->\n{hooks.controller_table()}\n<!-- end generated: controller-table -->\nafter"
+
+
+def test_no_relative_link_of_the_docs_is_dead_on_the_site():
+    """Issue 52, finding 9: 10 links of the built site pointed to raw data that exclude_docs leaves out, and
+    `mkdocs build --strict` did not see them. The hook fails the build on a link to no file, and shows a link to a
+    file the site leaves out as its repository path."""
+    hooks = _hooks()
+    rewritten = 0
+    for page in hooks.site_pages():
+        name = str(page.relative_to(ROOT / "docs"))
+        site = hooks.site_links(hooks.render(page.read_text(), name), name)
+        for directory in hooks.excluded_dirs():
+            assert not re.search(rf"\]\((\.\./)*{directory}", site), f"{name}: a link into {directory} is left on the site"
+        rewritten += site.count("` in the repository)")
+    assert rewritten >= 10  # the raw-data links the issue counted, now text
+    with pytest.raises(ValueError, match=r"a\.md: dead link 'nope\.md#x'"):
+        hooks.site_links("see [x](nope.md#x)", "a.md")
+    assert hooks.site_links("```\n[x](nope.md)\n```", "a.md") == "```\n[x](nope.md)\n```"  # code is not a link
+    assert hooks.site_links("[data](evidence-data/x.md)", "a.md") if (ROOT / "docs/evidence-data/x.md").exists() else True
+    assert hooks.site_links("[ok](fields.md#fields) [web](https://x.org/a)", "a.md") == "[ok](fields.md#fields) [web](https://x.org/a)"
+
+
+def test_every_built_in_controller_has_its_section_in_methods_and_its_line_in_resume():
+    """Issue 52, finding 9: `schedule` and `reward_conditioned` had one generated line each in methods.md, and
+    docs/resume.md listed only `dynamic` and `target`. Read from the registry: a new built-in needs both."""
+    from unsloth_adaptive_kl.controllers import CONTROLLERS, controller_names
+
+    methods = (ROOT / "docs" / "methods.md").read_text()
+    resume = (ROOT / "docs" / "resume.md").read_text()
+    for name in (n for n in controller_names() if CONTROLLERS[n].builtin):
+        section = methods.split(f"\n## `{name}`\n", 1)
+        assert len(section) == 2, f"docs/methods.md has no '## `{name}`' section"
+        body = section[1].split("\n## ", 1)[0]
+        assert len(body) > 400 and all(p.name in body for p in CONTROLLERS[name].parameters), name
+        assert f"`{name}`" in resume, f"docs/resume.md does not say how `{name}` resumes"

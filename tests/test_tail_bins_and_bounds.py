@@ -97,12 +97,12 @@ def test_a_p99_in_the_bin_around_zero_reads_as_zero(lowest):
     assert got.p99 == 0.0 and got.p99_bounds[0] <= 0.0 <= got.p99_bounds[1]
 
 
-def test_a_kl_of_exactly_zero_everywhere_gives_p99_plus_zero_and_no_share():
+def test_a_kl_of_exactly_zero_everywhere_gives_p99_plus_zero_and_the_share_of_equal_values():
     """The first step (policy == reference): every token's KL is 0. The p99 is logged as 0.0, not -0.0, and the top
-    share, a ratio over a sum of 0, is NaN rather than an error."""
+    share is that of the top k of n equal values, k / n (issue 52: it was NaN, so the metric was absent)."""
     got = statistics_of(torch.zeros(64))
     assert got.maximum == 0.0 and got.p99 == 0.0 and math.copysign(1.0, got.p99) == 1.0
-    assert math.isnan(got.top_share) and all(math.isnan(b) for b in got.top_share_bounds)
+    assert got.top_share == 1 / 64 and got.top_share_bounds == (1 / 64, 1 / 64)
 
 
 def test_the_reduced_slots_carry_every_processs_exact_max_and_min_when_one_process_has_no_token():

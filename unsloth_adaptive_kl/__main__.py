@@ -20,7 +20,8 @@ commands:
   grpo     TRL's `trl grpo` with the adaptive-KL fields in its flags and --config YAML
 
 options:
-  -h, --help   show this message and exit"""
+  -h, --help   show this message and exit
+  --version    show the package's version and exit"""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,8 +29,20 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] in (["-h"], ["--help"]):  # asked for: to stdout, exit status 0 (as argparse does)
         print(HELP)
         return 0
-    if not argv or argv[0] not in COMMANDS:
+    if argv[:1] == ["--version"]:
+        from . import __version__
+
+        print(f"unsloth-adaptive-kl {__version__}")
+        return 0
+    if not argv:
         print(USAGE, file=sys.stderr)
+        return 2
+    if argv[0] not in COMMANDS:
+        import difflib
+
+        close = difflib.get_close_matches(argv[0], COMMANDS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        print(f"{USAGE}\nunsloth-adaptive-kl: error: unknown command {argv[0]!r}{hint}; allowed: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
     if argv[0] == "grpo":
         from . import trl_grpo

@@ -14,7 +14,7 @@ import torch
 
 from . import metrics, tail
 from .config import checked_beta, controller_config, monitor_every
-from .controllers import BetaController, ControllerMismatchError, make_controller
+from .controllers import BetaController, ControllerMismatchError, check_controller_beta, make_controller
 from .estimators import nonfinite_estimator_error
 from .kl_term import KLTerm
 from .method import format_method
@@ -40,6 +40,7 @@ class AdaptiveKL:
         self.term = KLTerm.from_config(config)
         self.term.check_user_functions()
         self.controller: BetaController = make_controller(self.term.method.controller, controller_config(config, self.term.method))
+        check_controller_beta(self.controller, self.controller.beta, when="when it was created")
         self.reduce = reduce or _no_reduce
         self.process_index, self.num_processes = process_index, num_processes
         self.monitor = bool(getattr(config, "kl_monitor", False))  # kl_monitor: the KL is computed and logged at β = 0 too
@@ -216,7 +217,9 @@ class AdaptiveKL:
             kl = metrics.token_mean(sums[metrics.RAW_SUM].item(), sums[metrics.TOKENS].item())
         completions = 0 if sums is None else int(sums[metrics.COMPLETIONS].item())
         self.watch_runaway(global_step, kl)
-        return self.controller.update(global_step=global_step, kl=kl, num_completions=completions)
+        before = self.controller.beta
+        returned = self.controller.update(global_step=global_step, kl=kl, num_completions=completions)
+        return check_controller_beta(self.controller, returned, when=f"after update(global_step={global_step})", before=before)
 
     def watch_runaway(self, step: int, kl: float | None) -> None:
         """Feed the runaway alarm the step's KL (the loss's, the scoring-time KL under ``kl_placement="reward"``, or
@@ -258,6 +261,7 @@ class AdaptiveKL:
         else:
             self._restore(state)
         self.controller.resume_at(global_step)
+        check_controller_beta(self.controller, self.controller.beta, when=f"after resume_at({global_step})")
 
     def _restore(self, state: dict) -> None:
         """The checkpoint's controller state into this controller; another controller's: the resume error."""

@@ -217,7 +217,8 @@ def controller_config(config, method: Method) -> ControllerConfig:
     wanted = {p.name: p for p in controller_parameters(builtin=True)}
     wanted.update({p.name: p for p in method.controller_parameters})
     wanted.update({p.name: p for p in controller_parameters(builtin=False) if p.name in given})
-    return ControllerConfig(beta=config.beta, **parameter_values(config, tuple(wanted.values())))
+    values = parameter_values(config, tuple(wanted.values()))
+    return ControllerConfig(beta=config.beta, kl_monitor=getattr(config, "kl_monitor", False) is True, **values)
 
 
 def validate(config) -> Method:

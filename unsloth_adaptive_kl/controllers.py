@@ -76,8 +76,9 @@ class ControllerConfig:
     """β and the value of every registered controller parameter (``config.<name>``), each checked against its
     declaration; a parameter not given takes its declared default. Immutable."""
 
-    def __init__(self, beta, **values):
+    def __init__(self, beta, kl_monitor: bool = False, **values):
         object.__setattr__(self, "beta", float(checked_beta(beta)))
+        object.__setattr__(self, "kl_monitor", bool(kl_monitor))  # the KL is computed (and the reference run) at β = 0 too
         declared = {p.name: p for p in controller_parameters()}
         unknown = sorted(set(values) - set(declared))
         if unknown:
@@ -231,6 +232,12 @@ def register_controller(name: str, *, parameters: tuple[Parameter, ...] = (), su
     controller's are set in ``kl_shaping_kwargs``, a built-in's are ``GRPOConfig`` fields. ``summary``: one line
     for the docs' table (the docstring's first line when empty). Every process feeds the controller the same
     global statistics, so β is the same on every rank; its :meth:`~BetaController.state_dict` goes into the checkpoint.
+
+    A class that overrides :meth:`~BetaController.update` moves β: unless it sets ``adapts_beta`` itself, it gets
+    ``adapts_beta = True`` here, so that a resumed run goes on from the checkpoint's β (``adapts_beta = False``: the
+    configured ``beta`` at every resume, as stock TRL). After every ``update()`` the trainer checks ``self.beta`` as it
+    checks ``trainer.beta`` (a finite float >= 0) and that ``update()`` returned it; either fault is refused naming
+    the controller.
     """
 
     def decorator(cls):
@@ -238,11 +245,44 @@ def register_controller(name: str, *, parameters: tuple[Parameter, ...] = (), su
             raise ValueError(f"β controller {name!r}: {cls!r} is not valid; allowed: a subclass of unsloth_adaptive_kl.BetaController")
         claim_method_part(KIND, name, tuple(parameters))
         cls.name = name
+        if cls.update is not BetaController.update and not _declares_adapts_beta(cls):
+            cls.adapts_beta = True  # it moves β: a resumed run goes on from the checkpoint's β (see BetaController)
         summary_line = summary or (cls.__doc__ or "").strip().split("\n")[0]
         CONTROLLERS[name] = ControllerSpec(name, cls, tuple(parameters), summary_line, _builtin)
         return cls
 
     return decorator
+
+
+def _declares_adapts_beta(cls) -> bool:
+    """Whether ``cls`` (or a base of its own below :class:`BetaController`) sets ``adapts_beta`` itself."""
+    return any("adapts_beta" in vars(base) for base in cls.__mro__ if base is not BetaController and issubclass(base, BetaController))
+
+
+def check_controller_beta(controller: "BetaController", returned, *, when: str, before: float | None = None) -> float:
+    """The β a controller holds after ``when`` (its ``update()``, ``resume_at()``), checked as ``trainer.beta`` is: a
+    finite number >= 0 (a Python int or float: a tensor or a bool is refused), and ``returned`` (what ``update()``
+    returned; ``self.beta`` for a call that returns nothing) equal to it. ValueError naming the controller otherwise.
+    ``before``: β before the call; a β that leaves 0 is refused (β = 0 is final: the reference log-probs are no longer
+    computed). Returns β as a float, which is also stored back (an int β becomes a float, as a checkpoint reads it)."""
+    who = f"β controller {controller.name!r} ({type(controller).__qualname__}) {when}"
+    beta = controller.beta
+    try:
+        checked_beta(beta, "self.beta")
+    except ValueError as error:
+        raise ValueError(f"{who}: {error} (a Python float, as the trainer and its checkpoint read it)") from None
+    if returned is not beta and not (_finite(returned) and returned == beta):
+        raise ValueError(
+            f"{who}: it returned {returned!r} but left self.beta={beta!r}: the trainer trains with self.beta, so the returned "
+            "β would be lost; allowed: set self.beta to the new β and return self.beta"
+        )
+    if before == 0.0 and beta != 0:
+        raise ValueError(
+            f"{who}: it moved beta from 0 to {beta!r}; allowed: beta stays 0 once it is 0 (the trainer no longer computes "
+            "the reference log-probs a non-zero beta would multiply)"
+        )
+    controller.beta = float(beta)
+    return controller.beta
 
 
 def unregister_controller(name: str) -> None:
@@ -321,7 +361,8 @@ BETA_SCHEDULE_STEPS = Parameter(
     check=lambda value: value >= 0,
     allowed="an integer >= 0",
     help="'dynamic': from this optimizer step on (global_step >= beta_schedule_steps), beta = beta_min, whatever the "
-    "reward (logged once); set it above max_steps for no cut-off (>= 0).",
+    "reward (logged once); set it above max_steps for no cut-off (>= 0; 0: beta_min from the first step, warned). "
+    "'schedule': the optimizer step at which beta reaches beta_min (>= 1; 0 is refused: it would be a fixed beta_min).",
 )
 KL_HORIZON = Parameter(
     "kl_horizon",
@@ -378,7 +419,9 @@ class DynamicBeta(BetaController):
                 "%s), whatever the reward (trailing mean %s, reward_threshold %s)%s",
                 global_step, cfg.beta_schedule_steps, cfg.beta_min, self.beta,
                 "none yet" if reward is None else f"{reward:.4g}", cfg.reward_threshold,
-                ": the KL term and the reference model are off from now on" if cfg.beta_min == 0 else "",
+                "" if cfg.beta_min != 0 else ": the KL term is off from now on (kl_monitor=True: the KL is still computed "
+                "against the reference model and logged)" if cfg.kl_monitor else ": the KL term and the reference model are "
+                "off from now on",
             )
         self.beta = float(cfg.beta_min)
         return True
@@ -578,6 +621,17 @@ class ScheduledBeta(BetaController):
     """
 
     adapts_beta = True
+
+    @classmethod
+    def check_settings(cls, config: ControllerConfig) -> None:
+        if config.beta_schedule_steps == 0:
+            off = " (beta_min=0: no KL term at all, while a reference model is still built)" if config.beta_min == 0 else ""
+            raise ValueError(
+                f"beta_schedule_steps=0 is not valid with the 'schedule' β controller: beta would be beta_min="
+                f"{config.beta_min} from the first optimizer step, a fixed beta that no schedule moves{off}; allowed: an "
+                "integer >= 1 (the optimizer step at which beta reaches beta_min), or a fixed beta (a method without "
+                "'schedule') set to the β wanted"
+            )
 
     def __init__(self, config: ControllerConfig):
         super().__init__(config)

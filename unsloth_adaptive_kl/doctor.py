@@ -6,7 +6,8 @@ on it (:mod:`unsloth_adaptive_kl.gpu_support`); the versions of TRL, transformer
 unsloth_zoo and Liger against the ranges of
 :mod:`unsloth_adaptive_kl.versions`; and, per backend, whether every patch target exists and
 every source anchor matches. The rewrites are dry-run: compiled into a throwaway function, never
-installed.
+installed. The reward placement's anchors (``kl_placement="reward"``) are dry-run too: where they do not
+match, a WARN says that a trainer asking for that placement will be refused (the loss placement works).
 
 Exit status: 0 when every checked backend can work, 1 otherwise. ``--backend NAME`` (repeatable)
 checks only those backends and fails if one of them is unavailable; without it, TRL is checked
@@ -150,6 +151,24 @@ def anchor_set_findings(plan, owners: dict, *, namespace: dict | None = None) ->
     return findings
 
 
+def reward_placement_findings(plan, owners: dict, *, namespace: dict | None = None) -> list[Finding]:
+    """Dry-run the reward placement's plan (``kl_placement="reward"``, :mod:`.backends.reward_placement`) as
+    :func:`plan_findings` does. Where it cannot be built, the loss placement still works, so the finding is a WARN
+    (not a FAIL) saying that a trainer with ``kl_placement="reward"`` will be refused, and why."""
+    findings = []
+    for finding in plan_findings(plan, owners, namespace=namespace):
+        if finding.status == FAIL:
+            finding = Finding(
+                finding.topic, WARN,
+                f"kl_placement='reward' cannot work here: a trainer asking for it is refused ({finding.detail}); "
+                "kl_placement='loss' is unaffected",
+            )  # fmt: skip
+        elif finding.status == OK:
+            finding = Finding(finding.topic, OK, f"kl_placement='reward': {finding.detail}")
+        findings.append(finding)
+    return findings
+
+
 def targets_exist(owner, names: tuple[str, ...], topic: str) -> Finding:
     missing = [name for name in names if not hasattr(owner, name)]
     if missing:
@@ -161,7 +180,7 @@ def trl_backend_findings() -> list[Finding]:
     findings = [version_finding("trl"), version_finding("transformers")]
     if findings[0].status == INFO:
         return [Finding("trl", FAIL, f"not installed; pip install '{requirement('trl')}'")]
-    from .backends import _trainer
+    from .backends import _trainer, reward_placement
     from .backends import trl as trl_backend
 
     owners = trl_backend.owners()  # TRL's own classes, also where Unsloth rebound the names
@@ -169,6 +188,7 @@ def trl_backend_findings() -> list[Finding]:
     findings.append(targets_exist(owners["GRPOTrainer"], _trainer.WRAPPED_TRAINER_METHODS, "trl GRPOTrainer"))
     if findings[-1].status == OK:
         findings.extend(plan_findings(trl_backend.PLAN, owners))
+        findings.extend(reward_placement_findings(reward_placement.TRL_PLAN, owners))
     findings.append(triton_finding())
     findings.append(
         Finding("trl used when", INFO, "trl.GRPOTrainer is TRL's own class (Unsloth not active: see Backend unsloth) and no loss_class= is given")
@@ -247,7 +267,11 @@ def unsloth_backend_findings(requested: bool = False) -> list[Finding]:
     efficient = getattr(module, "UnslothEfficientGRPO", None)
     if trainer_cls is None or efficient is None or not hasattr(module, "grpo_compute_loss"):
         return findings + [Finding("unsloth GRPO trainer", FAIL, "the generated module lacks UnslothGRPOTrainer, UnslothEfficientGRPO or grpo_compute_loss")]
-    return findings + plan_findings(unsloth_backend.PLAN, unsloth_backend.owners(module), namespace=dict(module.__dict__))
+    findings += plan_findings(unsloth_backend.PLAN, unsloth_backend.owners(module), namespace=dict(module.__dict__))
+    from .backends import reward_placement
+
+    generated = getattr(module, "_UnslothGRPOTrainer", trainer_cls.__mro__[1])  # the class whose copy of TRL's function it rewrites
+    return findings + reward_placement_findings(reward_placement.UNSLOTH_PLAN, {"_UnslothGRPOTrainer": generated})
 
 
 def liger_backend_findings() -> list[Finding]:

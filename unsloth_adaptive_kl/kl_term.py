@@ -22,6 +22,12 @@ from .method import Method
 from .shaping import check_user_steps, length_normalized_term, sequence_mean, shape_per_token, user_steps
 
 
+#: Under ``kl_placement="reward"`` each token's KL (after the shaping) enters its completion's penalty clamped to
+#: [-10, 10]: verl's clamp of k3's value (``kl_penalty``, ``low_var_kl``), here for every estimator, since in the reward
+#: one token's KL lands in the advantages of its whole group (docs/kl-placement.md, "How large a penalty can be").
+REWARD_KL_BOUND = 10.0
+
+
 @dataclass(frozen=True)
 class KLTerm:
     method: Method
@@ -90,6 +96,25 @@ class KLTerm:
             return None
         return nonfinite_on_finite_inputs(kl, logp, ref_logp)
 
+    def check_vocabulary(self, vocab_size: int | None) -> None:
+        """Refuse ``kl_exclude_token_ids`` that do not fit a vocabulary of ``vocab_size`` tokens (None: unknown, not
+        checked): an id outside it excludes nothing (a typo, another tokenizer's id), and a list that excludes every
+        token leaves no KL term at all. ValueError naming the field, the ids and what is allowed."""
+        if vocab_size is None or not self.exclude_token_ids:
+            return
+        outside = [i for i in self.exclude_token_ids if i >= vocab_size]
+        if outside:
+            raise ValueError(
+                f"kl_exclude_token_ids={list(self.exclude_token_ids)} is not valid: {outside} are outside the model's "
+                f"vocabulary of {vocab_size} tokens, so they would exclude nothing; allowed: ids from 0 to {vocab_size - 1} "
+                "(check each id against the tokenizer: convert_tokens_to_ids of a token it lacks gives <unk>'s id or None)"
+            )
+        if len(self.exclude_token_ids) >= vocab_size:
+            raise ValueError(
+                f"kl_exclude_token_ids lists all {vocab_size} tokens of the model's vocabulary: no token would have a KL "
+                "term; allowed: a list of some tokens (EOS, chat-template tokens), or beta=0 for no KL term"
+            )
+
     def excluded(self, token_ids: torch.Tensor) -> torch.Tensor | None:
         """Where ``token_ids`` is one of :attr:`exclude_token_ids` (bool, same shape); None when none is excluded.
         One comparison per excluded id: no tensor is made from the list, so no copy to the device and no
@@ -154,9 +179,37 @@ class KLTerm:
 
     def reward_penalty(self, adapted: torch.Tensor, mask: torch.Tensor, *, beta: float) -> torch.Tensor:
         """The amount ``kl_placement="reward"`` subtracts from each completion's reward, ``(B,)`` float64,
-        detached: ``beta * sum_t adapted_t`` over its valid tokens, or under ``length_normalized``
-        ``beta * mean_t adapted_t`` (0 for a completion with no valid token)."""
+        detached: ``beta * sum_t c(adapted_t)`` over its valid tokens, or under ``length_normalized``
+        ``beta * mean_t c(adapted_t)`` (0 for a completion with no valid token), with ``c`` the clamp to
+        ±:data:`REWARD_KL_BOUND` of a finite value (NaN and inf stay: the caller counts such a penalty)."""
         with torch.no_grad():
-            adapted = torch.where(mask.bool(), adapted.double(), 0.0)
+            adapted = adapted.double()
+            adapted = torch.where(torch.isfinite(adapted), adapted.clamp(-REWARD_KL_BOUND, REWARD_KL_BOUND), adapted)
+            adapted = torch.where(mask.bool(), adapted, 0.0)
             per_completion = sequence_mean(adapted, mask) if self.length_normalized else adapted.sum(-1)
             return beta * per_completion
+
+
+def kl_dominated_groups(rewards: torch.Tensor, penalty: torch.Tensor, num_generations: int) -> tuple[int, tuple[float, float]]:
+    """How many groups of ``num_generations`` completions have a spread (max - min) of finite penalties larger than the
+    spread of their task rewards (``rewards``, NaN: unscored, left out of both), among groups whose rewards differ (a
+    group of equal rewards has no task signal to lose); and, for the group with the largest ratio, its two spreads."""
+    scored = ~torch.isnan(rewards) & torch.isfinite(penalty)
+    r = torch.where(scored, rewards.double(), torch.nan).reshape(-1, num_generations)
+    p = torch.where(scored, penalty.double(), torch.nan).reshape(-1, num_generations)
+    reward_spread = _nan_spread(r)
+    penalty_spread = _nan_spread(p)
+    dominated = (reward_spread > 0) & (penalty_spread > reward_spread)
+    if not dominated.any():
+        return 0, (0.0, 0.0)
+    ratio = torch.where(dominated, penalty_spread / reward_spread, -1.0)
+    worst = int(ratio.argmax())
+    return int(dominated.sum()), (penalty_spread[worst].item(), reward_spread[worst].item())
+
+
+def _nan_spread(x: torch.Tensor) -> torch.Tensor:
+    """max - min over the last dimension, NaN left out (0 for a row with fewer than two values)."""
+    kept = ~torch.isnan(x)
+    high = torch.where(kept, x, -torch.inf).amax(-1)
+    low = torch.where(kept, x, torch.inf).amin(-1)
+    return torch.where(kept.sum(-1) >= 2, high - low, 0.0)

@@ -38,11 +38,15 @@ WINDOW_TAIL_METRICS = (TOKEN_KL_MAX, TOKEN_KL_P99, TOKEN_KL_TOP1PCT_SHARE)
 #: Under ``kl_placement="reward"``: the mean over the generation batch's completions (all processes) of
 #: β · (each completion's KL) subtracted from its reward; logged once per generation batch.
 KL_PENALTY = "adaptive_kl/kl_penalty"
+#: Under ``kl_placement="reward"``, summed over the logging window: completions whose penalty was NaN or inf (each
+#: treated as unscored), and groups whose penalties spread wider than their task rewards (the KL orders them).
+NONFINITE_PENALTIES = "adaptive_kl/nonfinite_penalties"
+KL_DOMINATED_GROUPS = "adaptive_kl/kl_dominated_groups"
 #: Logged as their latest value in the logging window, not averaged over it: the β of the window's
 #: last step (an average of several steps' β is a β no step used), a running count and the alarm's state.
 LATEST_VALUE_METRICS = (CURRENT_BETA, SKIPPED_UPDATES, RUNAWAY_ALARM)
 #: Summed over the logging window (a count per window), not averaged.
-WINDOW_SUM_METRICS = (NONFINITE_KL_BATCHES,)
+WINDOW_SUM_METRICS = (NONFINITE_KL_BATCHES, NONFINITE_PENALTIES, KL_DOMINATED_GROUPS)
 
 # Layout of the sums tensor.
 RAW_SUM, ADAPTED_SUM, TOKENS, ADAPTED_SEQ_MEAN_SUM, COMPLETIONS, SHAPING_FAULTS, ESTIMATOR_FAULTS = range(7)

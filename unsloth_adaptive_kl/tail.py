@@ -15,8 +15,9 @@ the statistics off them with bounds from the bin edges:
 * ``token_kl_top1pct_share`` is ``sum of the k = max(1, ceil(n / 100)) largest values / sum of all``,
   within ``SHARE_RELATIVE_ERROR * |part of the top k in the boundary bin| / total + k * ABSOLUTE_ERROR / total``
   (at most ``SHARE_RELATIVE_ERROR * share + ...`` when the KL is non-negative, as k2, k3 and abs are);
-  NaN when the sum is not positive (a signed estimator such as k1 can make it so), and above 1 when
-  negative values are part of the sum.
+  ``k / n`` when every token's KL is 0 (the share of k of n equal values: the policy still is the reference, as
+  at the first step), NaN when the sum is otherwise not positive (a signed estimator such as k1 can make it so),
+  and above 1 when negative values are part of the sum.
 
 The bins are log-spaced by ``2 ** (1 / 8)`` on each side of 0 between ``SMALLEST`` and ``LARGEST``,
 with one bin ``[-SMALLEST, SMALLEST)`` around 0 and one beyond each end. NaN tokens are left out of
@@ -165,6 +166,9 @@ def statistics(totals: TailTotals) -> TailStatistics | None:
     if total > 0 and math.isfinite(total):
         share_bounds = ((above + part_low) / total, (above + part_high) / total)
         share = (share_bounds[0] + share_bounds[1]) / 2
+    elif totals.maximum == 0 and totals.minimum == 0:  # every token's KL is 0: equal values, so the top k carry k / n
+        share_bounds = (k / tokens, k / tokens)
+        share = k / tokens
     else:
         share_bounds, share = (math.nan, math.nan), math.nan
     return TailStatistics(tokens, totals.maximum, _middle(p99_low, p99_high), (p99_low, p99_high), share, share_bounds)

@@ -94,7 +94,7 @@ def penalty64(method, estimator, logp, ref, mask, *, beta, clip_threshold, kl_ta
         return reference.reward_penalty64(method, logp, ref, mask, estimator=base, beta=beta, clip_threshold=clip_threshold, kl_target=kl_target)
     raw = torch.where(mask.bool(), user_kl64(logp.double(), ref.double()), 0.0)
     shaped = torch.where(mask.bool(), reference.shaped64(raw, method, clip_threshold, kl_target), 0.0)
-    per_completion = shaped.sum(-1)
+    per_completion = shaped.clamp(-reference.REWARD_KL_BOUND64, reference.REWARD_KL_BOUND64).sum(-1)
     if "length_normalized" in method.split("+"):
         per_completion = per_completion / mask.sum(-1).clamp(min=1)
     return beta * per_completion, raw

@@ -120,7 +120,7 @@ def test_the_unsloth_rewrite_hands_over_the_left_padding_only_where_unsloth_meas
     exec(compile(_unsloth_scoring_call(), "<rewrite>", "exec"), {}, names)  # noqa: S102 -- the package's own replacement text
     ((args, kwargs),) = names["self"]._adaptive_kl.calls
     assert args[:2] == ("ref", "old") and args[4] == "train"
-    assert kwargs == {"left_pad": ("pads", 2, "ids", 7) if text_only else None}
+    assert kwargs == {"left_pad": ("pads", 2, "ids", 7) if text_only else None, "completion_ids": "ids"}
 
 
 def _installed_with(wrap, monkeypatch):
@@ -242,3 +242,33 @@ def test_the_scoring_sums_carry_the_raw_and_the_shaped_kl_each_in_its_slot(tiny_
     sums = trainer._adaptive_kl._step_sums.double()
     assert sums[metrics.RAW_SUM].item() == pytest.approx(raw.sum().item(), rel=1e-5)
     assert sums[metrics.ADAPTED_SUM].item() == pytest.approx(shaped.sum().item(), rel=1e-5)
+
+
+def test_the_trl_rewrite_leaves_the_excluded_tokens_out_of_the_penalty_and_the_controllers_sums(tiny_checkpoint, tmp_path, monkeypatch):
+    """Issue 52, finding 1: with kl_exclude_token_ids=[eos] the subtracted penalties were β·Σ k3 with EOS included and
+    the target controller's sums counted every valid token. On TRL's trainer the penalty is β·Σ k3 over the tokens
+    that are not EOS, the advantages follow from it, and the sums count the kept tokens."""
+    trainer = make_trainer(tiny_checkpoint, tmp_path, kl_adaptation_method="target", kl_estimator="k3", kl_horizon=1000.0,
+                           kl_target=0.02)  # fmt: skip
+    eos = trainer.processing_class.eos_token_id
+    trainer.args.kl_exclude_token_ids = [eos]
+    trainer._adaptive_kl.term = KLTerm.from_config(trainer.args)
+    move_policy_away_from_reference(trainer)
+    trainer.model.train()
+    seen = {}
+    spy(monkeypatch, trainer, "_calculate_rewards", seen)
+    spy(monkeypatch, KLTerm, "per_token", seen)
+    torch.manual_seed(0)
+    out = trainer._generate_and_score_completions(generation_batch(trainer))
+    ((_, _, rewards_per_func),) = seen["_calculate_rewards"]
+    ((args, _, _),) = seen["per_token"]
+    kept = out["completion_mask"].bool() & (out["completion_ids"] != eos)
+    assert (out["completion_mask"].bool() & (out["completion_ids"] == eos)).sum() >= 2  # EOS was sampled: the case tells
+    assert torch.equal(args[3].bool(), kept)
+    penalty, raw = reference.reward_penalty64("none", args[1], args[2], kept.double(), estimator="k3", beta=BETA,
+                                              clip_threshold=0.05, kl_target=0.02)  # fmt: skip
+    expected = reference.group_advantages64(rewards_per_func.double().sum(1) - penalty, trainer.num_generations)
+    assert torch.allclose(out["advantages"].double(), expected, rtol=1e-4, atol=1e-4)
+    sums = trainer._adaptive_kl._step_sums
+    assert sums[metrics.TOKENS].item() == kept.sum().item()
+    assert sums[metrics.RAW_SUM].item() == pytest.approx(raw.sum().item(), rel=1e-6)

@@ -455,6 +455,7 @@ def attach(trainer, runtime_cls, loss_class=None) -> TrainerAdaptiveKL:
         return existing
     check_loss_type(getattr(trainer, "loss_type", trainer.args.loss_type))  # the config's may have changed since it was checked
     runtime = runtime_cls(trainer)
+    runtime.term.check_vocabulary(vocabulary_size(trainer))
     args = trainer.args
     runtime.check_step_size(args.per_device_train_batch_size * args.gradient_accumulation_steps * trainer.accelerator.num_processes)
     trainer._adaptive_kl = runtime  # from now on trainer.beta is runtime.beta (trainer_beta)
@@ -476,6 +477,17 @@ def attach(trainer, runtime_cls, loss_class=None) -> TrainerAdaptiveKL:
     runtime.check_placement()  # kl_placement='reward': refused here where this trainer cannot apply it
     runtime.after_attach(loss_class)
     return runtime
+
+
+def vocabulary_size(trainer) -> int | None:
+    """How many token ids the trainer's model can sample: its LM head's rows (its config's ``vocab_size`` where the head
+    cannot be read); None when neither is known."""
+    model = getattr(trainer, "model", None)
+    try:
+        return int(model.get_output_embeddings().weight.shape[0])
+    except (AttributeError, TypeError):
+        size = getattr(getattr(model, "config", None), "vocab_size", None)
+        return size if isinstance(size, int) else None
 
 
 def backend_description(trainer) -> str:

@@ -30,13 +30,16 @@ loss placement is unaffected. docs/kl-placement.md is the user's page.
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 
 from .. import metrics
+from ..kl_term import REWARD_KL_BOUND, kl_dominated_groups
 from .._source_patch import AnchorSet, PatchError, Plan, Rewrite, set_attribute, version_of
 
 TARGET_NAME = "_generate_and_score_completions"
+logger = logging.getLogger("unsloth_adaptive_kl")
 
 
 #: The lines of ``_generate_and_score_completions`` that call zero-argument ``super()`` (its VLM and tool-image
@@ -89,7 +92,8 @@ def _rewrites(target: str, library: str) -> tuple[Rewrite, ...]:
                     num_images=num_images, num_tiles=num_tiles, **forward_kwargs,
                 )[0],
                 mode,
-""" + _LEFT_PAD[library] + """            )
+""" + _LEFT_PAD[library] + """                completion_ids=completion_ids,
+            )
 """,
             "each completion's KL penalty, from the policy's and the reference's log-probs at scoring time",
         ),
@@ -99,7 +103,7 @@ def _rewrites(target: str, library: str) -> tuple[Rewrite, ...]:
             "            rewards[unscorable_mask] = torch.nan\n"
             "            mean_grouped_rewards = torch.nanmean(rewards.view(-1, num_generations), dim=1)\n",
             "            rewards[unscorable_mask] = torch.nan\n"
-            "            rewards = self._adaptive_kl.penalized_rewards(rewards, adaptive_kl_penalty, mode)\n"
+            "            rewards = self._adaptive_kl.penalized_rewards(rewards, adaptive_kl_penalty, mode, num_generations)\n"
             "            mean_grouped_rewards = torch.nanmean(rewards.view(-1, num_generations), dim=1)\n",
             "the penalty is subtracted before the group mean and std make the advantages",
         ),
@@ -227,14 +231,16 @@ class RewardPlacement:
         num_iterations = getattr(trainer, "num_iterations", 1)
         self.check_step_size(completions_per_update(trainer.args, trainer.accelerator.num_processes, num_iterations))
 
-    def scoring_penalty(self, ref_logps, old_logps, mask, policy_logps, mode: str, left_pad=None) -> torch.Tensor | None:
+    def scoring_penalty(self, ref_logps, old_logps, mask, policy_logps, mode: str, left_pad=None, *, completion_ids=None) -> torch.Tensor | None:
         """Each local completion's penalty, ``(B,)`` float64 (None while β is 0: no reference log-probs).
 
         ``old_logps``: TRL's ``old_per_token_logps`` (the policy at scoring time) or None, then
         ``policy_logps()`` computes them. In training the generation batch's KL sums go to the β
         controller (but not those of a batch TRL regenerated on resume: the uninterrupted run saw
         the original's before the checkpoint). ``left_pad``: Unsloth's ``(left pads per row, their
-        maximum)`` when its log-probs are on its left-packed layout (see ``completion_columns``)."""
+        maximum)`` when its log-probs are on its left-packed layout (see ``completion_columns``). ``completion_ids``:
+        the sampled tokens, ``(B, L)`` as ``mask``; the tokens of ``kl_exclude_token_ids`` get no penalty and are not
+        counted in the controller's sums (:meth:`KLTerm.kl_mask`, as in the loss)."""
         beta = float(self.trainer.beta)
         if ref_logps is None or beta == 0.0:
             return None
@@ -249,21 +255,52 @@ class RewardPlacement:
                 f"have shape {tuple(logps.shape)} and the reference's {tuple(ref_logps.shape)}, the completion mask "
                 f"{tuple(mask.shape)}; kl_placement='reward' cannot match them"
             )
+        if self.term.exclude_token_ids:
+            if completion_ids is None or tuple(completion_ids.shape) != tuple(mask.shape):
+                raise PatchError(
+                    f"{self.libraries()}: kl_exclude_token_ids needs the sampled token ids at scoring time; got "
+                    f"{None if completion_ids is None else tuple(completion_ids.shape)} for a completion mask of shape "
+                    f"{tuple(mask.shape)}; kl_placement='reward' cannot leave the excluded tokens out"
+                )
+            mask = self.term.kl_mask(mask, completion_ids.to(mask.device))
         with torch.no_grad():
             raw, adapted = self.term.per_token(logps, ref_logps, mask, None, self.term.batch_statistic(ref_logps, mask))
             if mode == "train" and not getattr(self.trainer, "_adaptive_kl_regenerated_batch", False):
                 faults = bool(self.term.user_shaping_steps)  # a user method's NaN on a finite KL: refused by name, as in the loss
                 self.observe_scoring_sums(metrics.local_kl_sums(raw, adapted, mask, count_shaping_faults=faults))
+            self.warn_clamped_tokens(adapted, mask)
             return self.term.reward_penalty(adapted, mask, beta=beta)
+
+    def warn_clamped_tokens(self, adapted: torch.Tensor, mask: torch.Tensor) -> None:
+        """Say once that :data:`~unsloth_adaptive_kl.kl_term.REWARD_KL_BOUND` clamped a token's KL in a penalty."""
+        if getattr(self, "_warned_clamp", False):
+            return
+        finite = torch.isfinite(adapted) & mask.bool()
+        over = finite & (adapted.abs() > REWARD_KL_BOUND)
+        if over.any():
+            self._warned_clamp = True
+            logger.warning(
+                "unsloth_adaptive_kl: kl_placement='reward': %d token(s) of this generation batch had a KL beyond "
+                "+-%s (largest %.4g); each is clamped to +-%s in its completion's penalty, so that one token cannot "
+                "outweigh the task's reward (docs/kl-placement.md, 'How large a penalty can be'; this warning is shown once)",
+                int(over.sum()), REWARD_KL_BOUND, adapted[over].abs().max().item(), REWARD_KL_BOUND,
+            )
 
     def libraries(self) -> str:
         """The versions a shape mismatch at scoring time is to be read against."""
         unsloth = "unsloth" in type(self.trainer).__module__.lower() or "unsloth" in type(self.trainer).__name__.lower()
         return f"trl {version_of('trl')}" + (f", unsloth_zoo {version_of('unsloth_zoo')}" if unsloth else "")
 
-    def penalized_rewards(self, rewards: torch.Tensor, local_penalty: torch.Tensor | None, mode: str) -> torch.Tensor:
+    def penalized_rewards(self, rewards: torch.Tensor, local_penalty: torch.Tensor | None, mode: str,
+                          num_generations: int | None = None) -> torch.Tensor:
         """``rewards`` (all processes' completions, gathered) less every completion's penalty; logs
-        ``adaptive_kl/kl_penalty``, the mean penalty over the completions that have a reward."""
+        ``adaptive_kl/kl_penalty``, the mean penalty over the completions that have a reward and a finite penalty.
+
+        A NaN or inf penalty (a NaN or inf log-prob) makes its completion unscored (NaN reward: TRL gives it
+        advantage 0, as a completion no reward function scored), counted in ``adaptive_kl/nonfinite_penalties`` and
+        warned about once. With ``num_generations`` (the group size), a group whose penalties spread wider than its
+        task rewards (:func:`kl_dominated_groups`) is counted in ``adaptive_kl/kl_dominated_groups`` and warned about
+        once: there the KL, not the task, orders the completions' advantages."""
         self.rewards_penalized = True
         if local_penalty is None:
             return rewards
@@ -273,10 +310,46 @@ class RewardPlacement:
                 f"trl {version_of('trl')}: the gathered KL penalties have shape {tuple(penalty.shape)} but the rewards "
                 f"{tuple(rewards.shape)}; kl_placement='reward' cannot match them"
             )
-        subtracted = penalty[~torch.isnan(rewards)]  # an unscorable completion (NaN reward) gets advantage 0 anyway
+        scored = ~torch.isnan(rewards)  # an unscorable completion (NaN reward) gets advantage 0 anyway
+        nonfinite = scored & ~torch.isfinite(penalty)
+        subtracted = penalty[scored & ~nonfinite]
+        values = {metrics.NONFINITE_PENALTIES: float(nonfinite.sum().item())}
         if subtracted.numel():
-            self.log_metrics({metrics.KL_PENALTY: subtracted.mean().item()}, mode)
-        return (rewards.double() - penalty).to(rewards.dtype)
+            values[metrics.KL_PENALTY] = subtracted.mean().item()
+        if values[metrics.NONFINITE_PENALTIES]:
+            self.warn_nonfinite_penalties(int(values[metrics.NONFINITE_PENALTIES]), rewards.numel())
+        if num_generations:
+            dominated, worst = kl_dominated_groups(rewards, penalty, num_generations)
+            values[metrics.KL_DOMINATED_GROUPS] = float(dominated)
+            if dominated:
+                self.warn_kl_dominated(dominated, rewards.numel() // num_generations, worst)
+        self.log_metrics(values, mode)
+        penalized = rewards.double() - penalty
+        return torch.where(nonfinite, torch.nan, penalized).to(rewards.dtype)
+
+    def warn_nonfinite_penalties(self, count: int, total: int) -> None:
+        if getattr(self, "_warned_nonfinite_penalty", False):
+            return
+        self._warned_nonfinite_penalty = True
+        logger.warning(
+            "unsloth_adaptive_kl: kl_placement='reward': %d of %d completions had a NaN or inf KL penalty (a NaN or inf "
+            "log-prob of the policy or the reference): each is treated as unscored (NaN reward, advantage 0), left out "
+            "of %s and counted in %s (this warning is shown once)",
+            count, total, metrics.KL_PENALTY, metrics.NONFINITE_PENALTIES,
+        )
+
+    def warn_kl_dominated(self, groups: int, total: int, worst: tuple[float, float]) -> None:
+        if getattr(self, "_warned_kl_dominated", False):
+            return
+        self._warned_kl_dominated = True
+        penalty_spread, reward_spread = worst
+        logger.warning(
+            "unsloth_adaptive_kl: kl_placement='reward': in %d of %d groups the KL penalties spread wider than the task "
+            "rewards (in one: penalties over %.4g, rewards over %.4g), so there the KL, not the task, orders the "
+            "completions' advantages. Consider a smaller beta, length_normalized, or a clip of the per-token KL; such "
+            "groups are counted in %s (docs/kl-placement.md, 'How large a penalty can be'; this warning is shown once)",
+            groups, total, penalty_spread, reward_spread, metrics.KL_DOMINATED_GROUPS,
+        )
 
 
 __all__ = ["TRL_PLAN", "UNSLOTH_PLAN", "RewardPlacement", "completion_columns", "completions_per_update", "install", "unavailable_reason"]
