@@ -55,10 +55,11 @@ def main() -> None:
 
     output_dir = args.output_dir or tempfile.mkdtemp(prefix="adaptive-kl-quickstart-")
     if args.model == "smollm2":
-        # A 135 M-parameter model with a 49,152-token vocabulary: on a CPU a step takes minutes, so the
-        # batch is small (2 prompts x 4 completions of at most 64 tokens). Four completions a prompt: a group
-        # whose rewards all agree has no advantage, and then step 1 moves nothing and step 2's KL is 0.
-        model, batch, completions, max_length = smollm2.smollm2_dir(), 8, 4, 64
+        # A 135 M-parameter model with a 49,152-token vocabulary: on a CPU nearly all of a step is TRL's Triton
+        # log-prob kernel run interpreted, in proportion to the completion tokens, so the batch is small: one
+        # prompt, 4 completions of at most 32 tokens. (A group whose rewards all agree has no advantage: then a
+        # step moves nothing, and the next step's KL is 0.)
+        model, batch, completions, max_length = smollm2.smollm2_dir(), 4, 4, 32
         reward_funcs, dataset = [smollm2.correct_answer_reward], smollm2.addition_dataset(256)
         learning_rate = 5e-5
     else:
