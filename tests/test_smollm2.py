@@ -122,3 +122,19 @@ def test_one_grpo_step_of_smollm2_with_an_adaptive_method(model_dir, tmp_path):
     assert log[unsloth_adaptive_kl.RAW_KL] == 0.0 and math.isfinite(log["loss"])
     assert log[unsloth_adaptive_kl.CURRENT_BETA] == 0.04
     assert trainer.beta < 0.04
+
+
+@pytest.mark.real_model
+def test_the_smollm2_exclusion_example_of_the_docs_names_the_template_tokens(model_dir, monkeypatch):
+    """docs/metrics-tail.md's SmolLM2 example, run as written (GRPOConfig stands in as a function returning its
+    keywords; smollm2_dir returns this module's converted directory)."""
+    import re
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "metrics-tail.md").read_text()
+    code = re.search(r"\*\*On a real chat model: SmolLM2-135M-Instruct\*\*.*?```python\n(.*?)```", page, re.S).group(1)
+    monkeypatch.setattr(smollm2, "smollm2_dir", lambda *a: model_dir)
+    namespace = {"GRPOConfig": lambda *args, **kwargs: kwargs}
+    exec(compile(code, "docs/metrics-tail.md (SmolLM2)", "exec"), namespace)  # noqa: S102 -- the docs' own example
+    assert namespace["config"]["kl_exclude_token_ids"] == [0, 1, 2]
+    assert namespace["tokenizer"].convert_ids_to_tokens([0, 1, 2]) == ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
