@@ -160,11 +160,11 @@ def expected_betas(method, logs, *, beta=0.04, completions=4):
     is the step's mean KL and the logged reward its reward)."""
     controller = next((p for p in method.split("+") if p in CONTROLLERS), "fixed")
     settings = controller_config(beta, **TRAINING_SETTINGS)
-    betas, rewards = [beta], []
+    betas, rewards, next_beta = [beta], [], stepper(controller)
     for step, h in enumerate(logs[:-1], start=1):
         rewards.append(h.get("reward"))
         trailing = sum(rewards) / len(rewards) if None not in rewards else None
-        betas.append(NEXT_BETA[controller](betas[-1], settings, h["adaptive_kl/raw_kl"], trailing, completions, step=step, latest=rewards[-1]))
+        betas.append(next_beta(betas[-1], settings, h["adaptive_kl/raw_kl"], trailing, completions, step=step, latest=rewards[-1]))
     return betas
 
 
@@ -205,13 +205,74 @@ def _reward_conditioned_step(beta, c, kl, reward, n, *, step=None, latest):
     return c.beta_min + (c.beta - c.beta_min) * logistic
 
 
+class HeldTargetReference:
+    """``target`` (issue 49) in float64, written from its definition (docs/methods.md, the module docstring of
+    unsloth_adaptive_kl/target_controller.py), with :data:`NEXT_BETA`'s call signature. It keeps state (the smoothed
+    KL, the episode, the cap), so one instance follows one run: get a fresh one from :func:`stepper`.
+
+    m = KL (first update) or m + 0.2 (KL - m); e = clip(ln(m / kl_target), ±1) (-1 when m = 0);
+    s = clip(gain * e, ln max_fall, ln max_rise), and s >= 0 in the first warmup_steps updates; outside the band
+    |e| <= ln 1.25 an episode (its direction sign(e), anchor β and anchor m) tracks whether the KL responds: moved
+    ln 1.25 toward the target from the anchor -> a new anchor; else, once the anchor-to-β move plus s reaches ln 2 in
+    the episode's direction, s may not go that way (frozen), and after `patience` frozen updates with the KL above
+    the target the cap becomes the β at which m (above the target) was least, β is cut to it, reachable = False.
+    ln β <- ln β + s, clipped to [max(beta_min, beta / range), min(beta * range, cap)]."""
+
+    def __init__(self):
+        self.m = None
+        self.updates = 0
+        self.episode = None  # (direction, anchor beta, anchor m, frozen)
+        self.cap = math.inf
+        self.least = (math.inf, None)
+        self.reachable = True
+
+    def __call__(self, beta, c, kl, reward, n, *, step=None, latest=None):
+        if kl is None or beta == 0.0:
+            return beta
+        kl = max(kl, 0.0)
+        self.updates += 1
+        self.m = kl if self.m is None else (1 - 0.2) * self.m + 0.2 * kl
+        e = -1.0 if self.m == 0 else min(1.0, max(-1.0, math.log(self.m / c.kl_target)))
+        s = min(math.log(c.target_max_rise), max(math.log(c.target_max_fall), c.target_gain * e))
+        if self.updates <= c.target_warmup_steps:
+            s = max(0.0, s)
+        if abs(e) > math.log(1.25):
+            d = 1 if e > 0 else -1
+            if d == 1 and self.m < self.least[0]:
+                self.least = (self.m, beta)
+            if self.episode is None or self.episode[0] != d:
+                self.episode = (d, beta, self.m, 0)
+            elif self.m > 0 and (self.episode[2] == 0 or d * math.log(self.episode[2] / self.m) >= math.log(1.25)):
+                self.episode = (d, beta, self.m, 0)
+            elif d * (math.log(beta / self.episode[1]) + s) >= math.log(2.0):
+                self.episode = self.episode[:3] + (self.episode[3] + 1,)
+                s = min(s, 0.0) if d == 1 else max(s, 0.0)
+                if d == 1 and self.reachable and self.episode[3] >= c.target_patience:
+                    self.reachable = False
+                    lower = max(c.beta_min, c.beta / c.target_beta_range)
+                    self.cap = max(self.least[1], lower)
+                    beta = min(beta, self.cap)
+        else:
+            self.episode = None
+        lower, upper = max(c.beta_min, c.beta / c.target_beta_range), min(c.beta * c.target_beta_range, self.cap)
+        return min(upper, max(lower, beta * math.exp(s)))
+
+
 NEXT_BETA = {
     "fixed": lambda beta, c, kl, reward, n, *, step=None, latest=None: beta,
     "dynamic": _dynamic_step,
-    "target": _target_step,
+    "ziegler": _target_step,
     "schedule": _schedule_step,
     "reward_conditioned": _reward_conditioned_step,
 }
+#: Controllers whose float64 reference keeps state: a fresh reference per run (:func:`stepper`).
+STATEFUL = {"target": HeldTargetReference}
+
+
+def stepper(name):
+    """The float64 β step of controller ``name`` for one run (a fresh state for a stateful one), called as
+    :data:`NEXT_BETA`'s entries are."""
+    return STATEFUL[name]() if name in STATEFUL else NEXT_BETA[name]
 
 
 def reward_penalty64(method, logp, ref, mask, *, estimator, beta, clip_threshold, kl_target):

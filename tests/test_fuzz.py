@@ -32,7 +32,7 @@ def batches(draw):
 @st.composite
 def configs(draw):
     shaping = draw(st.lists(st.sampled_from(list(BUILTIN_SHAPING)), unique=True))
-    controller = draw(st.sampled_from([[], ["dynamic"], ["target"]]))
+    controller = draw(st.sampled_from([[], ["dynamic"], ["ziegler"]]))
     parts = draw(st.permutations(shaping + controller))  # any written order means the same method
     return dict(
         method="+".join(parts) or "none",
@@ -47,7 +47,7 @@ def configs(draw):
 @given(configs(), batches(), st.booleans())
 def test_per_token_and_length_normalised_term_match_float64(config, batch, with_coef):
     logp, ref, mask = batch
-    state = adaptive(config["method"], config["estimator"], kl_clip_threshold=config["clip"], kl_target=config["target"], kl_bottom_q=config["q"])
+    state = adaptive(config["method"], config["estimator"], kl_clip_threshold=config["clip"], kl_target=config["ziegler"], kl_bottom_q=config["q"])
     coef = torch.exp(torch.linspace(-1, 1, logp.numel()).view_as(logp)) if with_coef else None
     raw, adapted = state.per_token(logp, ref, mask, coef, statistic=state.batch_statistic(ref, mask))
     valid = mask.bool()
@@ -55,7 +55,7 @@ def test_per_token_and_length_normalised_term_match_float64(config, batch, with_
     if coef is not None:
         raw64 = raw64 * coef.double()
     raw64 = torch.where(valid, raw64, 0.0)
-    adapted64 = torch.where(valid, shaped64(raw64, config["method"], config["clip"], config["target"]), 0.0)
+    adapted64 = torch.where(valid, shaped64(raw64, config["method"], config["clip"], config["ziegler"]), 0.0)
     torch.testing.assert_close(raw.double(), raw64, rtol=2e-5, atol=1e-4)
     torch.testing.assert_close(adapted.double(), adapted64, rtol=2e-5, atol=1e-4)
     term = length_normalized_term(adapted, mask, mask.shape[0])
@@ -115,10 +115,10 @@ def controller_runs(draw):
 
 
 @FUZZ
-@given(controller_runs(), st.sampled_from(["fixed", "dynamic", "target"]), st.data())
+@given(controller_runs(), st.sampled_from(["fixed", "dynamic", "ziegler"]), st.data())
 def test_controllers_follow_their_reference_and_resume_exactly(run, name, data):
     cfg, steps = run
-    expected = {"fixed": lambda c, s: [c.beta] * len(s), "dynamic": dynamic64, "target": target64}[name](cfg, steps)
+    expected = {"fixed": lambda c, s: [c.beta] * len(s), "dynamic": dynamic64, "ziegler": target64}[name](cfg, steps)
     split = data.draw(st.integers(0, len(steps)))
     controller = make_controller(name, cfg)
     betas = []
@@ -134,6 +134,6 @@ def test_controllers_follow_their_reference_and_resume_exactly(run, name, data):
     assert all(math.isfinite(b) and b >= 0 for b in betas)
     state = controller.state_dict()
     assert json.loads(json.dumps(state, allow_nan=False)) == state  # no NaN/inf anywhere in the state
-    non_finite = sum(1 for r, kl, _ in steps if (name == "dynamic" and r is not None and math.isinf(r)) or (name == "target" and kl is not None and not math.isfinite(kl)))
+    non_finite = sum(1 for r, kl, _ in steps if (name == "dynamic" and r is not None and math.isinf(r)) or (name == "ziegler" and kl is not None and not math.isfinite(kl)))
     if name != "fixed" and 0.0 not in betas[:-1]:  # updates stop counting once β is 0
         assert state["skipped_updates"] == non_finite

@@ -26,6 +26,9 @@ NONFINITE_KL_BATCHES = "adaptive_kl/nonfinite_kl_batches"
 TOKEN_KL_MAX = "adaptive_kl/token_kl_max"
 TOKEN_KL_P99 = "adaptive_kl/token_kl_p99"
 TOKEN_KL_TOP1PCT_SHARE = "adaptive_kl/token_kl_top1pct_share"
+#: Logged by the ``target`` controller only: 1 while its kl_target is held or may still be, 0 from the update at
+#: which it declared the target unreachable (the KL stopped responding to a rising β; docs/methods.md).
+TARGET_REACHABLE = "adaptive_kl/target_reachable"
 METRIC_NAMES = (RAW_KL, ADAPTED_KL, CURRENT_BETA, SKIPPED_UPDATES, NONFINITE_KL_BATCHES, TOKEN_KL_MAX, TOKEN_KL_P99, TOKEN_KL_TOP1PCT_SHARE)
 #: Statistics of every token of the logging window pooled (over its micro-batches, steps and processes),
 #: logged as their latest value: the max over the window, the p99 and top-1 % share of the window's tokens.
@@ -35,7 +38,7 @@ WINDOW_TAIL_METRICS = (TOKEN_KL_MAX, TOKEN_KL_P99, TOKEN_KL_TOP1PCT_SHARE)
 KL_PENALTY = "adaptive_kl/kl_penalty"
 #: Logged as their latest value in the logging window, not averaged over it: the β of the window's
 #: last step (an average of several steps' β is a β no step used) and a running count.
-LATEST_VALUE_METRICS = (CURRENT_BETA, SKIPPED_UPDATES)
+LATEST_VALUE_METRICS = (CURRENT_BETA, SKIPPED_UPDATES, TARGET_REACHABLE)
 #: Summed over the logging window (a count per window), not averaged.
 WINDOW_SUM_METRICS = (NONFINITE_KL_BATCHES,)
 

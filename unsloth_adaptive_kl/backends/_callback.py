@@ -58,7 +58,8 @@ def _callback_classes():
             runtime = self.runtime
             runtime.end_step(state.global_step)  # the controller owns β; trainer.beta reads it
             # After the update, so the log written right after this step shows its skip.
-            runtime.log_metrics({metrics.SKIPPED_UPDATES: float(runtime.skipped_updates)}, "train")
+            # and the controller's own (target's adaptive_kl/target_reachable), so TensorBoard shows when it acted.
+            runtime.log_metrics({metrics.SKIPPED_UPDATES: float(runtime.skipped_updates), **runtime.controller.metrics()}, "train")
 
         def state(self) -> dict:
             return {"args": {}, "attributes": {"adaptive_kl_state": self.runtime.state_dict()}}
