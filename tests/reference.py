@@ -137,6 +137,7 @@ TRAINING_SETTINGS = dict(
     beta_min=0.01, reward_threshold=-1.0, kl_target=0.02, kl_horizon=40.0,  # dynamic decays at every step
     beta_schedule="cosine", beta_schedule_steps=2,  # schedule: cosine to the floor at step 2 (dynamic: the floor there)
     reward_beta_midpoint=0.5, reward_beta_width=0.25,  # reward_conditioned
+    target_warmup_steps=0,  # target: β falls from the first update (its KL is 0, below kl_target) or rises
 )
 
 
@@ -212,10 +213,10 @@ class HeldTargetReference:
 
     m = KL (first update) or m + 0.2 (KL - m); e = clip(ln(m / kl_target), ±1) (-1 when m = 0);
     s = clip(gain * e, ln max_fall, ln max_rise), and s >= 0 in the first warmup_steps updates; outside the band
-    |e| <= ln 1.25 an episode (its direction sign(e), anchor β and anchor m) tracks whether the KL responds: moved
-    ln 1.25 toward the target from the anchor -> a new anchor; else, once the anchor-to-β move plus s reaches ln 2 in
-    the episode's direction, s may not go that way (frozen), and after `patience` frozen updates with the KL above
-    the target the cap becomes the β at which m (above the target) was least, β is cut to it, reachable = False.
+    |e| <= ln 1.25 an episode (direction sign(e), anchor β) runs: once ln(β / anchor) + s would reach ln 2 in its
+    direction, s may not go that way (frozen); above the target, at `patience` frozen updates, if the mean of their raw
+    KL × 1.25 <= m when the freeze began the KL responded (a new episode from this β, s unfrozen), else the target is
+    unreachable: cap = the β at which m (above the target) was least, β cut to it, reachable = False.
     ln β <- ln β + s, clipped to [max(beta_min, beta / range), min(beta * range, cap)]."""
 
     def __init__(self):
@@ -240,18 +241,22 @@ class HeldTargetReference:
             d = 1 if e > 0 else -1
             if d == 1 and self.m < self.least[0]:
                 self.least = (self.m, beta)
-            if self.episode is None or self.episode[0] != d:
-                self.episode = (d, beta, self.m, 0)
-            elif self.m > 0 and (self.episode[2] == 0 or d * math.log(self.episode[2] / self.m) >= math.log(1.25)):
-                self.episode = (d, beta, self.m, 0)
-            elif d * (math.log(beta / self.episode[1]) + s) >= math.log(2.0):
-                self.episode = self.episode[:3] + (self.episode[3] + 1,)
+            if self.episode is None or self.episode["d"] != d:
+                self.episode = {"d": d, "anchor": beta, "ref": None, "kls": []}
+            elif d * (math.log(beta / self.episode["anchor"]) + s) >= math.log(2.0):
+                if self.episode["ref"] is None:
+                    self.episode["ref"] = self.m
+                self.episode["kls"].append(kl)
+                frozen = self.episode["kls"]
                 s = min(s, 0.0) if d == 1 else max(s, 0.0)
-                if d == 1 and self.reachable and self.episode[3] >= c.target_patience:
-                    self.reachable = False
-                    lower = max(c.beta_min, c.beta / c.target_beta_range)
-                    self.cap = max(self.least[1], lower)
-                    beta = min(beta, self.cap)
+                if d == 1 and len(frozen) >= c.target_patience:
+                    if sum(frozen) / len(frozen) * 1.25 <= self.episode["ref"]:  # responded: a new episode, β moves
+                        self.episode = {"d": d, "anchor": beta, "ref": None, "kls": []}
+                        s = min(math.log(c.target_max_rise), max(math.log(c.target_max_fall), c.target_gain * e))
+                    elif self.reachable:
+                        self.reachable = False
+                        self.cap = max(self.least[1], max(c.beta_min, c.beta / c.target_beta_range))
+                        beta = min(beta, self.cap)
         else:
             self.episode = None
         lower, upper = max(c.beta_min, c.beta / c.target_beta_range), min(c.beta * c.target_beta_range, self.cap)

@@ -21,13 +21,15 @@ token-weighted raw KL with weight :attr:`HeldTargetKL.smoothing`)::
                                                             # upper = beta * target_beta_range
 
 *Anti-wind-up*: a run of updates pushing β one way (an *episode*: the error's sign unchanged, outside the ±ln 1.25
-band) starts at an anchor (its β and its smoothed KL). Once β has moved ``response_factor`` (2) × from the anchor while
-the smoothed KL has moved less than 20 % toward the target, β stops moving further that way (it is *frozen*): the KL
-did not respond, so pushing harder only winds up. When the KL then responds (it moves 20 % toward the target from the
-anchor), the episode starts again from where it is.
+band) starts at an anchor β. Once β would move past ``response_factor`` (2) × the anchor, it stops moving further that
+way (it is *frozen*): pushing harder before the KL has answered would only wind up. Above the target, after
+``target_patience`` frozen updates the raw KL's mean over them is compared with the smoothed KL when the freeze began:
+20 % lower, the KL responded and a new episode starts from the current β (β may rise ×2 again). Below the target
+nothing counts as a response (a KL that rises while β falls may be the run's own growth, study 33's failure): β falls
+at most ×1/2 until the KL is back within the band or above it.
 
-*An unreachable target*: if β stays frozen against a KL above the target for ``target_patience`` updates, the target
-is declared unreachable: one warning names the least smoothed KL the run reached and the β where the KL stopped
+*An unreachable target*: if, above the target, the KL has not responded after ``target_patience`` frozen updates, the
+target is declared unreachable: one warning names the least smoothed KL the run reached and the β where the KL stopped
 responding (the β of that least KL), β returns to that β and never rises above it again, and
 ``adaptive_kl/target_reachable`` (logged every step) goes from 1 to 0. A KL below the target with β at its floor is
 not declared unreachable (the KL of a run grows; the floor bounds the fall).
@@ -50,7 +52,7 @@ logger = logging.getLogger("unsloth_adaptive_kl")
 
 TARGET_BETA_RANGE = Parameter(
     "target_beta_range",
-    default=10.0,
+    default=5.0,
     check=lambda value: math.isfinite(value) and value >= 1,
     allowed="a number >= 1",
     help="'target': beta stays within [max(beta_min, beta / target_beta_range), beta * target_beta_range] "
@@ -67,7 +69,7 @@ TARGET_WARMUP_STEPS = Parameter(
 )
 TARGET_GAIN = Parameter(
     "target_gain",
-    default=0.05,
+    default=0.2,
     check=finite_positive,
     allowed="a number > 0",
     help="'target': ln(beta) moves by target_gain * clip(ln(smoothed KL / kl_target), -1, 1) per update, within the "
@@ -75,7 +77,7 @@ TARGET_GAIN = Parameter(
 )
 TARGET_MAX_RISE = Parameter(
     "target_max_rise",
-    default=1.05,
+    default=1.1,
     check=lambda value: math.isfinite(value) and value > 1,
     allowed="a number > 1",
     help="'target': the most beta is multiplied by in one update (> 1).",
@@ -91,7 +93,7 @@ TARGET_MAX_FALL = Parameter(
 TARGET_PATIENCE = Parameter(
     "target_patience",
     type=int,
-    default=20,
+    default=10,
     check=lambda value: value >= 1,
     allowed="an integer >= 1",
     help="'target': after this many updates of a KL above kl_target that no longer responds to a rising beta, the "
@@ -127,14 +129,16 @@ class HeldTargetKL(BetaController):
     band = 1.25
     #: How far β may move from an episode's anchor before the KL must have responded.
     response_factor = 2.0
-    #: The share of the anchor's log distance to the target the KL must cover to count as responding (20 %).
-    response = math.log(1.25)
+    #: The KL responded when its mean over the frozen updates × this is at most the smoothed KL when they began.
+    response = 1.25
 
     def __init__(self, config: ControllerConfig):
         super().__init__(config)
         self.updates = 0
+        self.last_kl = 0.0  # this update's KL (not state: set before it is read)
         self.kl_mean: float | None = None
-        # the current episode: [direction (+1 raise / -1 lower), anchor beta, anchor smoothed KL, frozen updates]
+        # the current episode: [direction (+1 raise / -1 lower), anchor β, smoothed KL when the freeze began (None
+        # before), frozen updates, the sum of their raw KL]
         self.episode: list | None = None
         self.ceiling: float | None = None  # set once the target was declared unreachable
         self.reachable = True
@@ -163,6 +167,7 @@ class HeldTargetKL(BetaController):
             return self.beta
         kl = max(float(kl), 0.0)  # an estimator that can go negative (k1): its mean below 0 is a KL of ~0
         self.updates += 1
+        self.last_kl = kl
         self.kl_mean = kl if self.kl_mean is None else self.kl_mean + self.smoothing * (kl - self.kl_mean)
         error = self.log_error()
         step = min(max(cfg.target_gain * error, math.log(cfg.target_max_fall)), math.log(cfg.target_max_rise))
@@ -180,7 +185,7 @@ class HeldTargetKL(BetaController):
         return min(max(math.log(self.kl_mean / self.config.kl_target), -self.error_bound), self.error_bound)
 
     def anti_wind_up(self, step: float, error: float, global_step: int) -> float:
-        """This update's log step after the episode's check: 0 in a direction where the KL stopped responding."""
+        """This update's log step after the episode's check: 0 in a direction where the KL has not responded."""
         if abs(error) <= math.log(self.band):
             self.episode = None  # held: no push to watch
             return step
@@ -188,21 +193,22 @@ class HeldTargetKL(BetaController):
         if direction > 0 and (self.least_kl is None or self.kl_mean < self.least_kl):
             self.least_kl, self.least_kl_beta = self.kl_mean, self.beta
         if self.episode is None or self.episode[0] != direction:
-            self.episode = [direction, self.beta, self.kl_mean, 0]
+            self.episode = [direction, self.beta, None, 0, 0.0]  # direction, anchor β, reference KL, frozen, their KL sum
             return step
-        _, anchor_beta, anchor_kl, frozen = self.episode
-        # moved toward the target by `response` (in log units) since the anchor: the KL responds; start again here
-        # (from a smoothed KL of 0, any KL > 0 is a response; 0 again is none)
-        if self.kl_mean > 0 and (anchor_kl == 0 or direction * math.log(anchor_kl / self.kl_mean) >= self.response):
-            self.episode = [direction, self.beta, self.kl_mean, 0]
+        if direction * (math.log(self.beta / self.episode[1]) + step) < math.log(self.response_factor):
             return step
-        moved = direction * math.log(self.beta / anchor_beta)
-        if moved + direction * step < math.log(self.response_factor):
-            return step
-        # the KL has not responded to a ×2 move: go no further that way
-        self.episode[3] = frozen + 1
-        if direction > 0 and self.episode[3] >= self.config.target_patience and self.reachable:
-            self.declare_unreachable(global_step)
+        # β has moved ×2 from the anchor: go no further that way until the KL responds
+        if self.episode[2] is None:
+            self.episode[2] = self.kl_mean  # the smoothed KL when the freeze began
+        self.episode[3] += 1
+        self.episode[4] += self.last_kl
+        if direction > 0 and self.episode[3] >= self.config.target_patience:
+            # the raw KL's mean over the frozen updates 20 % below the smoothed KL when they began: it responded
+            if self.episode[4] / self.episode[3] * self.response <= self.episode[2]:
+                self.episode = [direction, self.beta, None, 0, 0.0]
+                return step
+            if self.reachable:
+                self.declare_unreachable(global_step)
         return min(step, 0.0) if direction > 0 else max(step, 0.0)
 
     def declare_unreachable(self, global_step: int) -> None:
@@ -257,13 +263,15 @@ class HeldTargetKL(BetaController):
             raise ValueError(f"β-controller state: reachable={reachable!r} is not valid; allowed: true or false")
         episode = state["episode"]
         if episode is not None:
-            ok = (isinstance(episode, list) and len(episode) == 4 and episode[0] in (1, -1) and _finite(episode[1])
-                  and episode[1] > 0 and _finite(episode[2]) and episode[2] >= 0 and isinstance(episode[3], int)
-                  and not isinstance(episode[3], bool) and episode[3] >= 0)
+            ok = (isinstance(episode, list) and len(episode) == 5 and episode[0] in (1, -1) and _finite(episode[1])
+                  and episode[1] > 0 and (episode[2] is None or (_finite(episode[2]) and episode[2] >= 0))
+                  and isinstance(episode[3], int) and not isinstance(episode[3], bool) and episode[3] >= 0
+                  and _finite(episode[4]) and episode[4] >= 0)
             if not ok:
                 raise ValueError(f"β-controller state: episode={episode!r} is not valid; allowed: null or "
-                                 "[1 or -1, beta > 0, KL >= 0, frozen updates >= 0]")
-            episode = [int(episode[0]), float(episode[1]), float(episode[2]), int(episode[3])]
+                                 "[1 or -1, beta > 0, KL >= 0 or null, frozen updates >= 0, KL sum >= 0]")
+            episode = [int(episode[0]), float(episode[1]), None if episode[2] is None else float(episode[2]),
+                       int(episode[3]), float(episode[4])]
         return {
             "updates": updates, "kl_mean": number("kl_mean"), "episode": episode, "ceiling": number("ceiling", positive=True),
             "reachable": reachable, "least_kl": number("least_kl"), "least_kl_beta": number("least_kl_beta", positive=True),

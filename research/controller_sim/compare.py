@@ -30,7 +30,9 @@ BETA0S = (0.01, 0.1, 1.0)
 TARGET_FACTORS = (0.25, 0.5, 1.0, 2.0, 4.0)
 LOW_BETA = 0.002  # between 0.001 (2 of 5 runs ran away at that fixed β in study 33) and 0.01 (none did)
 K_NAT = 0.0247  # study 33's natural KL (docs/evidence.md §7, Amendment 12): its targets 0.0062 and 0.099 are 0.25 x and 4 x
-GRID = np.logspace(-3, 1, 41)  # the fixed β a plant's reachability is checked at
+#: The fixed β a plant's reachability is checked at: study 33's measured range, 0.001-0.3 (the issue's "reachable":
+#: some fixed β ends a run within ±25 % of the target; the plant's shape is not extrapolated past what was measured).
+GRID = np.logspace(-3, math.log10(0.3), 31)
 
 
 class NoAntiWindUp(HeldTargetKL):
@@ -63,35 +65,41 @@ def constant(name, value):
     return type(f"{name}_{value}", (HeldTargetKL,), {name: value})
 
 
-DEFAULT = dict(target_beta_range=10.0, target_warmup_steps=20, target_gain=0.05, target_max_rise=1.05, target_max_fall=0.98, target_patience=20)
+#: target's defaults (H below), the base of the candidates and of the sweep.
+DEFAULT = dict(target_beta_range=5.0, target_warmup_steps=20, target_gain=0.2, target_max_rise=1.1, target_max_fall=0.98, target_patience=10)
+#: The first candidates' settings: a gentler controller (±5 %/step) with a wider range and more patience.
+BASE = dict(target_beta_range=10.0, target_warmup_steps=20, target_gain=0.05, target_max_rise=1.05, target_max_fall=0.98, target_patience=20)
 NO_RANGE = 1e9
 CANDIDATES = {
     "Z: ziegler (study 33's settings: kl_horizon 640)": (TargetKLBeta, dict(kl_horizon=640.0)),
-    "A: log-β integral, ±5 %/step, no range, no warm-up": (NoAntiWindUp, {**DEFAULT, "target_beta_range": NO_RANGE, "target_warmup_steps": 0, "target_max_fall": 1 / 1.05}),
-    "B: A + anti-wind-up (freeze, unreachable cap)": (HeldTargetKL, {**DEFAULT, "target_beta_range": NO_RANGE, "target_warmup_steps": 0, "target_max_fall": 1 / 1.05}),
-    "C: B + range [β0/10, 10 β0]": (HeldTargetKL, {**DEFAULT, "target_warmup_steps": 0, "target_max_fall": 1 / 1.05}),
-    "D: C + warm-up 20 (no fall)": (HeldTargetKL, {**DEFAULT, "target_max_fall": 1 / 1.05}),
-    "E: D + falls ≤ 2 %/step (rises ≤ 5 %) = target's defaults": (HeldTargetKL, DEFAULT),
-    "F: E + proportional term (PI, kp 0.5)": (WithProportional, DEFAULT),
+    "A: log-β integral, gain 0.05, ±5 %/step, no range, no warm-up": (NoAntiWindUp, {**BASE, "target_beta_range": NO_RANGE, "target_warmup_steps": 0, "target_max_fall": 1 / 1.05}),
+    "B: A + anti-wind-up (freeze, unreachable cap, patience 20)": (HeldTargetKL, {**BASE, "target_beta_range": NO_RANGE, "target_warmup_steps": 0, "target_max_fall": 1 / 1.05}),
+    "C: B + range [β0/10, 10 β0]": (HeldTargetKL, {**BASE, "target_warmup_steps": 0, "target_max_fall": 1 / 1.05}),
+    "D: C + warm-up 20 (no fall)": (HeldTargetKL, {**BASE, "target_max_fall": 1 / 1.05}),
+    "E: D + falls ≤ 2 %/step (rises ≤ 5 %)": (HeldTargetKL, BASE),
+    "F: E + proportional term (PI, kp 0.5)": (WithProportional, BASE),
+    "G: E, gain 0.1, range 5, patience 10": (HeldTargetKL, {**BASE, "target_gain": 0.1, "target_beta_range": 5.0, "target_patience": 10}),
+    "H: G, gain 0.2, rises ≤ 10 % = target's defaults": (HeldTargetKL, DEFAULT),
+    "I: H, falls ≤ 5 %": (HeldTargetKL, {**DEFAULT, "target_max_fall": 0.95}),
+    "J: H + proportional term (PI, kp 0.5)": (WithProportional, DEFAULT),
 }
 SWEEP = {
-    "target_gain 0.02": (HeldTargetKL, {**DEFAULT, "target_gain": 0.02}),
     "target_gain 0.1": (HeldTargetKL, {**DEFAULT, "target_gain": 0.1}),
+    "target_gain 0.4": (HeldTargetKL, {**DEFAULT, "target_gain": 0.4}),
     "target_beta_range 3": (HeldTargetKL, {**DEFAULT, "target_beta_range": 3.0}),
-    "target_beta_range 30": (HeldTargetKL, {**DEFAULT, "target_beta_range": 30.0}),
+    "target_beta_range 10": (HeldTargetKL, {**DEFAULT, "target_beta_range": 10.0}),
     "target_warmup_steps 0": (HeldTargetKL, {**DEFAULT, "target_warmup_steps": 0}),
     "target_warmup_steps 50": (HeldTargetKL, {**DEFAULT, "target_warmup_steps": 50}),
-    "target_max_rise 1.02": (HeldTargetKL, {**DEFAULT, "target_max_rise": 1.02}),
-    "target_max_rise 1.1": (HeldTargetKL, {**DEFAULT, "target_max_rise": 1.1}),
+    "target_max_rise 1.05": (HeldTargetKL, {**DEFAULT, "target_max_rise": 1.05}),
+    "target_max_rise 1.2": (HeldTargetKL, {**DEFAULT, "target_max_rise": 1.2}),
     "target_max_fall 0.95": (HeldTargetKL, {**DEFAULT, "target_max_fall": 0.95}),
     "target_max_fall 0.99": (HeldTargetKL, {**DEFAULT, "target_max_fall": 0.99}),
-    "target_patience 10": (HeldTargetKL, {**DEFAULT, "target_patience": 10}),
-    "target_patience 40": (HeldTargetKL, {**DEFAULT, "target_patience": 40}),
-    "target_beta_range 5": (HeldTargetKL, {**DEFAULT, "target_beta_range": 5.0}),
+    "target_patience 5": (HeldTargetKL, {**DEFAULT, "target_patience": 5}),
+    "target_patience 20": (HeldTargetKL, {**DEFAULT, "target_patience": 20}),
     "smoothing 0.1": (constant("smoothing", 0.1), DEFAULT),
     "smoothing 0.5": (constant("smoothing", 0.5), DEFAULT),
     "response_factor 4": (constant("response_factor", 4.0), DEFAULT),
-    "response ln 1.5": (constant("response", math.log(1.5)), DEFAULT),
+    "response 1.5 (a response: the frozen KL 1/1.5 of where it was)": (constant("response", 1.5), DEFAULT),
 }
 
 
@@ -125,6 +133,12 @@ def is_reachable(fit, shape, tau, target):
     if key not in _REACHABLE:
         _REACHABLE[key] = any(abs(math.log(noise_free_final(fit, shape, tau, b) / target)) <= math.log(1.25) for b in GRID)
     return _REACHABLE[key]
+
+
+def too_low(fit, shape, tau, target):
+    """The target is below the final KL of every fixed β of GRID on this plant (by more than 25 %): raising β cannot
+    reach it, the case target declares unreachable (a target above every fixed β's KL is not declared)."""
+    return min(noise_free_final(fit, shape, tau, b) for b in GRID) > 1.25 * target
 
 
 def natural_kl(shape, fits, n):
@@ -164,7 +178,7 @@ def evaluate(cls, settings, shape, fits, kn, n):
                 low += int(np.sum(betas < LOW_BETA) >= 10)
                 ends.append(betas[-1] / beta0)
                 tops.append(betas.max() / beta0)
-                if not reachable:
+                if too_low(fit, shape, tau, target):
                     decl.append(declared)
             rows.append(dict(beta0=beta0, factor=factor, target=target, n=n, reachable=reach, held=held,
                              held_reachable=(sum(held_r), len(held_r)), low=low, end=statistics.median(ends),
@@ -180,7 +194,8 @@ def summary(rows):
     total = sum(r["n"] for r in rows)
     unreachable = [d for r in rows for d in r["declared"]]
     said = [d for d in unreachable if d is not None]
-    detect = f"{len(said)}/{len(unreachable)}" + (f", median {statistics.median(said):.0f}, max {max(said)}" if said else "")
+    detect = f"{len(said)}/{len(unreachable)}" + (f", median {statistics.median(said):.0f}, by update 60: "
+                                                   f"{sum(d <= 60 for d in said)}" if said else "")
     return reach_ok / max(reach_n, 1), worst, low / total, detect, max(r["top"] for r in rows)
 
 
@@ -195,7 +210,7 @@ def main():
           f"simulator's, median plant at fixed beta 0.1, final window: {natural_kl(shape, fits, 200):.4f}); targets "
           f"{[float(f'{f * kn:.2g}') for f in TARGET_FACTORS]}; {args.plants} plants a cell\n")
     print("| controller | held, reachable plants | worst reachable cell | runs with >= 10 steps at beta < 0.002 | "
-          "unreachable plants declared (update) | max beta / beta0 |")
+          "targets below every fixed β's KL: declared (median update, declared by update 60) | max beta / beta0 |")
     print("|---|---|---|---|---|---|")
     tables = {}
     for name, (cls, settings) in {**CANDIDATES, **(SWEEP if args.sweep else {})}.items():
@@ -203,9 +218,9 @@ def main():
         tables[name] = rows
         held, worst, low, detect, top = summary(rows)
         print(f"| {name} | {held:.0%} | {worst:.0%} | {low:.0%} | {detect} | {top:.3g} |", flush=True)
-    for name in (n for n in tables if n.startswith(("Z:", "E:"))):
+    for name in (n for n in tables if n.startswith(("Z:", "H:"))):
         print(f"\n{name}, per cell:\n")
-        print("| β0 | target (× natural) | reachable plants | held (all) | held (reachable) | >= 10 steps at β < 0.002 | median final β / β0 | declared unreachable (of unreachable) |")
+        print("| β0 | target (× natural) | reachable plants | held (all) | held (reachable) | >= 10 steps at β < 0.002 | median final β / β0 | declared unreachable (of targets below every fixed β's KL) |")
         print("|---|---|---|---|---|---|---|---|")
         for r in tables[name]:
             d = [x for x in r["declared"] if x is not None]

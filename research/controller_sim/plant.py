@@ -150,7 +150,7 @@ class Plant:
 
     def __init__(self, fit: RunFit, shape: Shape, tau: float, rng: np.random.Generator):
         self.base = fit.c - (shape(math.log(fit.run.beta0)) if fit.run.method == "none" else 0.0)
-        self.d, self.d2, self.phi, self.sigma, self.shape, self.tau, self.rng = fit.d, fit.phi, fit.sigma, shape, tau, rng
+        self.d, self.d2, self.phi, self.sigma, self.shape, self.tau, self.rng = fit.d, fit.d2, fit.phi, fit.sigma, shape, tau, rng
         self.t, self.z, self.e, self.last_log_beta = 0, None, 0.0, None
 
     def step(self, beta: float) -> float:
