@@ -448,10 +448,8 @@ class _SaturationRun:
 @register_controller(
     "ziegler",
     parameters=(BETA_MIN, KL_TARGET, KL_HORIZON),
-    summary="Ziegler et al.'s adaptive KL controller (as verl, OpenRLHF and TRL's former PPO trainer ship it; this "
-    "package's 'target' before issue 49): β grows while the step's KL is above kl_target and shrinks below it "
-    "(kl_horizon sets the rate); it warns, once a direction, when the KL has stayed more than 20 % off kl_target for "
-    "as long as β takes to double (or halve) at its full rate.",
+    summary="Ziegler et al.'s controller, as verl and OpenRLHF ship it ('target' before issue 49): β × (1 + "
+    "clip(kl / kl_target - 1, ±0.2) n / kl_horizon); warns once a direction when saturated.",
     _builtin=True,
 )
 class TargetKLBeta(BetaController):

@@ -111,10 +111,9 @@ _STATE_KEYS = ("updates", "kl_mean", "episode", "ceiling", "reachable", "least_k
 @register_controller(
     "target",
     parameters=TARGET_PARAMETERS,
-    summary="Holds the KL at kl_target: ln β moves by a gain × the log error of the smoothed KL, rising faster than "
-    "falling, never falling in a warm-up, within a range around beta, frozen while the KL does not respond; a target "
-    "no β reaches is warned about once, β is capped where the KL stopped responding and adaptive_kl/target_reachable "
-    "goes to 0.",
+    summary="Steers ln β by the smoothed KL's log error toward kl_target, rising faster than falling, within "
+    "target_beta_range of beta, stopping where the KL does not respond; a target no β reaches is warned about once "
+    "(adaptive_kl/target_reachable 0). Not yet checked on a GPU.",
     _builtin=True,
 )
 class HeldTargetKL(BetaController):
