@@ -99,7 +99,8 @@ def test_every_generated_block_a_page_asks_for_exists_and_an_unknown_one_fails_t
 def test_every_docs_page_is_in_the_sites_nav():
     nav = (ROOT / "mkdocs.yml").read_text().split("\nnav:\n")[1]
     listed = set(re.findall(r":\s*(\S+\.md)\s*$", nav, re.M))
-    pages = {p.name for p in (ROOT / "docs").glob("*.md")}
+    docs = ROOT / "docs"  # the pages: docs/*.md and the evidence pages docs/evidence/*.md (not the raw data's reports)
+    pages = {p.relative_to(docs).as_posix() for pattern in ("*.md", "evidence/*.md") for p in docs.glob(pattern)}
     assert pages == listed, f"not in mkdocs.yml's nav: {sorted(pages - listed)}; in the nav without a page: {sorted(listed - pages)}"
 
 
