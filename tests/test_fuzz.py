@@ -47,7 +47,7 @@ def configs(draw):
 @given(configs(), batches(), st.booleans())
 def test_per_token_and_length_normalised_term_match_float64(config, batch, with_coef):
     logp, ref, mask = batch
-    state = adaptive(config["method"], config["estimator"], kl_clip_threshold=config["clip"], kl_target=config["ziegler"], kl_bottom_q=config["q"])
+    state = adaptive(config["method"], config["estimator"], kl_clip_threshold=config["clip"], kl_target=config["target"], kl_bottom_q=config["q"])
     coef = torch.exp(torch.linspace(-1, 1, logp.numel()).view_as(logp)) if with_coef else None
     raw, adapted = state.per_token(logp, ref, mask, coef, statistic=state.batch_statistic(ref, mask))
     valid = mask.bool()
@@ -55,7 +55,7 @@ def test_per_token_and_length_normalised_term_match_float64(config, batch, with_
     if coef is not None:
         raw64 = raw64 * coef.double()
     raw64 = torch.where(valid, raw64, 0.0)
-    adapted64 = torch.where(valid, shaped64(raw64, config["method"], config["clip"], config["ziegler"]), 0.0)
+    adapted64 = torch.where(valid, shaped64(raw64, config["method"], config["clip"], config["target"]), 0.0)
     torch.testing.assert_close(raw.double(), raw64, rtol=2e-5, atol=1e-4)
     torch.testing.assert_close(adapted.double(), adapted64, rtol=2e-5, atol=1e-4)
     term = length_normalized_term(adapted, mask, mask.shape[0])

@@ -689,6 +689,3 @@ class RewardConditionedBeta(BetaController):
         if reward is not None and not _finite(reward):
             raise ValueError(f"β-controller state: reward={reward!r} is not valid; allowed: a finite number or null")
         return {"reward": None if reward is None else float(reward)}
-
-
-from . import target_controller  # noqa: E402,F401  registers 'target' (HeldTargetKL), after the classes it builds on
