@@ -142,7 +142,7 @@ TRAINING_SETTINGS = dict(
 
 
 #: The controller settings of the resume tests (5 optimizer steps, checkpoint at 2): every controller moves β.
-RESUME_SETTINGS = dict(beta_min=0.001, reward_threshold=0.1, reward_window=3, kl_target=0.01, kl_horizon=20.0)
+RESUME_SETTINGS = dict(beta_min=0.001, reward_threshold=0.1, reward_window=3, kl_target=0.01, kl_horizon=20.0, target_warmup_steps=0)
 
 
 def training_settings() -> dict:

@@ -545,7 +545,7 @@ def test_an_unreachable_kl_target_is_warned_about_in_a_real_run(tiny_checkpoint,
     above = [kl >= 1.2e-12 for kl in kls]
     first_pair = next((i for i in range(1, len(above)) if above[i] and above[i - 1]), None)
     assert first_pair is not None, f"no two steps in a row above the target ({kls}): the test proves nothing"
-    warnings = [r.getMessage() for r in caplog.records if "target: the KL has stayed" in r.getMessage()]
+    warnings = [r.getMessage() for r in caplog.records if "ziegler: the KL has stayed" in r.getMessage()]
     above_warnings = [w for w in warnings if "% above kl_target=1e-12" in w]
     assert len(above_warnings) == 1, warnings
     assert f"for 2 updates in a row (optimizer steps {first_pair}-{first_pair + 1};" in above_warnings[0]
