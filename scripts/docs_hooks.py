@@ -63,7 +63,10 @@ def _core(module: str):
         package = types.ModuleType("unsloth_adaptive_kl")
         package.__path__ = [str(PACKAGE)]
         sys.modules["unsloth_adaptive_kl"] = package
-    return importlib.import_module(f"unsloth_adaptive_kl.{module}")
+    loaded = importlib.import_module(f"unsloth_adaptive_kl.{module}")
+    if module == "controllers":  # the built-in 'target' registers from its own module (config.py imports it too)
+        importlib.import_module("unsloth_adaptive_kl.target_controller")
+    return loaded
 
 
 def _cell(text: str) -> str:

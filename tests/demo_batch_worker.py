@@ -41,7 +41,7 @@ def main(backend: str, out_path: str, workdir: str, overrides: dict) -> None:
                                             layers=settings.layers, warm_start_steps=0)["path"]
     run_dir = os.path.join(workdir, f"run-{backend}")
     os.makedirs(run_dir, exist_ok=True)
-    spec = dict(method="target", seed=0, backend=backend, model=model, dataset=None, settings=asdict(settings),
+    spec = dict(method="ziegler", seed=0, backend=backend, model=model, dataset=None, settings=asdict(settings),
                 run_dir=run_dir, metrics_path=os.path.join(run_dir, "metrics.jsonl"), max_seq_length=settings.max_seq_length,
                 tag="batch-test", stream=None)
     GRPOConfig, _ = worker.import_trainer(backend, cuda=False)

@@ -39,7 +39,7 @@ METHODS = {
     "none": dict(kl_adaptation_method="none"),
     **{name: dict(kl_adaptation_method=name, **SETTINGS) for name in controller_names()},  # halve among them
     "halve+clip": dict(kl_adaptation_method="halve+clip", kl_clip_threshold=0.05),
-    "target-reward": dict(kl_adaptation_method="target", kl_target=0.01, kl_horizon=20.0, kl_placement="reward"),
+    "target-reward": dict(kl_adaptation_method="ziegler", kl_target=0.01, kl_horizon=20.0, kl_placement="reward"),
     # the sampled kl_monitor at β = 0: the reference forward on generation batches 0 and 2 of 3, on both ranks
     "monitor-sampled": dict(kl_adaptation_method="none", beta=0.0, kl_monitor=True, kl_monitor_every=2),
 }

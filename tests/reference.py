@@ -137,11 +137,12 @@ TRAINING_SETTINGS = dict(
     beta_min=0.01, reward_threshold=-1.0, kl_target=0.02, kl_horizon=40.0,  # dynamic decays at every step
     beta_schedule="cosine", beta_schedule_steps=2,  # schedule: cosine to the floor at step 2 (dynamic: the floor there)
     reward_beta_midpoint=0.5, reward_beta_width=0.25,  # reward_conditioned
+    target_warmup_steps=0,  # target: β falls from the first update (its KL is 0, below kl_target) or rises
 )
 
 
 #: The controller settings of the resume tests (5 optimizer steps, checkpoint at 2): every controller moves β.
-RESUME_SETTINGS = dict(beta_min=0.001, reward_threshold=0.1, reward_window=3, kl_target=0.01, kl_horizon=20.0)
+RESUME_SETTINGS = dict(beta_min=0.001, reward_threshold=0.1, reward_window=3, kl_target=0.01, kl_horizon=20.0, target_warmup_steps=0)
 
 
 def training_settings() -> dict:
@@ -160,11 +161,11 @@ def expected_betas(method, logs, *, beta=0.04, completions=4):
     is the step's mean KL and the logged reward its reward)."""
     controller = next((p for p in method.split("+") if p in CONTROLLERS), "fixed")
     settings = controller_config(beta, **TRAINING_SETTINGS)
-    betas, rewards = [beta], []
+    betas, rewards, next_beta = [beta], [], stepper(controller)
     for step, h in enumerate(logs[:-1], start=1):
         rewards.append(h.get("reward"))
         trailing = sum(rewards) / len(rewards) if None not in rewards else None
-        betas.append(NEXT_BETA[controller](betas[-1], settings, h["adaptive_kl/raw_kl"], trailing, completions, step=step, latest=rewards[-1]))
+        betas.append(next_beta(betas[-1], settings, h["adaptive_kl/raw_kl"], trailing, completions, step=step, latest=rewards[-1]))
     return betas
 
 
@@ -205,13 +206,78 @@ def _reward_conditioned_step(beta, c, kl, reward, n, *, step=None, latest):
     return c.beta_min + (c.beta - c.beta_min) * logistic
 
 
+class HeldTargetReference:
+    """``target`` (issue 49) in float64, written from its definition (docs/methods.md, the module docstring of
+    unsloth_adaptive_kl/target_controller.py), with :data:`NEXT_BETA`'s call signature. It keeps state (the smoothed
+    KL, the episode, the cap), so one instance follows one run: get a fresh one from :func:`stepper`.
+
+    m = KL (first update) or m + 0.2 (KL - m); e = clip(ln(m / kl_target), ±1) (-1 when m = 0);
+    s = clip(gain * e, ln max_fall, ln max_rise), and s >= 0 in the first warmup_steps updates; outside the band
+    |e| <= ln 1.25 an episode (direction sign(e), anchor β) runs: once ln(β / anchor) + s would reach ln 2 in its
+    direction, s may not go that way (frozen); above the target, at `patience` frozen updates, if the mean of their raw
+    KL × 1.25 <= m when the freeze began the KL responded (a new episode from this β, s unfrozen), else the target is
+    unreachable: cap = the β at which m (above the target) was least, β cut to it, reachable = False.
+    ln β <- ln β + s, clipped to [max(beta_min, beta / range), min(beta * range, cap)]."""
+
+    def __init__(self):
+        self.m = None
+        self.updates = 0
+        self.episode = None  # (direction, anchor beta, anchor m, frozen)
+        self.cap = math.inf
+        self.least = (math.inf, None)
+        self.reachable = True
+
+    def __call__(self, beta, c, kl, reward, n, *, step=None, latest=None):
+        if kl is None or beta == 0.0:
+            return beta
+        kl = max(kl, 0.0)
+        self.updates += 1
+        self.m = kl if self.m is None else (1 - 0.2) * self.m + 0.2 * kl
+        e = -1.0 if self.m == 0 else min(1.0, max(-1.0, math.log(self.m / c.kl_target)))
+        s = min(math.log(c.target_max_rise), max(math.log(c.target_max_fall), c.target_gain * e))
+        if self.updates <= c.target_warmup_steps:
+            s = max(0.0, s)
+        if abs(e) > math.log(1.25):
+            d = 1 if e > 0 else -1
+            if d == 1 and self.m < self.least[0]:
+                self.least = (self.m, beta)
+            if self.episode is None or self.episode["d"] != d:
+                self.episode = {"d": d, "anchor": beta, "ref": None, "kls": []}
+            elif d * (math.log(beta / self.episode["anchor"]) + s) >= math.log(2.0):
+                if self.episode["ref"] is None:
+                    self.episode["ref"] = self.m
+                self.episode["kls"].append(kl)
+                frozen = self.episode["kls"]
+                s = min(s, 0.0) if d == 1 else max(s, 0.0)
+                if d == 1 and len(frozen) >= c.target_patience:
+                    if sum(frozen) / len(frozen) * 1.25 <= self.episode["ref"]:  # responded: a new episode, β moves
+                        self.episode = {"d": d, "anchor": beta, "ref": None, "kls": []}
+                        s = min(math.log(c.target_max_rise), max(math.log(c.target_max_fall), c.target_gain * e))
+                    elif self.reachable:
+                        self.reachable = False
+                        self.cap = max(self.least[1], max(c.beta_min, c.beta / c.target_beta_range))
+                        beta = min(beta, self.cap)
+        else:
+            self.episode = None
+        lower, upper = max(c.beta_min, c.beta / c.target_beta_range), min(c.beta * c.target_beta_range, self.cap)
+        return min(upper, max(lower, beta * math.exp(s)))
+
+
 NEXT_BETA = {
     "fixed": lambda beta, c, kl, reward, n, *, step=None, latest=None: beta,
     "dynamic": _dynamic_step,
-    "target": _target_step,
+    "ziegler": _target_step,
     "schedule": _schedule_step,
     "reward_conditioned": _reward_conditioned_step,
 }
+#: Controllers whose float64 reference keeps state: a fresh reference per run (:func:`stepper`).
+STATEFUL = {"target": HeldTargetReference}
+
+
+def stepper(name):
+    """The float64 β step of controller ``name`` for one run (a fresh state for a stateful one), called as
+    :data:`NEXT_BETA`'s entries are."""
+    return STATEFUL[name]() if name in STATEFUL else NEXT_BETA[name]
 
 
 #: docs/kl-placement.md: each token's KL enters the reward placement's penalty clamped to [-10, 10] (verl's k3 clamp).

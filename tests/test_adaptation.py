@@ -46,6 +46,7 @@ def test_every_controller_steers_on_the_raw_kl_of_the_whole_step_whatever_the_sh
     "the controller steers on the raw KL"), not the shaped KL that β multiplies, whatever shaping is joined with it."""
     state = _adaptive(format_method(Method(controller, (shaping,))))
     betas, expected, from_adapted = [], [BETA], [BETA]
+    next_expected, next_from_adapted = reference.stepper(controller), reference.stepper(controller)
     window, seed = [], 0
     for micro_batches, reward in zip(STEPS, REWARDS):
         raw_sum = adapted_sum = tokens = completions = 0.0
@@ -64,16 +65,16 @@ def test_every_controller_steers_on_the_raw_kl_of_the_whole_step_whatever_the_sh
         step = len(betas) + 1
         betas.append(state.end_step(step))
         cfg, trailing = state.controller.config, sum(window) / len(window)
-        expected.append(reference.NEXT_BETA[controller](expected[-1], cfg, raw_sum / tokens, trailing, completions, step=step, latest=reward))
-        from_adapted.append(reference.NEXT_BETA[controller](from_adapted[-1], cfg, adapted_sum / tokens, trailing, completions, step=step, latest=reward))
+        expected.append(next_expected(expected[-1], cfg, raw_sum / tokens, trailing, completions, step=step, latest=reward))
+        from_adapted.append(next_from_adapted(from_adapted[-1], cfg, adapted_sum / tokens, trailing, completions, step=step, latest=reward))
     assert betas == pytest.approx(expected[1:], rel=1e-6)  # the KL itself is float32
-    if controller == "target" and SHAPING[shaping].per_token:  # here the shaped KL would steer elsewhere: the case tells
+    if controller == "ziegler" and SHAPING[shaping].per_token:  # here the shaped KL would steer elsewhere: the case tells
         assert expected[1:] != pytest.approx(from_adapted[1:], rel=1e-3)
 
 
 # -- found by mutation testing (docs/reliability.md, "Mutation testing") ---------------------------------------------
 def test_a_restarted_controller_says_what_it_did_not_restore_and_applies_the_resumed_steps_schedule(caplog):
-    saved = _adaptive("target")
+    saved = _adaptive("ziegler")
     saved.controller.beta = 0.05
     fresh = _adaptive("dynamic")
     fresh.controller.config = type(fresh.controller.config)(**{**fresh.controller.config.__dict__, "beta_schedule_steps": 3})
@@ -83,7 +84,7 @@ def test_a_restarted_controller_says_what_it_did_not_restore_and_applies_the_res
     (message,) = [r.getMessage() for r in caplog.records]
     assert message == (
         "unsloth_adaptive_kl: restart_beta_controller=True: the dynamic controller starts fresh from beta=0.2; the "
-        "checkpoint's controller state (kl_adaptation_method='target', beta=0.05) is not restored"
+        "checkpoint's controller state (kl_adaptation_method='ziegler', beta=0.05) is not restored"
     )
     fresh.load_state_dict(saved.state_dict(), restart=True, global_step=3)
     assert fresh.beta == BETA_MIN  # from beta_schedule_steps on: the floor, at once
@@ -103,12 +104,12 @@ def test_a_resume_without_a_global_step_applies_the_schedule_of_step_0():
 def test_a_checkpoint_without_its_method_text_is_named_as_a_method_in_the_resume_error():
     state = _adaptive("none").state_dict()
     del state["kl_adaptation_method"]  # written before the method was saved
-    with pytest.raises(ValueError, match=r"trained with a method \(no β controller\) and this run has kl_adaptation_method='target'"):
-        _adaptive("target").load_state_dict(state)
+    with pytest.raises(ValueError, match=r"trained with a method \(no β controller\) and this run has kl_adaptation_method='ziegler'"):
+        _adaptive("ziegler").load_state_dict(state)
 
 
 def test_the_step_size_check_and_the_batch_statistic_reach_the_controller_and_the_estimator():
-    state = _adaptive("target")
+    state = _adaptive("ziegler")
     with pytest.raises(ValueError, match=r"kl_horizon=40\.0 is not valid for 400 completions"):
         state.check_step_size(400)
     state.check_step_size(199)
@@ -121,11 +122,11 @@ def test_the_step_size_check_and_the_batch_statistic_reach_the_controller_and_th
 
 
 def test_the_resume_error_names_both_methods_and_both_ways_out():
-    state = _adaptive("target").state_dict()
+    state = _adaptive("ziegler").state_dict()
     with pytest.raises(ValueError) as error:
         _adaptive("dynamic").load_state_dict(state)
     assert str(error.value) == (
-        "cannot resume: the checkpoint was trained with kl_adaptation_method='target' (the 'target' β controller) and "
+        "cannot resume: the checkpoint was trained with kl_adaptation_method='ziegler' (the 'ziegler' β controller) and "
         "this run has kl_adaptation_method='dynamic' (the 'dynamic' β controller); one β controller's state cannot be "
         "restored into another. Allowed: set restart_beta_controller=True to start the new controller fresh from "
         "beta=0.2 (the checkpoint's controller state is then not restored), or resume with a method of the "

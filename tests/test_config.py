@@ -42,9 +42,9 @@ def test_fields_have_the_seed_defaults_and_appear_in_to_dict():
 def test_fields_parse_from_cli_flags_and_yaml(tmp_path):
     parser = HfArgumentParser(GRPOConfig)
     (cli,) = parser.parse_args_into_dataclasses(
-        ["--output_dir", str(tmp_path), "--use_cpu", "--bf16", "False", "--beta", "0.1", "--kl_adaptation_method", "target+clip", "--kl_horizon", "500", "--reward_window", "3"]
+        ["--output_dir", str(tmp_path), "--use_cpu", "--bf16", "False", "--beta", "0.1", "--kl_adaptation_method", "ziegler+clip", "--kl_horizon", "500", "--reward_window", "3"]
     )
-    assert (cli.kl_adaptation_method, cli.kl_horizon, cli.reward_window) == ("target+clip", 500.0, 3)
+    assert (cli.kl_adaptation_method, cli.kl_horizon, cli.reward_window) == ("ziegler+clip", 500.0, 3)
     yaml_file = tmp_path / "c.yaml"
     yaml_file.write_text(f"output_dir: {tmp_path}\nuse_cpu: true\nbf16: false\nbeta: 0.2\nkl_adaptation_method: dynamic\nreward_threshold: 0.5\nbeta_schedule_steps: 7\n")
     (from_yaml,) = parser.parse_yaml_file(str(yaml_file))

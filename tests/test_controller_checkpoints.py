@@ -73,4 +73,4 @@ def test_an_invalid_configured_beta_in_a_checkpoint_is_named_with_the_controller
     c = TargetKLBeta(reference.controller_config(0.2))
     with pytest.raises(ValueError) as info:
         c.load_state_dict({**c.state_dict(), "configured_beta": -1.0})
-    assert str(info.value) == "β-controller state of the 'target' controller: configured_beta=-1.0 is not valid; allowed: a finite number >= 0"
+    assert str(info.value) == "β-controller state of the 'ziegler' controller: configured_beta=-1.0 is not valid; allowed: a finite number >= 0"

@@ -37,7 +37,7 @@ def test_a_beta_update_that_would_overflow_is_named_in_the_skip_warning(caplog):
     c = TargetKLBeta(ControllerConfig(1e308, kl_target=0.1, kl_horizon=1.0))
     with caplog.at_level("WARNING", logger="unsloth_adaptive_kl"):
         assert c.update(global_step=1, kl=1.0, num_completions=4) == 1e308  # 1e308 * 1.8 is inf: skipped
-    assert messages(caplog) == [f"unsloth_adaptive_kl: the target controller got a non-finite β update (inf) and left beta at 1e+308; {SKIPPED}"]
+    assert messages(caplog) == [f"unsloth_adaptive_kl: the ziegler controller got a non-finite β update (inf) and left beta at 1e+308; {SKIPPED}"]
 
 
 def test_each_way_a_resumed_controller_takes_its_beta_is_said_in_one_line(caplog):
@@ -51,8 +51,8 @@ def test_each_way_a_resumed_controller_takes_its_beta_is_said_in_one_line(caplog
     assert messages(caplog) == [
         "unsloth_adaptive_kl: resumed with the configured beta=0.1 (the checkpoint was trained with beta=0.3)",
         "unsloth_adaptive_kl: beta was changed on resume (the checkpoint was configured with beta=0.2, this run with beta=0.4): "
-        "the target controller restarts from beta=0.4 instead of the checkpoint's beta=0.15, keeping the rest of its state",
-        "unsloth_adaptive_kl: the target controller resumes from the checkpoint's beta=0.15",
+        "the ziegler controller restarts from beta=0.4 instead of the checkpoint's beta=0.15, keeping the rest of its state",
+        "unsloth_adaptive_kl: the ziegler controller resumes from the checkpoint's beta=0.15",
     ]
 
 

@@ -16,6 +16,7 @@ def config(beta, **settings):
     base = dict(
         beta_min=0.06, dynamic_beta_decay=0.5, reward_threshold=-2.0, reward_window=1, beta_schedule_steps=4, kl_target=0.1,
         kl_horizon=10.0, beta_schedule="linear", reward_beta_midpoint=0.0, reward_beta_width=0.5,
+        target_warmup_steps=0, target_gain=1.0, target_max_fall=0.5,  # target: a KL of 0 lowers β at once
     )  # fmt: skip
     return reference.controller_config(beta, **{**base, **settings})
 
@@ -25,11 +26,11 @@ def test_every_controller_moves_a_beta_of_exactly_one_as_its_reference_does(name
     """β = 1 is a β like any other (only β = 0 is final): each step against the float64 reference."""
     cfg = config(1.0)
     c = make_controller(name, cfg)
-    beta = cfg.beta
+    beta, next_beta = cfg.beta, reference.stepper(name)
     for step, (reward, kl) in enumerate([(-1.0, 0.0), (-1.0, 0.0), (1.0, 1.0)], start=1):
         c.observe_reward(reward)
         got = c.update(global_step=step, kl=kl, num_completions=8)
-        beta = reference.NEXT_BETA[name](beta, cfg, kl, reward, 8, step=step, latest=reward)
+        beta = next_beta(beta, cfg, kl, reward, 8, step=step, latest=reward)
         assert got == pytest.approx(beta, rel=1e-12), (step, got, beta)
     assert c.beta < 1.0
 

@@ -103,7 +103,7 @@ def test_resuming_with_another_controller_names_both_methods_and_the_restart_opt
     assert "kl_adaptation_method='length_normalized' (no β controller)" in message
     assert "kl_adaptation_method='dynamic+clip' (the 'dynamic' β controller)" in message
     assert "restart_beta_controller=True" in message and "beta=0.2" in message
-    state = _adaptive("target")
+    state = _adaptive("ziegler")
     state.load_state_dict(_adaptive("dynamic").state_dict(), restart=True)  # starts fresh: no error
     assert state.beta == 0.2
 
@@ -169,11 +169,11 @@ def test_dynamic_schedule_still_counts_optimizer_steps_without_new_rewards():
         ("dynamic", {"name": "dynamic", "beta": -0.01, "rewards": []}, "beta=-0.01"),
         ("dynamic", {"name": "dynamic", "beta": 0.5, "rewards": []}, "configured beta=0.1"),
         ("dynamic", {"name": "dynamic", "beta": 0.05, "rewards": [1.0, float("inf")]}, "rewards="),
-        ("target", {"name": "target", "beta": float("inf")}, "beta=inf"),
-        ("target", {"name": "target", "beta": -1.0}, "beta=-1.0"),
+        ("ziegler", {"name": "ziegler", "beta": float("inf")}, "beta=inf"),
+        ("ziegler", {"name": "ziegler", "beta": -1.0}, "beta=-1.0"),
         ("fixed", {"name": "fixed", "beta": float("nan")}, "beta=nan"),
         ("fixed", {"name": "fixed", "beta": True}, "beta=True"),
-        ("target", {"name": "target", "beta": 0.1, "configured_beta": float("inf")}, "configured_beta=inf"),
+        ("ziegler", {"name": "ziegler", "beta": 0.1, "configured_beta": float("inf")}, "configured_beta=inf"),
         ("dynamic", {"name": "dynamic", "beta": 0.1, "rewards": [], "configured_beta": -0.1}, "configured_beta=-0.1"),
     ],
 )
@@ -206,8 +206,8 @@ def test_setting_beta_by_hand_refuses_a_beta_that_is_not_a_finite_number_at_leas
 
 
 def test_target_beta_above_the_initial_one_loads():  # target may legitimately raise β
-    c = make_controller("target", ControllerConfig(beta=0.1))
-    c.load_state_dict({"name": "target", "beta": 0.3})
+    c = make_controller("ziegler", ControllerConfig(beta=0.1))
+    c.load_state_dict({"name": "ziegler", "beta": 0.3})
     assert c.beta == 0.3 and c.skipped_updates == 0  # a checkpoint written before skipped_updates existed
 
 
@@ -233,7 +233,7 @@ def _adaptive(method, **fields):
 def test_a_step_with_no_valid_token_is_no_observation_for_target():
     import torch
 
-    state = _adaptive("target", kl_target=0.1, kl_horizon=100.0)
+    state = _adaptive("ziegler", kl_target=0.1, kl_horizon=100.0)
     mask = torch.zeros(4, 5, dtype=torch.long)  # every completion masked (e.g. all truncated)
     logp = -torch.rand(4, 5)
     raw, adapted = state.per_token(logp, logp - 3.0, mask)  # a large KL on the masked tokens
@@ -248,7 +248,7 @@ def test_a_step_with_no_valid_token_is_no_observation_for_target():
 def test_a_nan_kl_from_a_nan_reference_logprob_leaves_beta_and_is_counted():
     import torch
 
-    state = _adaptive("target", beta_min=0.0)
+    state = _adaptive("ziegler", beta_min=0.0)
     mask = torch.ones(2, 3, dtype=torch.long)
     logp = -torch.rand(2, 3)
     ref = logp - 0.5
@@ -282,7 +282,7 @@ def test_controller_mismatch_error_crosses_processes_intact():
 def test_every_registered_controller_has_a_float64_reference():
     import reference
 
-    assert set(controller_names()) <= set(reference.NEXT_BETA)
+    assert set(controller_names()) <= set(reference.NEXT_BETA) | set(reference.STATEFUL)
 
 
 @pytest.mark.parametrize("name", controller_names())
@@ -297,14 +297,15 @@ def test_every_controller_stops_at_beta_min_and_leaves_it_when_the_observations_
     cfg = reference.controller_config(
         0.1, beta_min=0.06, dynamic_beta_decay=0.5, reward_threshold=-2.0, reward_window=1, beta_schedule_steps=4,
         kl_target=0.1, kl_horizon=10.0, beta_schedule="linear", reward_beta_midpoint=0.0, reward_beta_width=0.05,
+        target_warmup_steps=0, target_gain=1.0, target_max_fall=0.5,  # target: falls to its floor at once
     )  # fmt: skip
     c = make_controller(name, cfg)
     observations = [(-1.0, 0.0)] * 5 + [(1.0, 1.0)] * 2  # (reward, kl): low reward and KL, then high
-    betas, beta = [], cfg.beta
+    betas, beta, next_beta = [], cfg.beta, reference.stepper(name)
     for step, (reward, kl) in enumerate(observations, start=1):
         c.observe_reward(reward)
         betas.append(c.update(global_step=step, kl=kl, num_completions=8))
-        beta = reference.NEXT_BETA[name](beta, cfg, kl, reward, 8, step=step, latest=reward)
+        beta = next_beta(beta, cfg, kl, reward, 8, step=step, latest=reward)
         assert betas[-1] == pytest.approx(beta, rel=1e-12), (step, betas)
     assert min(betas) >= cfg.beta_min
     assert CONTROLLERS[name].cls.adapts_beta
@@ -341,7 +342,7 @@ def test_the_skip_warning_names_the_controller_the_value_and_the_beta_it_kept(ca
     with caplog.at_level("WARNING", logger="unsloth_adaptive_kl"):
         c.update(global_step=1, kl=float("inf"), num_completions=4)
     (message,) = [r.getMessage() for r in caplog.records]
-    assert message.startswith("unsloth_adaptive_kl: the target controller got a non-finite KL (inf) and left beta at 0.2")
+    assert message.startswith("unsloth_adaptive_kl: the ziegler controller got a non-finite KL (inf) and left beta at 0.2")
     assert "counted in adaptive_kl/skipped_updates (this warning is shown once)" in message
 
 

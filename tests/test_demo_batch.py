@@ -92,7 +92,7 @@ def test_unsloth_trains_the_same_batch_and_arguments_as_trl(tmp_path_factory):
 @needs_unsloth
 def test_section_6_ran_twice_the_controller_gain_it_was_designed_for(tmp_path_factory):
     """docs/evidence/study26-beta-grid.md: Unsloth's accumulation of 2 doubled the completions of a step (the demo passed
-    8 x 8 per micro-batch and sized kl_horizon for 64), so target moved β by x0.96 a step, not x0.98. The same
+    8 x 8 per micro-batch and sized kl_horizon for 64), so target (Ziegler's controller, now `ziegler`) moved β by x0.96 a step, not x0.98. The same
     proportions here: 16 completions a step, kl_horizon 80 = 5 steps; the KL starts at 0 (the LoRA starts at the
     reference), below 0.8 x kl_target, so the first update is the full step down: 1 - 0.2 x 16 / 80."""
     r = build("unsloth", tmp_path_factory, steps=2, gradient_accumulation_steps=2, prompts_per_step=4, kl_horizon_steps=5)

@@ -112,14 +112,15 @@ def _kept(mask, ids, excluded):
     return mask.bool() & ~(ids == EXCLUDED_ID) if excluded else mask.bool()
 
 
-def _next_beta(controller, beta, settings, kl, step, rewards, n):
+def _next_beta(next_beta, beta, settings, kl, step, rewards, n):
+    """``next_beta``: the run's float64 β step (``reference.stepper``: a fresh state for a stateful controller)."""
     trailing = sum(rewards) / len(rewards)
-    return reference.NEXT_BETA[controller](beta, settings, kl, trailing, n, step=step, latest=rewards[-1])
+    return next_beta(beta, settings, kl, trailing, n, step=step, latest=rewards[-1])
 
 
 def _run_loss_placement(runtime, args, settings, controller, case):
     _, method, estimator, excluded, monitor = case
-    beta = runtime.beta
+    beta, next_beta = runtime.beta, reference.stepper(controller)
     assert beta == (reference.NEXT_BETA["schedule"](None, settings, None, None, 0, step=0) if controller == "schedule" else args.beta)
     for step, reward in enumerate(REWARDS, start=1):
         logp, ref, old, ids, mask = _batch(step)
@@ -144,14 +145,14 @@ def _run_loss_placement(runtime, args, settings, controller, case):
             expected = beta * (shaped64.sum(-1) / kept.sum(-1).clamp(min=1)).mean()
             assert term.item() == pytest.approx(expected.item(), rel=2e-5, abs=1e-8), case
         runtime.observe_reward(reward)
-        beta64 = _next_beta(controller, beta, settings, raw_mean, step, REWARDS[:step], mask.shape[0])
+        beta64 = _next_beta(next_beta, beta, settings, raw_mean, step, REWARDS[:step], mask.shape[0])
         beta = runtime.end_step(step)
         assert beta == pytest.approx(beta64, rel=1e-9, abs=1e-15), (case, step)
 
 
 def _run_reward_placement(runtime, args, settings, controller, case):
     _, method, estimator, excluded, _ = case
-    beta = runtime.beta
+    beta, next_beta = runtime.beta, reference.stepper(controller)
     for step, reward in enumerate(REWARDS, start=1):
         logp, ref, _, ids, mask = _batch(step)
         kept = _kept(mask, ids, excluded)
@@ -164,7 +165,7 @@ def _run_reward_placement(runtime, args, settings, controller, case):
         torch.testing.assert_close(penalized.double(), rewards.double() - penalty64, rtol=1e-5, atol=1e-6, msg=lambda m: f"{case}: {m}")
         runtime.observe_reward(reward)
         kl = raw64.sum().item() / kept.sum().item()  # the controller steers on the raw KL of the kept tokens
-        beta64 = _next_beta(controller, beta, settings, kl, step, REWARDS[:step], mask.shape[0])
+        beta64 = _next_beta(next_beta, beta, settings, kl, step, REWARDS[:step], mask.shape[0])
         beta = runtime.end_step(step)
         assert beta == pytest.approx(beta64, rel=1e-9, abs=1e-15), (case, step)
     logged = runtime.trainer._metrics["train"]

@@ -32,7 +32,7 @@ def batches(draw):
 @st.composite
 def configs(draw):
     shaping = draw(st.lists(st.sampled_from(list(BUILTIN_SHAPING)), unique=True))
-    controller = draw(st.sampled_from([[], ["dynamic"], ["target"]]))
+    controller = draw(st.sampled_from([[], ["dynamic"], ["ziegler"]]))
     parts = draw(st.permutations(shaping + controller))  # any written order means the same method
     return dict(
         method="+".join(parts) or "none",
@@ -115,10 +115,10 @@ def controller_runs(draw):
 
 
 @FUZZ
-@given(controller_runs(), st.sampled_from(["fixed", "dynamic", "target"]), st.data())
+@given(controller_runs(), st.sampled_from(["fixed", "dynamic", "ziegler"]), st.data())
 def test_controllers_follow_their_reference_and_resume_exactly(run, name, data):
     cfg, steps = run
-    expected = {"fixed": lambda c, s: [c.beta] * len(s), "dynamic": dynamic64, "target": target64}[name](cfg, steps)
+    expected = {"fixed": lambda c, s: [c.beta] * len(s), "dynamic": dynamic64, "ziegler": target64}[name](cfg, steps)
     split = data.draw(st.integers(0, len(steps)))
     controller = make_controller(name, cfg)
     betas = []
@@ -134,6 +134,6 @@ def test_controllers_follow_their_reference_and_resume_exactly(run, name, data):
     assert all(math.isfinite(b) and b >= 0 for b in betas)
     state = controller.state_dict()
     assert json.loads(json.dumps(state, allow_nan=False)) == state  # no NaN/inf anywhere in the state
-    non_finite = sum(1 for r, kl, _ in steps if (name == "dynamic" and r is not None and math.isinf(r)) or (name == "target" and kl is not None and not math.isfinite(kl)))
+    non_finite = sum(1 for r, kl, _ in steps if (name == "dynamic" and r is not None and math.isinf(r)) or (name == "ziegler" and kl is not None and not math.isfinite(kl)))
     if name != "fixed" and 0.0 not in betas[:-1]:  # updates stop counting once β is 0
         assert state["skipped_updates"] == non_finite

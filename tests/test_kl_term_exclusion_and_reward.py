@@ -69,7 +69,7 @@ def test_scoring_sums_are_reduced_and_accumulated_for_the_steps_controller_updat
         reduced.append(local.clone())
         return 2 * local
 
-    runtime = AdaptiveKL(_config(kl_adaptation_method="target", kl_target=0.2, kl_horizon=10.0), two_processes)
+    runtime = AdaptiveKL(_config(kl_adaptation_method="ziegler", kl_target=0.2, kl_horizon=10.0), two_processes)
     a = torch.tensor([[0.1, 0.4], [0.2, 0.0]])
     mask = torch.tensor([[1, 1], [1, 0]])
     first = metrics.local_kl_sums(a, a, mask)

@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+import reference
 
 from unsloth_adaptive_kl.controllers import controller_names
 
@@ -65,6 +66,10 @@ def test_beta_is_identical_on_every_rank_at_every_step(ranks, method):
         assert zero["betas"] == pytest.approx([0.04, 0.036, 0.0324, 0.02916])
     elif method.startswith("halve"):
         assert zero["betas"] == [0.04, 0.02, 0.01, 0.005]  # the user controller, joined with shaping or not
+    elif method == "target":  # its float64 reference fed the global KL both ranks logged (4 completions a step)
+        logs = [{"adaptive_kl/raw_kl": row["logged_raw"], "reward": None} for row in zero["rows"]] + [{}]
+        assert zero["betas"] == pytest.approx(reference.expected_betas("target", logs, completions=4), rel=1e-9)
+        assert len(set(zero["betas"])) > 1
     else:
         assert len(set(zero["betas"])) > 1  # the controller moved, from global statistics
 

@@ -54,7 +54,9 @@ CASES = {
     # reward_threshold between the rewards seen, so the window's contents decide each decay
     "trl dynamic": dict(kl_adaptation_method="dynamic", reward_threshold=0.1, reward_window=3),
     "liger dynamic+clip": dict(kl_adaptation_method="dynamic+clip", reward_threshold=0.1, reward_window=3, loss_class=AdaptiveFusedLinearGRPOLoss),
-    "liger target": dict(kl_adaptation_method="target", kl_target=0.01, kl_horizon=20.0, loss_class=AdaptiveFusedLinearGRPOLoss),
+    # target (issue 49): a KL far above kl_target raises β at every step; its state (smoothed KL, episode) goes on
+    "trl target": dict(kl_adaptation_method="target", kl_target=1e-4),
+    "liger ziegler": dict(kl_adaptation_method="ziegler", kl_target=0.01, kl_horizon=20.0, loss_class=AdaptiveFusedLinearGRPOLoss),
 }
 
 
@@ -159,7 +161,7 @@ def test_changing_the_controller_on_resume_names_both_methods_and_the_option_tha
     trainer, states, betas = train(tiny_checkpoint, tmp_path / "fresh", resume_from=none_checkpoint, **fields, restart_beta_controller=True)
     # started fresh from the configured beta at the checkpoint's step, with no observation yet (a schedule over
     # optimizer steps is at its step-2 value, the others at 0.08)
-    fresh = reference.NEXT_BETA[method](0.08, reference.controller_config(**fields), None, None, 0, step=SAVED_AT, latest=None)
+    fresh = reference.stepper(method)(0.08, reference.controller_config(**fields), None, None, 0, step=SAVED_AT, latest=None)
     assert sorted(_resumed(betas)) == [3, 4] and betas[3] == pytest.approx(fresh, rel=1e-12)
     assert method == "schedule" or fresh == 0.08
     if method == "dynamic":  # a fresh window: the two rewards of steps 3 and 4, β halved after each

@@ -1,4 +1,4 @@
-"""The target controller's saturation warning: a run of updates whose error ``kl / kl_target - 1`` was clipped at the
+"""The ziegler controller's saturation warning (Ziegler et al.'s controller, `target` before issue 49): a run of updates whose error ``kl / kl_target - 1`` was clipped at the
 same bound (+0.2: "above", -0.2: "below") is warned about once per direction, at the update where the product of
 the run's full-rate factors ``1 ± 0.2 * n / kl_horizon`` first reaches 2 (or falls to 1/2).
 
@@ -38,11 +38,11 @@ def closed_form(direction: str, n: int, kl_horizon: float) -> int:
 
 
 def controller(beta=0.1, *, kl_target=0.05, kl_horizon=40.0, beta_min=0.0):
-    return make_controller("target", ControllerConfig(beta, kl_target=kl_target, kl_horizon=kl_horizon, beta_min=beta_min))
+    return make_controller("ziegler", ControllerConfig(beta, kl_target=kl_target, kl_horizon=kl_horizon, beta_min=beta_min))
 
 
 def saturation_warnings(caplog) -> list[str]:
-    return [m for m in (r.getMessage() for r in caplog.records if r.name == "unsloth_adaptive_kl") if "target: the KL has stayed" in m]
+    return [m for m in (r.getMessage() for r in caplog.records if r.name == "unsloth_adaptive_kl") if "ziegler: the KL has stayed" in m]
 
 
 def drive(c, kls, completions, caplog) -> list[int]:
@@ -156,11 +156,11 @@ def test_the_warnings_name_the_direction_target_kl_steps_and_beta_word_for_word(
     risen = 0.1 * 1.04**up
     fallen = risen * 0.96**down
     assert saturation_warnings(caplog) == [
-        f"unsloth_adaptive_kl: target: the KL has stayed more than 20 % above kl_target=0.05 for {up} updates in a row "
+        f"unsloth_adaptive_kl: ziegler: the KL has stayed more than 20 % above kl_target=0.05 for {up} updates in a row "
         f"(optimizer steps 1-{up}; this step's KL: 0.25) while beta rose from 0.1 to {risen:.4g}: the target may be below what any beta "
         "reaches on this task (docs/evidence.md §7 found the KL rising with beta past ~0.1-0.3); consider a higher "
         "kl_target or a fixed beta (shown once per direction)",
-        f"unsloth_adaptive_kl: target: the KL has stayed more than 20 % below kl_target=0.05 for {down} updates in a row "
+        f"unsloth_adaptive_kl: ziegler: the KL has stayed more than 20 % below kl_target=0.05 for {down} updates in a row "
         f"(optimizer steps {up + 1}-{up + down}; this step's KL: 0.005) while beta fell from {risen:.4g} to {fallen:.4g}: the target may be above the KL "
         "this run reaches; beta will keep falling toward beta_min=0.001; consider a lower kl_target or a beta_min "
         "(shown once per direction)",

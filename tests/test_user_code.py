@@ -37,14 +37,14 @@ def batch(seed=0):
 def test_a_method_that_caps_its_input_in_place_is_refused_naming_it_when_the_term_is_built(user_shaping):
     user_shaping("cap_in_place", lambda kl: kl.clamp_(max=1e-3))
     with pytest.raises(ValueError, match=r"shaping method 'cap_in_place' changed its input in place.*kl\.clamp\("):
-        adaptive("target+cap_in_place")
+        adaptive("ziegler+cap_in_place")
 
 
 def test_a_method_that_changes_its_input_in_place_at_run_time_is_refused_and_the_raw_kl_is_kept(user_shaping):
     """A mutation the check at creation cannot see (it happens only on a batch of three rows): refused at the first
     call that does it, eagerly; the raw KL the caller holds is what the estimator computed."""
     user_shaping("cap_three_rows", lambda kl: kl.clamp_(max=1e-3) if kl.shape[0] == 3 else kl.clamp(max=1e-3))
-    state = adaptive("target+cap_three_rows")
+    state = adaptive("ziegler+cap_three_rows")
     logp, ref, mask = batch()
     with pytest.raises(ValueError, match="shaping method 'cap_three_rows' changed its input in place"):
         state.per_token(logp, ref, mask)
@@ -128,7 +128,7 @@ def test_a_nan_kl_from_nan_inputs_is_not_blamed_on_the_user_method_or_estimator(
     user_shaping("halve", lambda kl: kl * 0.5)
     register_estimator("user_abs")(lambda logp, ref: (logp - ref).abs())
     try:
-        state = adaptive("target+halve", "user_abs", beta_min=0.0)
+        state = adaptive("ziegler+halve", "user_abs", beta_min=0.0)
         logp, ref, mask = batch()
         ref[1, 0] = math.nan
         with caplog.at_level("WARNING", logger="unsloth_adaptive_kl"):

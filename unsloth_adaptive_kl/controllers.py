@@ -141,6 +141,10 @@ class BetaController:
     #: Whether this controller moves β (False: β is the configured one at every step, as in stock TRL).
     adapts_beta = False
 
+    def metrics(self) -> dict[str, float]:
+        """What this controller logs after each update besides β and ``skipped_updates`` (name -> value)."""
+        return {}
+
     def state_dict(self) -> dict:
         return {"name": self.name, "beta": self.beta, "skipped_updates": self.skipped_updates, "configured_beta": self.config.beta}
 
@@ -369,7 +373,7 @@ KL_HORIZON = Parameter(
     default=10000.0,
     check=finite_positive,
     allowed="a number > 0",
-    help="'target': the horizon of Ziegler et al.'s controller, in completions: "
+    help="'ziegler': the horizon of Ziegler et al.'s controller, in completions: "
     "beta *= 1 + clip(kl / kl_target - 1, -0.2, 0.2) * n / kl_horizon (> 0).",
 )
 
@@ -469,6 +473,10 @@ class DynamicBeta(BetaController):
         return {"rewards": deque((float(r) for r in rewards), maxlen=self.config.reward_window), "new_reward": new_reward}
 
 
+#: The keys of :meth:`BetaController.state_dict` (a controller with no state of its own saves only these).
+_BASE_STATE_KEYS = {"name", "beta", "skipped_updates", "configured_beta"}
+
+
 @dataclass
 class _SaturationRun:
     """Consecutive target-controller updates whose error was clipped at the same bound."""
@@ -481,16 +489,18 @@ class _SaturationRun:
 
 
 @register_controller(
-    "target",
+    "ziegler",
     parameters=(BETA_MIN, KL_TARGET, KL_HORIZON),
-    summary="Ziegler et al.'s adaptive KL controller: β grows while the step's KL is above kl_target and shrinks "
-    "below it (kl_horizon sets the rate); it warns, once a direction, when the KL has stayed more than 20 % off "
-    "kl_target for as long as β takes to double (or halve) at its full rate.",
+    summary="Ziegler et al.'s controller, as verl and OpenRLHF ship it ('target' before issue 49): β × (1 + "
+    "clip(kl / kl_target - 1, ±0.2) n / kl_horizon); warns once a direction when saturated.",
     _builtin=True,
 )
 class TargetKLBeta(BetaController):
     """The adaptive KL controller of Ziegler et al. 2019, "Fine-Tuning Language Models from
-    Human Preferences" (arXiv:1909.08593, section 2.2).
+    Human Preferences" (arXiv:1909.08593, section 2.2), registered as ``ziegler``; it was this package's
+    ``target`` until issue 49 (``target`` is now :class:`~unsloth_adaptive_kl.target_controller.HeldTargetKL`).
+    A checkpoint written by the old ``target`` (its state named ``target``, without the new controller's keys)
+    resumes under ``ziegler`` exactly (:meth:`load_state_dict`).
 
     Once per optimizer step, with ``kl`` the step's global token-weighted mean raw KL and ``n``
     the number of completions in the step (all processes)::
@@ -524,6 +534,13 @@ class TargetKLBeta(BetaController):
     def resume_at(self, global_step: int) -> None:
         # the run is not in the checkpoint (its format stays as it was): after a resume it restarts from 0
         self.saturation = None
+
+    def load_state_dict(self, state: dict) -> None:
+        # A state named "target" with no key of its own beyond the base's was written by this controller under its
+        # old name (before issue 49): the same controller, so it resumes here exactly.
+        if state.get("name") == "target" and set(state) <= _BASE_STATE_KEYS:
+            state = {**state, "name": self.name}
+        super().load_state_dict(state)
 
     def check_step_size(self, num_completions: int) -> None:
         minimum = self.error_bound * num_completions
@@ -586,9 +603,9 @@ class TargetKLBeta(BetaController):
                 then = f"beta will keep falling toward beta_min={cfg.beta_min}; consider a lower kl_target or a beta_min"
             meaning = f"{moved}: the target may be above the KL this run reaches; {then}"
         logger.warning(
-            "unsloth_adaptive_kl: target: the KL has stayed more than %d %% %s kl_target=%s for %d updates in a row "
+            "unsloth_adaptive_kl: %s: the KL has stayed more than %d %% %s kl_target=%s for %d updates in a row "
             "(optimizer steps %d-%d; this step's KL: %.4g) while beta %s (shown once per direction)",
-            round(100 * self.error_bound), direction, cfg.kl_target, run.updates, run.first_step, global_step, kl, meaning,
+            self.name, round(100 * self.error_bound), direction, cfg.kl_target, run.updates, run.first_step, global_step, kl, meaning,
         )
 
 
@@ -726,4 +743,3 @@ class RewardConditionedBeta(BetaController):
         if reward is not None and not _finite(reward):
             raise ValueError(f"β-controller state: reward={reward!r} is not valid; allowed: a finite number or null")
         return {"reward": None if reward is None else float(reward)}
-

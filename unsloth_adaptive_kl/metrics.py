@@ -28,6 +28,9 @@ TOKEN_KL_P99 = "adaptive_kl/token_kl_p99"
 TOKEN_KL_TOP1PCT_SHARE = "adaptive_kl/token_kl_top1pct_share"
 #: 0 until the runaway alarm (:mod:`.runaway`) fires, 1 from the step it fired at on (logged every optimizer step).
 RUNAWAY_ALARM = "adaptive_kl/runaway_alarm"
+#: Logged by the ``target`` controller only: 1 while its kl_target is held or may still be, 0 from the update at
+#: which it declared the target unreachable (the KL stopped responding to a rising β; docs/methods.md).
+TARGET_REACHABLE = "adaptive_kl/target_reachable"
 METRIC_NAMES = (
     RAW_KL, ADAPTED_KL, CURRENT_BETA, SKIPPED_UPDATES, NONFINITE_KL_BATCHES, TOKEN_KL_MAX, TOKEN_KL_P99, TOKEN_KL_TOP1PCT_SHARE,
     RUNAWAY_ALARM,
@@ -43,8 +46,9 @@ KL_PENALTY = "adaptive_kl/kl_penalty"
 NONFINITE_PENALTIES = "adaptive_kl/nonfinite_penalties"
 KL_DOMINATED_GROUPS = "adaptive_kl/kl_dominated_groups"
 #: Logged as their latest value in the logging window, not averaged over it: the β of the window's
-#: last step (an average of several steps' β is a β no step used), a running count and the alarm's state.
-LATEST_VALUE_METRICS = (CURRENT_BETA, SKIPPED_UPDATES, RUNAWAY_ALARM)
+#: last step (an average of several steps' β is a β no step used), a running count, the alarm's state and the
+#: controller's reachability flag.
+LATEST_VALUE_METRICS = (CURRENT_BETA, SKIPPED_UPDATES, RUNAWAY_ALARM, TARGET_REACHABLE)
 #: Summed over the logging window (a count per window), not averaged.
 WINDOW_SUM_METRICS = (NONFINITE_KL_BATCHES, NONFINITE_PENALTIES, KL_DOMINATED_GROUPS)
 

@@ -61,7 +61,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 METHODS = {
     "none": dict(kl_adaptation_method="none"),
     "dynamic": dict(kl_adaptation_method="dynamic", reward_threshold=-1.0),  # decays every step
-    "target": dict(kl_adaptation_method="target", kl_target=0.001, kl_horizon=10.0),
+    "target": dict(kl_adaptation_method="target", kl_target=1e-6),  # far below the KL: β rises from step 2 on
     "clip": dict(kl_adaptation_method="clip", kl_clip_threshold=0.002),
 }
 BETA = 0.04

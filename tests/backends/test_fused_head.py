@@ -20,7 +20,7 @@ from unsloth_adaptive_kl.config import DEFAULTS
 from unsloth_adaptive_kl.estimators import register_estimator, unregister_estimator
 
 LOCAL_LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo"]
-METHODS = ["none", *reference.BUILTIN_SHAPING, "dynamic", "+".join(["target", *reference.BUILTIN_SHAPING])]
+METHODS = ["none", *reference.BUILTIN_SHAPING, "dynamic", "+".join(["ziegler", *reference.BUILTIN_SHAPING])]
 B, T, H, V = 4, 6, 8, 40
 
 
@@ -134,7 +134,7 @@ def test_fused_head_compiled_matches_eager(monkeypatch):
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
     torch._dynamo.reset()
     batch = make_batch(seed=7)
-    for method in ("clip+length_normalized", "target+sigmoid"):
+    for method in ("clip+length_normalized", "ziegler+sigmoid"):
         compiled = run(module("grpo", method, compiled=True, fused_head=True, fused_chunk_tokens=4, use_bias_correction_kl=True), batch)
         assert_same(compiled, materialised(module("grpo", method, use_bias_correction_kl=True), batch), atol=1e-12, rtol=1e-10)
     torch._dynamo.reset()

@@ -118,7 +118,7 @@ CASES = [
     ("sigmoid", "k3+"),
     ("length_normalized", "k1"),
     ("clip+length_normalized", "k3"),
-    ("target+soft_clip", "my_kl"),
+    ("ziegler+soft_clip", "my_kl"),
 ]
 
 
@@ -227,7 +227,7 @@ def test_the_target_controller_acts_once_per_scored_generation_batch_on_its_kl(t
     # and 3. Ziegler's update follows each, from that batch's token mean KL and n = 8; at steps 2 and 4 β stays.
     trainer = make_trainer(
         tiny_checkpoint, tmp_path, per_device_train_batch_size=4, steps_per_generation=2, max_steps=4,
-        kl_adaptation_method="target", kl_estimator="k3", kl_target=1e-4, kl_horizon=10.0, beta=0.04,
+        kl_adaptation_method="ziegler", kl_estimator="k3", kl_target=1e-4, kl_horizon=10.0, beta=0.04,
     )  # fmt: skip
     move_policy_away_from_reference(trainer)
     seen = {}
@@ -415,7 +415,7 @@ def test_loss_class_under_reward_placement_has_no_kl_term_and_liger_own_class_is
 def test_loss_class_trains_with_reward_placement(tiny_checkpoint, tmp_path):
     trainer = GRPOTrainer(
         model=tiny_checkpoint, reward_funcs=[length_reward], train_dataset=toy.prompt_dataset(64), loss_class=AdaptiveFusedLinearGRPOLoss,
-        args=grpo_config(tmp_path, kl_adaptation_method="target", kl_target=0.01, kl_horizon=100.0),
+        args=grpo_config(tmp_path, kl_adaptation_method="ziegler", kl_target=0.01, kl_horizon=100.0),
     )  # fmt: skip
     trainer.train()
     logged = [h for h in trainer.state.log_history if metrics.KL_PENALTY in h]
@@ -434,7 +434,7 @@ class RecordState(TrainerCallback):
 def _train(checkpoint, out, resume_from=None, **overrides):
     trainer = make_trainer(
         checkpoint, out, per_device_train_batch_size=4, max_steps=5, save_strategy="steps", save_steps=2, beta=0.04,
-        kl_adaptation_method="target", kl_target=1e-4, kl_horizon=20.0, **overrides,
+        kl_adaptation_method="ziegler", kl_target=1e-4, kl_horizon=20.0, **overrides,
     )  # fmt: skip
     recorder = RecordState(trainer)
     trainer.add_callback(recorder)

@@ -537,7 +537,7 @@ def test_bench_smoke_runs_on_cpu():
     assert "| path |" in out.stdout and "AdaptiveFusedLinearGRPOLoss (dynamic+length_normalized, log-prob kernel)" in out.stdout
 
 
-@pytest.mark.parametrize("method", ["dynamic", "target", "dynamic+clip", "target+length_normalized", "sigmoid+dynamic"])
+@pytest.mark.parametrize("method", ["dynamic", "ziegler", "dynamic+clip", "ziegler+length_normalized", "sigmoid+dynamic"])
 def test_a_standalone_module_refuses_a_beta_controller_it_could_not_run(method):
     with pytest.raises(ValueError, match=r"kl_adaptation_method='.*' is not valid for a standalone AdaptiveFusedLinearGRPOLoss.*allowed"):
         AdaptiveFusedLinearGRPOLoss(beta=0.1, compiled=False, kl_adaptation_method=method)

@@ -54,7 +54,7 @@ def test_no_graph_after_the_first_two_calls_for_every_loss_type(loss_type):
 def test_no_graph_after_the_first_two_calls_whatever_num_items_is(num_items):
     for loss_type in ("dapo", "cispo"):  # the loss types whose normaliser reads it
         torch._dynamo.reset()
-        check(recompile_loop.run_case(dict(LOOP, loss_type=loss_type, method="target", head="fused", num_items=num_items)))
+        check(recompile_loop.run_case(dict(LOOP, loss_type=loss_type, method="ziegler", head="fused", num_items=num_items)))
 
 
 def test_no_graph_after_the_first_two_calls_with_a_batch_statistic():

@@ -14,7 +14,7 @@ from unsloth_adaptive_kl import toy
 from trl import GRPOConfig, GRPOTrainer
 
 MAX_COMPLETION = 6
-METHOD = dict(kl_adaptation_method="target+clip", kl_clip_threshold=0.05, kl_target=0.02, kl_horizon=40.0)
+METHOD = dict(kl_adaptation_method="ziegler+clip", kl_clip_threshold=0.05, kl_target=0.02, kl_horizon=40.0)
 LOGGED = ("loss", "kl", "adaptive_kl/raw_kl", "adaptive_kl/adapted_kl", "adaptive_kl/current_beta")
 
 
@@ -94,7 +94,7 @@ def test_a_subclass_that_returns_its_own_loss_is_refused_before_any_optimizer_st
     message = str(info.value)
     assert "OwnLoss overrides compute_loss of GRPOTrainer" in message
     assert "did not go through GRPOTrainer.compute_loss -> GRPOTrainer._compute_loss" in message
-    assert "kl_adaptation_method='target+clip'" in message and "no optimizer step has applied it" in message
+    assert "kl_adaptation_method='ziegler+clip'" in message and "no optimizer step has applied it" in message
     assert "loss = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)" in message
     assert trainer.state.global_step == 0
     assert all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))  # no update was applied

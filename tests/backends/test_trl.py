@@ -17,7 +17,7 @@ from unsloth_adaptive_kl.backends import trl as trl_backend
 from trl import GRPOConfig, GRPOTrainer
 
 LOSS_TYPES = list(versions.ALL_LOSS_TYPES)
-METHODS = [*reference.METHODS, "target+clip+sigmoid"]
+METHODS = [*reference.METHODS, "ziegler+clip+sigmoid"]
 MAX_COMPLETION = reference.MAX_COMPLETION
 TRL_VERSION = version_of("trl")
 OFFERED = versions.offered_loss_types(TRL_VERSION)  # loss type -> None where offered, else why not
@@ -223,7 +223,7 @@ def test_grpo_trains_end_to_end_logging_metrics_and_beta_trajectory(tiny_checkpo
         assert all(h["adaptive_kl/adapted_kl"] <= 0.05 + 1e-9 for h in logs)
     # once the policy has left the reference, the shaping is visible in the adapted KL
     moved = [h for h in logs if h["adaptive_kl/raw_kl"] > 0.06]
-    if method in ("clip", "soft_clip", "sigmoid", "target+clip+sigmoid"):
+    if method in ("clip", "soft_clip", "sigmoid", "ziegler+clip+sigmoid"):
         assert moved, "the policy never left the reference: the test proves nothing"
         assert all(h["adaptive_kl/adapted_kl"] < h["adaptive_kl/raw_kl"] for h in moved)
     if method == "none":
@@ -358,7 +358,7 @@ def test_target_ignores_steps_whose_completions_are_all_masked(tiny_checkpoint, 
             output["completion_mask"] = torch.zeros_like(output["completion_mask"])
             return output
 
-    args = grpo_config(tmp_path, kl_adaptation_method="target", kl_target=1.0, kl_horizon=8.0)
+    args = grpo_config(tmp_path, kl_adaptation_method="ziegler", kl_target=1.0, kl_horizon=8.0)
     trainer = AllTruncated(model=tiny_checkpoint, reward_funcs=[toy.format_reward], args=args, train_dataset=toy.prompt_dataset(64))
     trainer.train()
     logs = [h for h in trainer.state.log_history if "adaptive_kl/current_beta" in h]
@@ -377,7 +377,7 @@ def test_a_nan_kl_leaves_beta_where_it_was_and_is_counted(tiny_checkpoint, tmp_p
                 output["ref_per_token_logps"][0] = float("nan")
             return output
 
-    args = grpo_config(tmp_path, kl_adaptation_method="target", beta_min=0.0, kl_target=0.01, kl_horizon=40.0)
+    args = grpo_config(tmp_path, kl_adaptation_method="ziegler", beta_min=0.0, kl_target=0.01, kl_horizon=40.0)
     trainer = NaNReference(model=tiny_checkpoint, reward_funcs=[toy.format_reward], args=args, train_dataset=toy.prompt_dataset(64))
     with caplog.at_level("WARNING", logger="unsloth_adaptive_kl"):
         trainer.train()
@@ -391,7 +391,7 @@ def test_a_nan_kl_leaves_beta_where_it_was_and_is_counted(tiny_checkpoint, tmp_p
 def test_a_kl_horizon_too_small_for_the_step_is_refused_when_the_trainer_is_created(tiny_checkpoint, tmp_path):
     # 4 completions per optimizer step: the factor 1 - 0.2 * 4 / 0.5 would be negative at the first low KL
     with pytest.raises(ValueError, match=r"kl_horizon=0\.5 .*4 completions per optimizer step.*allowed: kl_horizon > 0\.8"):
-        make_trainer(tiny_checkpoint, tmp_path, kl_adaptation_method="target", kl_horizon=0.5)
+        make_trainer(tiny_checkpoint, tmp_path, kl_adaptation_method="ziegler", kl_horizon=0.5)
 
 
 def test_the_trainer_logs_which_backend_computes_its_kl(tiny_checkpoint, tmp_path, caplog):
@@ -538,14 +538,14 @@ def test_kl_part_of_the_loss_under_gradient_accumulation_matches_float64_referen
 def test_an_unreachable_kl_target_is_warned_about_in_a_real_run(tiny_checkpoint, tmp_path, caplog):
     # 4 completions a step, kl_horizon 1: a clipped update moves β by 1 + 0.2 * 4 = ×1.8, so two steps in a row
     # more than 20 % above a target no policy reaches (1e-12) double it: the warning must come at the second
-    args = dict(kl_adaptation_method="target", kl_target=1e-12, kl_horizon=1.0, beta_min=0.0, max_steps=4, learning_rate=2e-2)
+    args = dict(kl_adaptation_method="ziegler", kl_target=1e-12, kl_horizon=1.0, beta_min=0.0, max_steps=4, learning_rate=2e-2)
     with caplog.at_level("WARNING", logger="unsloth_adaptive_kl"):
         trainer, logs = _run(tiny_checkpoint, tmp_path, **args)
     kls = [h["adaptive_kl/raw_kl"] for h in logs]
     above = [kl >= 1.2e-12 for kl in kls]
     first_pair = next((i for i in range(1, len(above)) if above[i] and above[i - 1]), None)
     assert first_pair is not None, f"no two steps in a row above the target ({kls}): the test proves nothing"
-    warnings = [r.getMessage() for r in caplog.records if "target: the KL has stayed" in r.getMessage()]
+    warnings = [r.getMessage() for r in caplog.records if "ziegler: the KL has stayed" in r.getMessage()]
     above_warnings = [w for w in warnings if "% above kl_target=1e-12" in w]
     assert len(above_warnings) == 1, warnings
     assert f"for 2 updates in a row (optimizer steps {first_pair}-{first_pair + 1};" in above_warnings[0]

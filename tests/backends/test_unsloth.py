@@ -58,7 +58,7 @@ def test_either_import_order_patches_the_generated_trainer_and_config(order, tmp
     assert r["trainer_class"] == "UnslothGRPOTrainer.UnslothGRPOTrainer"
     assert r["config_values"] == ["dynamic+clip", 0.5, 0.3, 123.0]
     assert r["to_dict"] == {"kl_adaptation_method": "dynamic+clip", "kl_clip_threshold": 0.5, "kl_horizon": 123.0}
-    assert r["cli_method"] == "target"
+    assert r["cli_method"] == "ziegler"
     assert "IGNORED" not in r["printed"]
     assert "kl_adaptation_method" in r["bad_method_error"] and "bogus" in r["bad_method_error"]
 
@@ -68,7 +68,7 @@ def test_unpatch_restores_stock_config_arguments_and_patch_restores_ours(tmp_pat
     r = run_worker("stock-first", "unpatch", tmp_path_factory)
     stock, seq = r["never_patched"], r["sequence"]
     assert stock["value"] is None and len(stock["printed"]) == 1 and "will be IGNORED" in stock["printed"][0], stock
-    patched = {"value": "target", "printed": []}
+    patched = {"value": "ziegler", "printed": []}
     assert seq == {"imported": patched, "unpatched": stock, "patched_again": patched, "unpatched_again": stock}
 
 

@@ -60,7 +60,7 @@ def test_target_with_a_method_capping_its_input_in_place_is_refused_naming_it(ti
     controller's input the capped value, so β fell where ``target+clip`` raises it."""
     user_shaping("mymethod", lambda kl: kl.clamp_(max=1e-3))
     with pytest.raises(ValueError, match=r"shaping method 'mymethod' changed its input in place"):
-        make_trainer(tiny_checkpoint, tmp_path, backend, kl_adaptation_method="target+mymethod", kl_target=0.02, kl_horizon=40.0).train()
+        make_trainer(tiny_checkpoint, tmp_path, backend, kl_adaptation_method="ziegler+mymethod", kl_target=0.02, kl_horizon=40.0).train()
 
 
 # -- item 2 -----------------------------------------------------------------------------------------------
@@ -117,7 +117,7 @@ def test_a_nan_reference_with_a_user_method_and_estimator_is_not_blamed_on_them_
     unsloth_adaptive_kl.register_estimator("user_k3")(user_k3)
     try:
         trainer = make_trainer(
-            tiny_checkpoint, tmp_path, backend, nan_reference({2}), kl_adaptation_method="target+halve", kl_estimator="user_k3",
+            tiny_checkpoint, tmp_path, backend, nan_reference({2}), kl_adaptation_method="ziegler+halve", kl_estimator="user_k3",
             kl_target=0.02, kl_horizon=40.0, max_steps=2,
         )  # fmt: skip
         with caplog.at_level("WARNING", logger="unsloth_adaptive_kl"):

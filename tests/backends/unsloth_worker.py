@@ -34,14 +34,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 
 def probe_config():
-    """What GRPOConfig(kl_adaptation_method="target") does now: the value it kept (None when the
+    """What GRPOConfig(kl_adaptation_method="ziegler") does now: the value it kept (None when the
     field was dropped), the lines it printed about the field, or the error it raised."""
     import trl
 
     out = io.StringIO()
     try:
         with contextlib.redirect_stdout(out):
-            c = trl.GRPOConfig(output_dir=tempfile.mkdtemp(prefix="out-"), use_cpu=True, bf16=False, report_to="none", beta=0.04, kl_adaptation_method="target")
+            c = trl.GRPOConfig(output_dir=tempfile.mkdtemp(prefix="out-"), use_cpu=True, bf16=False, report_to="none", beta=0.04, kl_adaptation_method="ziegler")
     except Exception as e:
         return {"error": f"{type(e).__name__}: {e}"}
     printed = [line for line in out.getvalue().splitlines() if "kl_adaptation_method" in line]
@@ -165,7 +165,7 @@ def scenario_config():
     from transformers import HfArgumentParser
 
     (parsed,) = HfArgumentParser(trl.GRPOConfig).parse_args_into_dataclasses(
-        ["--output_dir", tempfile.mkdtemp(), "--use_cpu", "--bf16", "False", "--beta", "0.1", "--kl_adaptation_method", "target"]
+        ["--output_dir", tempfile.mkdtemp(), "--use_cpu", "--bf16", "False", "--beta", "0.1", "--kl_adaptation_method", "ziegler"]
     )
     results["cli_method"] = parsed.kl_adaptation_method
 
@@ -239,7 +239,7 @@ def scenario_all_masked():
         finally:
             unsloth_adaptive_kl.patch()
         adaptive = {}
-        for method in ("clip+sigmoid+length_normalized", "target"):
+        for method in ("clip+sigmoid+length_normalized", "ziegler"):
             set_method(t, method, loss_type, kl_estimator="k3", kl_clip_threshold=0.4, kl_target=0.2, kl_horizon=1000.0)
             a_loss, a_grads, a_logged = measure(t, inputs)
             adaptive[method] = {
@@ -514,7 +514,7 @@ def scenario_subclass():
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             return model(input_ids=inputs["completion_ids"]).logits.float().pow(2).mean()
 
-    fields = dict(kl_adaptation_method="target+clip", kl_clip_threshold=0.05, kl_target=0.02, kl_horizon=40.0)
+    fields = dict(kl_adaptation_method="ziegler+clip", kl_clip_threshold=0.05, kl_target=0.02, kl_horizon=40.0)
     logged = ("loss", "kl", "adaptive_kl/raw_kl", "adaptive_kl/adapted_kl", "adaptive_kl/current_beta")
 
     def run(cls):
@@ -739,7 +739,7 @@ def scenario_user_code():
     unsloth_adaptive_kl.register_estimator("shaky")(lambda logp, ref: (logp - ref) * torch.sqrt(logp + 3.5))
     unsloth_adaptive_kl.register_estimator("user_k3")(lambda logp, ref: torch.exp((ref - logp).clamp(-20, 20)) - (ref - logp).clamp(-20, 20) - 1)
     for name in ("cap_in_place", "detached", "float64", "nan"):
-        out[f"created_{name}"] = error_of(lambda: trainer(kl_adaptation_method=f"target+{name}", kl_target=0.02, kl_horizon=40.0))
+        out[f"created_{name}"] = error_of(lambda: trainer(kl_adaptation_method=f"ziegler+{name}", kl_target=0.02, kl_horizon=40.0))
     # Faults the check at creation cannot see, refused during training: before their optimizer step.
     for key, name, estimator in (("cap_in_place_on_real_batches", "cap_in_place_on_real_batches", "k3"), ("power", "power", "k1"), ("shaky", "none", "shaky")):
         t = trainer(kl_adaptation_method=name, kl_estimator=estimator, max_steps=4)
@@ -874,7 +874,7 @@ def scenario_reward_placement():
     }  # fmt: skip
 
     # A short run with the target controller.
-    run = trainer(kl_placement="reward", kl_adaptation_method="target", kl_target=1e-4, kl_horizon=40.0)
+    run = trainer(kl_placement="reward", kl_adaptation_method="ziegler", kl_target=1e-4, kl_horizon=40.0)
     run.train()
     logs = [{k: v for k, v in h.items() if k.startswith("adaptive_kl/")} for h in run.state.log_history if "adaptive_kl/current_beta" in h]
     results["reward_placement"] = {"scored": scored, "loss": loss, "logs": logs, "runtime": type(run._adaptive_kl).__name__}

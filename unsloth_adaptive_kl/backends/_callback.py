@@ -58,9 +58,11 @@ def _callback_classes():
             runtime = self.runtime
             runtime.end_step(state.global_step)  # the controller owns β; trainer.beta reads it
             # After the update, so the log written right after this step shows its skip.
+            # and the controller's own (target's adaptive_kl/target_reachable), so TensorBoard shows when it acted.
             runtime.log_metrics(
-                {metrics.SKIPPED_UPDATES: float(runtime.skipped_updates), metrics.RUNAWAY_ALARM: float(runtime.alarm.fired)}, "train"
-            )
+                {metrics.SKIPPED_UPDATES: float(runtime.skipped_updates), metrics.RUNAWAY_ALARM: float(runtime.alarm.fired),
+                 **runtime.controller.metrics()}, "train",
+            )  # fmt: skip
 
         def state(self) -> dict:
             return {"args": {}, "attributes": {"adaptive_kl_state": self.runtime.state_dict()}}
