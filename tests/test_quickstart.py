@@ -28,7 +28,7 @@ def test_quickstart_prints_the_progress_bar_and_the_table_only(tmp_path):
     lines = proc.stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.split() == ["step", "reward", "raw_kl", "adapted_kl", "beta", "length"])
     assert all(not line.strip() for line in lines[: header - 1])  # before the table: its title line only
-    assert lines[header - 1].startswith("kl_adaptation_method=")
+    assert lines[header - 1].startswith("model='tiny'  kl_adaptation_method=")
     assert [line.split()[0] for line in lines[header + 1 :]] == [str(step) for step in range(1, STEPS + 1)]
     # stderr: the package's one line naming the backend when the trainer is created, then tqdm's bar
     # (carriage-return updates) reaching STEPS/STEPS, and nothing else.
