@@ -34,7 +34,7 @@ import os, sys, tarfile, zipfile
 
 root, sdist, wheel = sys.argv[1:]
 PACKAGE = "unsloth_adaptive_kl"
-SOURCE_DIRS = ("tests", "examples", "scripts", "blackwell", "bench", "docs")  # MANIFEST.in's grafts
+SOURCE_DIRS = ("tests", "examples", "scripts", "blackwell", "bench", "docs", "research")  # MANIFEST.in's grafts
 
 
 def files_under(top):
