@@ -1,6 +1,6 @@
 """unsloth_adaptive_kl.smollm2: the real model's loader (its refusals, without the model) and task; and, marked
 real_model (run by .ci/run as its own step, not by scripts/test.sh), SmolLM2-135M-Instruct itself on the CPU:
-the conversion, a chat generation that ends at <|im_end|>, and one GRPO step with an adaptive method."""
+the conversion, a chat generation that ends at <|im_end|>, and one GRPO step with an adaptive method (ziegler)."""
 
 import hashlib
 import importlib.util
@@ -112,16 +112,17 @@ def test_one_grpo_step_of_smollm2_with_an_adaptive_method(model_dir, tmp_path):
     args = GRPOConfig(
         output_dir=str(tmp_path), use_cpu=True, report_to="none", per_device_train_batch_size=2, num_generations=2,
         max_completion_length=16, max_steps=1, logging_steps=1, learning_rate=1e-5, save_strategy="no", beta=0.04,
-        kl_adaptation_method="target", kl_target=0.01, kl_horizon=10.0,
+        kl_adaptation_method="ziegler", kl_target=0.01, kl_horizon=10.0,
     )
     trainer = GRPOTrainer(model=model_dir, reward_funcs=[smollm2.correct_answer_reward], args=args,
                           train_dataset=smollm2.addition_dataset(8))
     trainer.train()
     (log,) = [h for h in trainer.state.log_history if unsloth_adaptive_kl.CURRENT_BETA in h]
-    # Step 1: the policy is the reference, so the KL is 0 and target (below its target) lowers β for step 2.
+    # Step 1: the policy is the reference, so the KL is 0, below kl_target, and Ziegler's controller lowers β at its
+    # full rate for step 2: β (1 + clip(0 / kl_target - 1, -0.2, 0.2) n / kl_horizon) with n = 2 completions.
     assert log[unsloth_adaptive_kl.RAW_KL] == 0.0 and math.isfinite(log["loss"])
     assert log[unsloth_adaptive_kl.CURRENT_BETA] == 0.04
-    assert trainer.beta < 0.04
+    assert trainer.beta == pytest.approx(0.04 * (1 - 0.2 * 2 / 10.0), rel=1e-12)
 
 
 @pytest.mark.real_model
