@@ -10,15 +10,14 @@ of the loss (tests/backends/), and user-registered functions (tests/test_user_co
 
 import itertools
 import math
-from collections import defaultdict
 from types import SimpleNamespace
 
 import pytest
 import reference
 import torch
+from one_process_trainer import OneProcessTrainer
 
 from unsloth_adaptive_kl import metrics
-from unsloth_adaptive_kl.backends._trainer import TrainerAdaptiveKL
 from unsloth_adaptive_kl.config import DEFAULTS, PLACEMENTS, controller_config
 from unsloth_adaptive_kl.controllers import CONTROLLERS, controller_names
 from unsloth_adaptive_kl.estimators import ESTIMATORS, builtin_estimator_names
@@ -42,20 +41,6 @@ GROUP = 3
 def _method(controller, shaping):
     parts = [p for p in (controller, shaping) if p not in ("fixed", "none")]
     return "+".join(parts) or "none"
-
-
-class _Trainer:
-    """What the runtime reads of a trainer: args, a one-process accelerator, the metrics, ``beta``."""
-
-    def __init__(self, args):
-        self.args = args
-        self.accelerator = SimpleNamespace(reduce=lambda t, reduction: t, gather=lambda t: t, process_index=0, num_processes=1)
-        self._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
-        self._adaptive_kl = TrainerAdaptiveKL(self)
-
-    @property
-    def beta(self):
-        return self._adaptive_kl.beta
 
 
 def _batch(seed):
@@ -96,9 +81,9 @@ def test_every_combination_of_features_matches_its_float64_reference(placement, 
         refusal = _expected_refusal(placement, monitor, shaping)
         if refusal is not None:
             with pytest.raises(ValueError, match=refusal):
-                _Trainer(args)
+                OneProcessTrainer(args)
             continue
-        runtime = _Trainer(args)._adaptive_kl
+        runtime = OneProcessTrainer(args)._adaptive_kl
         settings = controller_config(args, parse_method(method))
         if placement == "loss":
             _run_loss_placement(runtime, args, settings, controller, case)

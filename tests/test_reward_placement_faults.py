@@ -6,30 +6,22 @@ here from docs/kl-placement.md."""
 
 import logging
 import math
-from collections import defaultdict
 from types import SimpleNamespace
 
 import pytest
 import torch
+from one_process_trainer import OneProcessTrainer
 
 from unsloth_adaptive_kl import metrics
-from unsloth_adaptive_kl.backends._trainer import TrainerAdaptiveKL
 from unsloth_adaptive_kl import kl_term
 from unsloth_adaptive_kl.config import DEFAULTS
 
 
-class _Trainer:
-    """What the placement reads of a trainer: args, an accelerator of one process, the metrics, ``beta``."""
+class _Trainer(OneProcessTrainer):
+    """The placement's trainer: kl_placement='reward', k3, β 0.1, the config's defaults otherwise."""
 
     def __init__(self, **fields):
-        self.args = SimpleNamespace(**{**DEFAULTS, "beta": 0.1, "kl_placement": "reward", "kl_estimator": "k3", **fields})
-        self.accelerator = SimpleNamespace(reduce=lambda t, reduction: t, gather=lambda t: t, process_index=0, num_processes=1)
-        self._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
-        self._adaptive_kl = TrainerAdaptiveKL(self)
-
-    @property
-    def beta(self):
-        return self._adaptive_kl.beta
+        super().__init__(SimpleNamespace(**{**DEFAULTS, "beta": 0.1, "kl_placement": "reward", "kl_estimator": "k3", **fields}))
 
 
 def _k3_64(logp, ref):
