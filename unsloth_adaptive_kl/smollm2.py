@@ -20,6 +20,8 @@ import hashlib
 import importlib.util
 import json
 import os
+import random
+import re
 from pathlib import Path
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -156,19 +158,8 @@ def _convert(source: Path, out: Path) -> None:
     config_path.write_text(json.dumps(saved, indent=2, ensure_ascii=False))
 
 
-def load(cache_dir: str | os.PathLike | None = None, *, dtype=None):
-    """``(model, tokenizer)`` from :func:`smollm2_dir` through transformers' Auto classes."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = smollm2_dir(cache_dir)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32)
-    return model, AutoTokenizer.from_pretrained(path)
-
-
 # --- The task: chat-formatted addition that the 135 M model partly solves at step 0 -------------------------
 
-import re  # noqa: E402
 
 #: Prompt styles of :func:`addition_problems`. "explain" asks for the reasoning first, so that replies are
 #: long and their length is the model's choice; "short" asks for the sum alone.
@@ -183,8 +174,6 @@ _INTEGER = re.compile(r"-?\d[\d,]*")
 def addition_problems(n: int, *, seed: int = 0, low: int = 1, high: int = 9, style: str = "explain") -> list[dict]:
     """``n`` chat prompts asking for ``a + b`` with ``a, b`` drawn uniformly from ``[low, high]`` (TRL's
     conversational format: ``prompt`` is a list of messages), each with its integer ``answer``."""
-    import random
-
     if style not in STYLES:
         raise ValueError(f"style={style!r} is not valid; allowed: {', '.join(STYLES)}")
     rng = random.Random(seed)
