@@ -364,7 +364,7 @@ DEFAULT_PLACEMENT, DEFAULT_ESTIMATOR = Settings.kl_placement, Settings.kl_estima
 
 
 class CellKey(NamedTuple):
-    """A cell of the study: a method at an initial β (and, for `target`, a kl_target), with a KL placement and
+    """A cell of the study: a method at an initial β (and, for a controller that reads it, a kl_target), with a KL placement and
     estimator; the defaults (loss, k3) are every run of phase 1."""
 
     method: str
@@ -391,6 +391,16 @@ class CellKey(NamedTuple):
         return f"`{self.method}`" + ("" if self.default_placement else f" (KL in the {self.placement}, {self.estimator})")
 
 
+def reads_kl_target(method: str) -> bool:
+    """Whether ``method`` (a ``kl_adaptation_method``, parts joined by ``+``) has a β controller that reads
+    ``kl_target`` (``target``, ``ziegler``): read from the controllers' registry, where each declares its parameters.
+    Its runs are then cells by kl_target too (study 49 runs both controllers at several targets)."""
+    from unsloth_adaptive_kl.controllers import CONTROLLERS
+
+    return any(p.name == "kl_target" for part in method.split("+") if part in CONTROLLERS
+               for p in CONTROLLERS[part].parameters)
+
+
 def study_cells(paths: list[str]) -> tuple[dict, dict[str, int]]:
     """The study's runs by family (tags that differ only in the initial β, kl_target, KL placement and estimator):
     ({family: {CellKey(method, β0, kl_target or None, placement, estimator): {seed: copies}}}, {family: planned
@@ -401,7 +411,7 @@ def study_cells(paths: list[str]) -> tuple[dict, dict[str, int]]:
         family = _family(tag)
         for (method, seed), copies in by_run.items():
             first = copies[0][0]
-            key = CellKey(method, float(first["beta0"]), first.get("kl_target") if method == "target" else None,
+            key = CellKey(method, float(first["beta0"]), first.get("kl_target") if reads_kl_target(method) else None,
                           first.get("kl_placement") or DEFAULT_PLACEMENT, first.get("kl_estimator") or DEFAULT_ESTIMATOR)
             runs.setdefault(family, {}).setdefault(key, {})[seed] = copies
             planned[family] = max(planned.get(family, 0), int(first["planned_steps"]))

@@ -1,0 +1,183 @@
+"""Study 49's analysis (research/study49/report.py, docs/evidence/study49-target.md) on synthetic streams whose
+answers are known by construction: the held counts, runaways, paired rewards and the unreachable cell's declaration
+are set when the streams are written, and the report must print the verdicts those numbers give. The unreachable
+cell's β series, declaration and warning come from the package's own `target` controller on a KL that does not
+respond to β, so the report reads the message the controller really writes."""
+
+import gzip
+import io
+import json
+import logging
+import math
+import os
+import sys
+import tarfile
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "research", "study49"))
+import report  # noqa: E402
+
+from unsloth_adaptive_kl.controllers import ControllerConfig, make_controller  # noqa: E402
+from unsloth_adaptive_kl.metrics import CURRENT_BETA, RAW_KL, TARGET_REACHABLE  # noqa: E402
+
+STEPS, SEEDS = 200, range(5)
+FAMILY = "long-dapo-b{b:g}-h768x6-L192-s200-wlr0.0003"
+
+
+def rows(method, seed, beta0, kl_target, final_kl, final_reward, *, runaway=False, betas=None, reachable=None):
+    """A run of 200 steps: KL and reward constant at their final values from step 100 (so the final window's means
+    are exactly ``final_kl`` and ``final_reward``), lower before; a ``runaway`` has its KL at 10 x the study's
+    threshold and its reward 0.3 below its peak from step 120."""
+    tag = FAMILY.format(b=beta0) + (f"-kt{kl_target:g}" if kl_target != 0.1 else "")
+    out = []
+    for step in range(1, STEPS + 1):
+        kl, reward = (final_kl, final_reward) if step >= 100 else (final_kl / 3, final_reward - 0.1)
+        if runaway and step >= 120:
+            kl, reward = final_kl, final_reward - 0.3
+        row = {"tag": tag, "method": method, "seed": seed, "step": step, "copy": f"{method}{seed}{beta0}{kl_target}",
+               "beta0": beta0, "planned_steps": STEPS, "kl_target": kl_target, "kl_placement": "loss", "kl_estimator": "k3",
+               "reward": reward, "completions/mean_length": 120.0, CURRENT_BETA: betas[step - 1] if betas else beta0}
+        if beta0 > 0:
+            row[RAW_KL] = kl
+        if reachable is not None:
+            row[TARGET_REACHABLE] = reachable[step - 1]
+        out.append(row)
+    return out
+
+
+def write(directory, name, all_rows, logs=None):
+    os.makedirs(directory, exist_ok=True)
+    with gzip.open(os.path.join(directory, f"{name}-stream.jsonl.gz"), "wt") as f:
+        f.writelines(json.dumps(r) + "\n" for r in all_rows)
+    if logs:
+        with tarfile.open(os.path.join(directory, f"{name}-runs.tar.gz"), "w:gz") as tar:
+            for run, text in logs.items():
+                data = text.encode()
+                info = tarfile.TarInfo(f"./1/runs/{run}/log.txt")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+
+
+# phase 1: fixed β's final KL and reward by seed; K_nat = β 0.1's seed-mean KL 0.02 (its reward is the best at β > 0),
+# so the runaway threshold is 0.2; β 0.001 runs away in seeds 0 and 1 (KL 1.0)
+PHASE1 = {0.001: ([1.0, 1.0, 0.05, 0.05, 0.05], [0.6] * 5), 0.01: ([0.04] * 5, [0.70, 0.71, 0.72, 0.73, 0.74]),
+          0.1: ([0.02] * 5, [0.76] * 5), 0.3: ([0.05] * 5, [0.68] * 5)}
+
+
+def unreachable_run():
+    """The package's `target` from β0 0.1 at kl_target 0.0062 on a KL stuck at 0.03: its β series, reachable flags
+    and warning (logged by the controller itself)."""
+    controller = make_controller("target", ControllerConfig(0.1, kl_target=0.0062))
+    betas, flags = [], []
+    handler = logging.Handler()
+    handler.records = []
+    handler.emit = handler.records.append
+    logger = logging.getLogger("unsloth_adaptive_kl")
+    logger.addHandler(handler)
+    try:
+        for step in range(1, STEPS + 1):
+            betas.append(controller.beta)
+            controller.update(global_step=step, kl=0.03, num_completions=64)
+            flags.append(controller.metrics()[TARGET_REACHABLE])
+    finally:
+        logger.removeHandler(handler)
+    (warning,) = [r.getMessage() for r in handler.records if "not reachable" in r.getMessage()]
+    return betas, flags, warning
+
+
+@pytest.fixture(scope="module")
+def study(tmp_path_factory):
+    """Writes phase 1 and study 49's cells; target at 0.04 holds 5/5, 4/5 and 5/5 (β0 0.01, 0.1, 1: 14 of 15),
+    ziegler 2/5 in each β0; target at 0.099 runs away in one seed from β0 0.01."""
+    base = tmp_path_factory.mktemp("study49")
+    phase1 = []
+    for beta, (kls, rewards) in PHASE1.items():
+        write(base / "p1", f"p1-b{beta:g}", [r for s in SEEDS for r in rows("none", s, beta, 0.1, kls[s], rewards[s],
+                                                                           runaway=kls[s] == 1.0)])
+    phase1 = sorted(str(p) for p in (base / "p1").glob("*-stream.jsonl.gz"))
+    inside, outside = 0.04 * 1.2, 0.04 * 1.3  # within ±25 % (ln 1.2 < ln 1.25) and not (ln 1.3 > ln 1.25)
+    held = {0.01: [inside] * 5, 0.1: [inside, inside, inside, inside, outside], 1: [0.04 / 1.2] * 5}
+    betas, flags, warning = unreachable_run()
+    directories = []
+    for seed in SEEDS:
+        d = base / f"study49-seed{seed}-a"
+        a = [r for b0, kls in held.items() for r in rows("target", seed, b0, 0.04, kls[seed], 0.71 + 0.01 * seed)]
+        a += rows("target", seed, 0.1, 0.0062, 0.03, 0.65, betas=betas, reachable=flags)
+        write(d, d.name, a, {f"target-seed{seed}-b0.1-kt0.0062": "some output\n" + warning + "\nmore output\n"})
+        d_b = base / f"study49-seed{seed}-b"
+        write(d_b, d_b.name, [r for b0 in held for r in rows("ziegler", seed, b0, 0.04, inside if seed < 2 else outside, 0.7)])
+        d_c = base / f"study49-seed{seed}-c"
+        runaway = {b0: b0 == 0.01 and seed == 0 for b0 in held}
+        write(d_c, d_c.name, [r for b0 in held for r in rows("target", seed, b0, 0.099, 1.0 if runaway[b0] else 0.1, 0.70,
+                                                               runaway=runaway[b0])])
+        directories += [str(d), str(d_b), str(d_c)]
+    return report.report(directories, phase1), betas, flags, warning
+
+
+def line(text, start):
+    (found,) = [l for l in text.splitlines() if l.startswith(start)]
+    return found
+
+
+def test_the_cells_hold_counts_and_natural_kl_are_those_written(study):
+    text = study[0]
+    assert "K_nat (best fixed β > 0 of phase 1, 0.1): 0.02; runaway threshold 10 x = 0.2." in text
+    assert "| 5/5 |" in line(text, "| `target` | 0.01 | 0.04 |") and "| 4/5 |" in line(text, "| `target` | 0.1 | 0.04 |")
+    assert "| 2/5 |" in line(text, "| `ziegler` | 1 | 0.04 |")
+    # the seed-mean ratio of β0 0.1: the geometric mean of four 1.2s and one 1.3, computed here
+    assert f"| {math.exp((4 * math.log(1.2) + math.log(1.3)) / 5):.2f} |" in line(text, "| `target` | 0.1 | 0.04 |")
+    assert line(text, "| 0.001 | 5 |").endswith("| 2 |")  # the two runaways written into β 0.001
+
+
+def test_h1_is_met_at_14_of_15_with_every_beta0_at_4_or_more_and_ziegler_below(study):
+    h1 = line(study[0], "- **H1")
+    assert "`target` 14 of 15 runs" in h1 and "0.01: 5/5, 0.1: 4/5, 1: 5/5" in h1 and "`ziegler` 6 of 15" in h1
+    # TOST needs the 90 % interval of the log ratio inside ±ln 1.25: 5 equal values of 1.2 have no spread, so yes;
+    # four 1.2s and one 1.3: mean ln 1.22, its interval's upper end above ln 1.25? computed here from the t table
+    logs = [math.log(1.2)] * 4 + [math.log(1.3)]
+    mean = sum(logs) / 5
+    sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / 4)
+    equivalent = mean + 2.132 * sd / math.sqrt(5) < math.log(1.25)
+    assert ("TOST equivalent in every β0: yes" in h1) == equivalent
+    assert h1.endswith("**met**.") == equivalent and ("**not met**" in h1) == (not equivalent)
+
+
+def test_h2_counts_target_runaways_against_the_comparators(study):
+    text = study[0]
+    assert "`target` per β0 0.01: 0, 0.1: 0, 1: 0; comparator β 0.01: 0. **met**" in line(text, "- **H2, runaways at 0.04")
+    assert "`target` per β0 0.01: 1, 0.1: 0, 1: 0; comparator β 0.001: 2. **met**" in line(text, "- **H2, runaways at 0.099")
+
+
+def test_h3_pairs_rewards_by_seed_against_the_fixed_comparator(study):
+    text = study[0]
+    # target at 0.04 ends at 0.71 + 0.01 s, β 0.01 at 0.70 + 0.01 s: every paired difference 0.01, inside ±0.05
+    assert "| `target` β0 0.01 vs fixed β 0.01 | 0.010 |" in text
+    assert "equivalent in every β0: **met**" in line(text, "- **H3, reward at 0.04")
+    # at 0.099 against β 0.1 (0.76): 0.70 - 0.76 = -0.06 from β0 0.1, outside the margin
+    assert "| `target` β0 0.1 vs fixed β 0.1 | -0.060 |" in text and "**not met**" in line(text, "- **H3, reward at 0.099")
+
+
+def test_the_unreachable_cell_reads_the_controllers_own_declaration_and_warning(study):
+    text, betas, flags, warning = study
+    declared = flags.index(0.0) + 1
+    cap = float(warning.split("Beta is capped at ")[1].split(" ")[0])
+    assert f"seed 0: declared at {declared}, warning caps β at {cap:.4g}" in text
+    u1 = line(text, "- **U1")
+    assert u1.endswith("**met**.") == (declared <= 60), (declared, u1)
+    in_range = 0.02 <= min(betas) and max(betas) <= 0.5 and max(betas[declared:]) <= cap
+    assert line(text, "- **U2").endswith("**met**.") == in_range
+
+
+def test_a_beta0_below_four_of_five_fails_h1_and_an_incomplete_study_says_so(tmp_path):
+    phase1 = []
+    for beta, (kls, rewards) in PHASE1.items():
+        write(tmp_path / "p1", f"p1-b{beta:g}", [r for s in SEEDS for r in rows("none", s, beta, 0.1, kls[s], rewards[s])])
+    phase1 = sorted(str(p) for p in (tmp_path / "p1").glob("*-stream.jsonl.gz"))
+    d = tmp_path / "study49-seed0-a"
+    write(d, d.name, [r for s in SEEDS for b0, kl in ((0.01, 0.04), (0.1, 0.04), (1, 0.06 if s < 2 else 0.04))
+                      for r in rows("target", s, b0, 0.04, kl, 0.7)])
+    h1 = line(report.report([str(d)], phase1), "- **H1")
+    assert "`target` 13 of 15 runs" in h1 and "1: 3/5" in h1 and "(≥ 4 each: no)" in h1
+    assert "**not met** (incomplete: not all 15 + 15 runs yet)." in h1  # no ziegler runs were given
