@@ -150,9 +150,10 @@ def criteria(summary: dict, fixed: dict, steps: int, threshold: float, warned: d
         comparator = fixed.get(runaway_beta, {})
         limit = sum(A.copy_numbers(rows, steps, threshold)["runaway_step"] is not None for c in comparator.values() for rows in c)
         worst = max(v["runaways"] for v in cells.values())
+        partial = "" if len(cells) == 3 and all(v["seeds"] == 5 for v in cells.values()) else " (incomplete: not all 3 × 5 runs yet)"
         out.append(f"- **H2, runaways at {kt:g}**: `target` per β0 "
                    f"{per_beta0(cells, 'runaways')}; comparator β "
-                   f"{runaway_beta:g}: {limit}. **{'met' if worst <= limit else 'not met'}**.")
+                   f"{runaway_beta:g}: {limit}. **{'met' if worst <= limit else 'not met'}**{partial}.")
         z = _cells(summary, "ziegler", kt)
         if z:
             out.append(f"  `ziegler` per β0: {per_beta0(z, 'runaways')}.")
@@ -165,7 +166,7 @@ def criteria(summary: dict, fixed: dict, steps: int, threshold: float, warned: d
                 e2 = A.tost(A.paired_by_seed(v["by_seed"], fixed.get(also, {}), steps, "reward"), A.REWARD_MARGIN)
                 lines.append(f"  | `target` β0 {key.beta:g} vs fixed β {also:g} (reported) | {A.fmt_equivalence(e2)} |")
         out += [f"- **H3, reward at {kt:g}** (Δ final reward, paired by seed, margin ±{A.REWARD_MARGIN:g}): "
-                f"{'equivalent in every β0: **met**' if equivalent else '**not met**'}" +
+                f"{'equivalent in every β0: **met**' if equivalent else '**not met**'}{partial}" +
                 ("" if kt == REACHABLE_TARGET else " (no fixed β reaches this target: reported against the best fixed β)") + ".",
                 "", "  | comparison | Δ mean | 90 % CI | 95 % CI | verdict |", "  |---|---|---|---|---|", *lines, ""]
     unreachable = {k: v for k, v in _cells(summary, "target", UNREACHABLE_TARGET).items() if k.beta == U_BETA0}
