@@ -78,20 +78,144 @@ def read_copies(pattern: str = STREAMS) -> list[Copy]:
 
 
 RULE = RunawayRule()  # the package's thresholds
+EVERY = (1, 4, 8, 16)  # kl_monitor_every: every step, and the sampled monitor (16: its default)
+RATIOS, CONFIRMATIONS = (4.0, 5.0, 6.0, 8.0), (1, 2, 3)  # the scan (docs/runaway.md's selection rule)
+CALM_BOUND = 0.10  # issue 53: at most 10 % of the calm copies flagged
+
+
+def watched(step: int, every: int, phase: int) -> bool:
+    """Whether the sampled kl_monitor at ``kl_monitor_every=every`` logs the KL of ``step`` (1-based), its watched
+    steps shifted by ``phase`` (0: steps 1, every + 1, ...; the monitor's own; the others: a runaway starting
+    elsewhere in its cycle)."""
+    return (step - 1) % every == phase
+
+
+def step_kl(row: dict, every: int, phase: int) -> float | None:
+    kl = row.get(metrics.RAW_KL)
+    if kl is None or (isinstance(kl, float) and math.isnan(kl)) or not watched(row["step"], every, phase):
+        return None
+    return kl
 
 
 def alarm_step(rows: list[dict], every: int = 1, phase: int = 0, rule: RunawayRule = RULE) -> int | None:
-    """The step at which the package's RunawayAlarm fires on ``rows`` (None: never), with the KL of steps whose
-    ``(step - 1) % every == phase`` only (the sampled kl_monitor: ``every`` = kl_monitor_every)."""
+    """The step at which the package's RunawayAlarm fires on ``rows`` (None: never), fed the KL of the watched steps
+    only (:func:`watched`) and the reward of every step."""
     alarm = RunawayAlarm(rule)
     for row in rows:
-        step, kl = row["step"], row.get(metrics.RAW_KL)
-        if kl is None or (isinstance(kl, float) and math.isnan(kl)) or (step - 1) % every != phase:
-            kl = None
         alarm.observe_reward(row.get("reward"))
-        if alarm.end_step(step, kl):
+        if alarm.end_step(row["step"], step_kl(row, every, phase)):
+            return row["step"]
+    return None
+
+
+def signals(rows: list[dict], every: int, phase: int) -> list[tuple[int, float | None, bool]]:
+    """(step, KL ratio or None where not judged, reward fell) at each observed KL, from the package's ``check`` (an
+    alarm that never fires: the ratio and the reward means do not depend on the thresholds scanned)."""
+    alarm, out = RunawayAlarm(RunawayRule(kl_ratio=math.inf)), []
+    for row in rows:
+        alarm.observe_reward(row.get("reward"))
+        kl = step_kl(row, every, phase)
+        alarm.end_step(row["step"], kl)
+        if kl is not None:
+            last = alarm.last
+            out.append((row["step"], None if last is None else last.kl_ratio, last is not None and last.recent_reward < last.base_reward))
+    return out
+
+
+def fires_at(sigs: list[tuple[int, float | None, bool]], ratio: float, confirmations: int) -> int | None:
+    """The alarm's firing rule over precomputed :func:`signals` (the scan's fast path; checked against the alarm)."""
+    streak = 0
+    for step, r, fell in sigs:
+        streak = streak + 1 if r is not None and r >= ratio and fell else 0
+        if streak >= confirmations:
             return step
     return None
+
+
+@dataclass
+class Score:
+    """One rule's counts on a set of runaway and calm copies, per N (means over the N phases)."""
+
+    ratio: float
+    confirmations: int
+    runaways: dict[int, float]  # N -> runaways flagged, mean over phases
+    calm: dict[int, float]  # N -> calm copies flagged, mean over phases
+    latest: int | None  # the latest alarm step - section 7's step, over every N and phase (None: none flagged)
+    calm_total: int  # how many calm copies
+
+    def admissible(self) -> bool:
+        return all(flagged <= CALM_BOUND * self.calm_total + 1e-9 for flagged in self.calm.values())
+
+    def key(self) -> tuple:
+        """docs/runaway.md's selection rule, 2-5: most runaways, earliest latest alarm, fewest calm, larger r, smaller m."""
+        return (-sum(self.runaways.values()), math.inf if self.latest is None else self.latest, sum(self.calm.values()),
+                -self.ratio, self.confirmations)
+
+
+def all_signals(copies: list[Copy], every_list=EVERY) -> dict:
+    """{(id(copy), N, phase): signals} for every copy given."""
+    return {(id(c), every, phase): signals(c.rows, every, phase) for c in copies for every in every_list for phase in range(every)}
+
+
+def score(sigs: dict, runaways: list[Copy], calm: list[Copy], ratio: float, confirmations: int, every_list=EVERY) -> Score:
+    run_means, calm_means, latest = {}, {}, None
+    for every in every_list:
+        flagged_runaways = flagged_calm = 0
+        for phase in range(every):
+            for c in runaways:
+                fired = fires_at(sigs[id(c), every, phase], ratio, confirmations)
+                if fired is not None:
+                    flagged_runaways += 1
+                    latest = fired - c.section7_step if latest is None else max(latest, fired - c.section7_step)
+            flagged_calm += sum(fires_at(sigs[id(c), every, phase], ratio, confirmations) is not None for c in calm)
+        run_means[every], calm_means[every] = flagged_runaways / every, flagged_calm / every
+    return Score(ratio, confirmations, run_means, calm_means, latest, len(calm))
+
+
+def select(sigs: dict, runaways: list[Copy], calm: list[Copy]) -> tuple[Score | None, list[Score]]:
+    """docs/runaway.md's selection rule over the scanned rules: the chosen one (None: none admissible) and all."""
+    scores = [score(sigs, runaways, calm, r, m) for r in RATIOS for m in CONFIRMATIONS]
+    admissible = [s for s in scores if s.admissible()]
+    return (min(admissible, key=Score.key) if admissible else None), scores
+
+
+def scan_report(groups: dict[str, list[Copy]]) -> str:
+    runaways, calm = groups["runaways"], groups["calm"]
+    sigs = all_signals(runaways + calm)
+    chosen, scores = select(sigs, runaways, calm)
+    for c in runaways + calm:  # the fast path is the alarm's rule: checked on the chosen setting
+        for every in EVERY:
+            for phase in range(every):
+                rule = RunawayRule(kl_ratio=chosen.ratio, confirmations=chosen.confirmations)
+                assert fires_at(sigs[id(c), every, phase], chosen.ratio, chosen.confirmations) == alarm_step(c.rows, every, phase, rule), c.label
+    head = " | ".join(f"N={n}: runaways / calm (mean over phases)" for n in EVERY)
+    out = ["## The scan (docs/runaway.md's selection rule), on all copies", "",
+           f"| r | m | {head} | latest alarm - section 7 | admissible (calm <= {CALM_BOUND:.0%} at every N) |",
+           "|---|---|" + "---|" * len(EVERY) + "---|---|"]
+    for s in scores:
+        cells = " | ".join(f"{s.runaways[n]:.2f} / {s.calm[n]:.2f}" for n in EVERY)
+        mark = " **chosen**" if s is chosen else ""
+        out.append(f"| {s.ratio:g} | {s.confirmations} | {cells} | {s.latest} | {'yes' if s.admissible() else 'no'}{mark} |")
+    out += ["", f"of {len(runaways)} runaways and {len(calm)} calm copies", "",
+            "## Leave one seed out: the rule chosen on the other seeds, counted on the held-out seed", "",
+            "| held-out seed | chosen on the others (r, m) | runaways of the seed | " + " | ".join(f"N={n}: runaways / calm flagged" for n in EVERY) + " | calm copies of the seed |",
+            "|---|---|---|" + "---|" * len(EVERY) + "---|"]
+    totals_run, totals_calm = dict.fromkeys(EVERY, 0.0), dict.fromkeys(EVERY, 0.0)
+    for seed in sorted({c.seed for c in runaways + calm}):
+        fit, _ = select(sigs, [c for c in runaways if c.seed != seed], [c for c in calm if c.seed != seed])
+        held_run, held_calm = [c for c in runaways if c.seed == seed], [c for c in calm if c.seed == seed]
+        if fit is None:
+            out.append(f"| {seed} | none admissible | {len(held_run)} | " + " | ".join("" for _ in EVERY) + f" | {len(held_calm)} |")
+            continue
+        held = score(sigs, held_run, held_calm, fit.ratio, fit.confirmations)
+        for n in EVERY:
+            totals_run[n] += held.runaways[n]
+            totals_calm[n] += held.calm[n]
+        cells = " | ".join(f"{held.runaways[n]:.2f} / {held.calm[n]:.2f}" for n in EVERY)
+        out.append(f"| {seed} | {fit.ratio:g}, {fit.confirmations} | {len(held_run)} | {cells} | {len(held_calm)} |")
+    cells = " | ".join(f"{totals_run[n]:.2f} / {totals_calm[n]:.2f} ({100 * totals_calm[n] / len(calm):.1f} %)" for n in EVERY)
+    out.append(f"| all, held out | | {len(runaways)} | {cells} | {len(calm)} |")
+    return "\n".join(out)
 
 
 def populations(copies: list[Copy]) -> dict[str, list[Copy]]:
@@ -179,8 +303,13 @@ def report(copies: list[Copy], every_list: list[int]) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--every", type=int, nargs="*", default=[], help="also count with the KL of every N-th step only")
+    parser.add_argument("--scan", action="store_true", help="the scan the thresholds were chosen by, and its leave-one-seed-out check")
     args = parser.parse_args(argv)
-    print(report(read_copies(), args.every))
+    copies = read_copies()
+    print(report(copies, args.every))
+    if args.scan:
+        print()
+        print(scan_report(populations(copies)))
     return 0
 
 
