@@ -35,11 +35,21 @@ class RunawayRule:
     base_steps: int = 50
     kl_ratio: float = 6.0
     min_base_observations: int = 3
+    min_recent_observations: int = 1
     confirmations: int = 2
 
     @property
     def span(self) -> int:
         return self.recent_steps + self.base_steps
+
+    def windows(self, step: int, kls) -> tuple[int, int]:
+        """``(base_from, recent_from)``: the recent window is steps (recent_from, step], the last
+        :attr:`recent_steps` steps or, where they hold fewer, back to the :attr:`min_recent_observations`-th last
+        observed KL; the base window is the :attr:`base_steps` steps before it, (base_from, recent_from]."""
+        recent_from = step - self.recent_steps
+        if len(kls) >= self.min_recent_observations:
+            recent_from = min(recent_from, kls[-self.min_recent_observations][0] - 1)
+        return recent_from - self.base_steps, recent_from
 
 
 @dataclass(frozen=True)
@@ -48,6 +58,8 @@ class RunawaySignal:
     whether the rule holds there."""
 
     step: int
+    recent_kl: float
+    base_kl: float
     kl_ratio: float
     recent_reward: float
     base_reward: float
@@ -63,9 +75,11 @@ def check(step: int, kls: list[tuple[int, float]], rewards: list[tuple[int, floa
     """The rule at ``step`` from ``(step, value)`` observations (finite values only, any older ones ignored).
     None when it cannot be judged yet: no KL at ``step``, the base window not yet elapsed, too few KLs or no
     reward in a window, or a base KL median that is not positive."""
-    if step < rule.span or not kls or kls[-1][0] != step:
+    if not kls or kls[-1][0] != step:
         return None
-    recent_from, base_from = step - rule.recent_steps, step - rule.span  # recent: (recent_from, step]; base: (base_from, recent_from]
+    base_from, recent_from = rule.windows(step, kls)
+    if base_from < 0:
+        return None
     recent_kl = [v for s, v in kls if recent_from < s <= step]
     base_kl = [v for s, v in kls if base_from < s <= recent_from]
     recent_reward = _mean(v for s, v in rewards if recent_from < s <= step)
@@ -75,8 +89,9 @@ def check(step: int, kls: list[tuple[int, float]], rewards: list[tuple[int, floa
     base = statistics.median(base_kl)
     if not base > 0:
         return None
-    ratio = _mean(recent_kl) / base
-    return RunawaySignal(step, ratio, recent_reward, base_reward, holds=ratio >= rule.kl_ratio and recent_reward < base_reward)
+    recent = _mean(recent_kl)
+    ratio = recent / base
+    return RunawaySignal(step, recent, base, ratio, recent_reward, base_reward, holds=ratio >= rule.kl_ratio and recent_reward < base_reward)
 
 
 class RunawayAlarm:
@@ -111,8 +126,9 @@ class RunawayAlarm:
         observed = kl is not None and math.isfinite(kl)
         if observed:
             self._kls.append((step, float(kl)))
+        horizon = self.rule.windows(step, self._kls)[0]  # steps up to it are in no later window (both bounds only grow)
         for window in (self._kls, self._rewards):
-            while window and window[0][0] <= step - self.rule.span:
+            while window and window[0][0] <= horizon:
                 window.popleft()
         if self.fired or not observed:
             return False

@@ -79,7 +79,7 @@ def read_copies(pattern: str = STREAMS) -> list[Copy]:
 
 RULE = RunawayRule()  # the package's thresholds
 EVERY = (1, 4, 8, 16)  # kl_monitor_every: every step, and the sampled monitor (16: its default)
-RATIOS, CONFIRMATIONS = (4.0, 5.0, 6.0, 8.0), (1, 2, 3)  # the scan (docs/runaway.md's selection rule)
+RATIOS, RECENT_OBSERVATIONS, CONFIRMATIONS = (4.0, 5.0, 6.0, 8.0), (1, 2, 3), (1, 2, 3)  # the scan (docs/runaway.md)
 CALM_BOUND = 0.10  # issue 53: at most 10 % of the calm copies flagged
 
 
@@ -108,10 +108,11 @@ def alarm_step(rows: list[dict], every: int = 1, phase: int = 0, rule: RunawayRu
     return None
 
 
-def signals(rows: list[dict], every: int, phase: int) -> list[tuple[int, float | None, bool]]:
+def signals(rows: list[dict], every: int, phase: int, recent_observations: int = 1) -> list[tuple[int, float | None, bool]]:
     """(step, KL ratio or None where not judged, reward fell) at each observed KL, from the package's ``check`` (an
-    alarm that never fires: the ratio and the reward means do not depend on the thresholds scanned)."""
-    alarm, out = RunawayAlarm(RunawayRule(kl_ratio=math.inf)), []
+    alarm that never fires: the ratio and the reward means depend on the windows, not on the ratio or the
+    confirmations scanned)."""
+    alarm, out = RunawayAlarm(RunawayRule(kl_ratio=math.inf, min_recent_observations=recent_observations)), []
     for row in rows:
         alarm.observe_reward(row.get("reward"))
         kl = step_kl(row, every, phase)
@@ -137,6 +138,7 @@ class Score:
     """One rule's counts on a set of runaway and calm copies, per N (means over the N phases)."""
 
     ratio: float
+    recent_observations: int
     confirmations: int
     runaways: dict[int, float]  # N -> runaways flagged, mean over phases
     calm: dict[int, float]  # N -> calm copies flagged, mean over phases
@@ -147,34 +149,40 @@ class Score:
         return all(flagged <= CALM_BOUND * self.calm_total + 1e-9 for flagged in self.calm.values())
 
     def key(self) -> tuple:
-        """docs/runaway.md's selection rule, 2-5: most runaways, earliest latest alarm, fewest calm, larger r, smaller m."""
+        """docs/runaway.md's selection rule, 2-5: most runaways, earliest latest alarm, fewest calm, larger r, smaller m
+        and k."""
         return (-sum(self.runaways.values()), math.inf if self.latest is None else self.latest, sum(self.calm.values()),
-                -self.ratio, self.confirmations)
+                -self.ratio, self.confirmations, self.recent_observations)
+
+    @property
+    def rule(self) -> RunawayRule:
+        return RunawayRule(kl_ratio=self.ratio, min_recent_observations=self.recent_observations, confirmations=self.confirmations)
 
 
 def all_signals(copies: list[Copy], every_list=EVERY) -> dict:
-    """{(id(copy), N, phase): signals} for every copy given."""
-    return {(id(c), every, phase): signals(c.rows, every, phase) for c in copies for every in every_list for phase in range(every)}
+    """{(id(copy), N, phase, k): signals} for every copy given and every k scanned."""
+    return {(id(c), every, phase, k): signals(c.rows, every, phase, k)
+            for c in copies for every in every_list for phase in range(every) for k in RECENT_OBSERVATIONS}
 
 
-def score(sigs: dict, runaways: list[Copy], calm: list[Copy], ratio: float, confirmations: int, every_list=EVERY) -> Score:
+def score(sigs: dict, runaways: list[Copy], calm: list[Copy], ratio: float, k: int, confirmations: int, every_list=EVERY) -> Score:
     run_means, calm_means, latest = {}, {}, None
     for every in every_list:
         flagged_runaways = flagged_calm = 0
         for phase in range(every):
             for c in runaways:
-                fired = fires_at(sigs[id(c), every, phase], ratio, confirmations)
+                fired = fires_at(sigs[id(c), every, phase, k], ratio, confirmations)
                 if fired is not None:
                     flagged_runaways += 1
                     latest = fired - c.section7_step if latest is None else max(latest, fired - c.section7_step)
-            flagged_calm += sum(fires_at(sigs[id(c), every, phase], ratio, confirmations) is not None for c in calm)
+            flagged_calm += sum(fires_at(sigs[id(c), every, phase, k], ratio, confirmations) is not None for c in calm)
         run_means[every], calm_means[every] = flagged_runaways / every, flagged_calm / every
-    return Score(ratio, confirmations, run_means, calm_means, latest, len(calm))
+    return Score(ratio, k, confirmations, run_means, calm_means, latest, len(calm))
 
 
 def select(sigs: dict, runaways: list[Copy], calm: list[Copy]) -> tuple[Score | None, list[Score]]:
     """docs/runaway.md's selection rule over the scanned rules: the chosen one (None: none admissible) and all."""
-    scores = [score(sigs, runaways, calm, r, m) for r in RATIOS for m in CONFIRMATIONS]
+    scores = [score(sigs, runaways, calm, r, k, m) for r in RATIOS for k in RECENT_OBSERVATIONS for m in CONFIRMATIONS]
     admissible = [s for s in scores if s.admissible()]
     return (min(admissible, key=Score.key) if admissible else None), scores
 
@@ -186,19 +194,19 @@ def scan_report(groups: dict[str, list[Copy]]) -> str:
     for c in runaways + calm:  # the fast path is the alarm's rule: checked on the chosen setting
         for every in EVERY:
             for phase in range(every):
-                rule = RunawayRule(kl_ratio=chosen.ratio, confirmations=chosen.confirmations)
-                assert fires_at(sigs[id(c), every, phase], chosen.ratio, chosen.confirmations) == alarm_step(c.rows, every, phase, rule), c.label
+                fast = fires_at(sigs[id(c), every, phase, chosen.recent_observations], chosen.ratio, chosen.confirmations)
+                assert fast == alarm_step(c.rows, every, phase, chosen.rule), c.label
     head = " | ".join(f"N={n}: runaways / calm (mean over phases)" for n in EVERY)
     out = ["## The scan (docs/runaway.md's selection rule), on all copies", "",
-           f"| r | m | {head} | latest alarm - section 7 | admissible (calm <= {CALM_BOUND:.0%} at every N) |",
-           "|---|---|" + "---|" * len(EVERY) + "---|---|"]
+           f"| r | k | m | {head} | latest alarm - section 7 | admissible (calm <= {CALM_BOUND:.0%} at every N) |",
+           "|---|---|---|" + "---|" * len(EVERY) + "---|---|"]
     for s in scores:
         cells = " | ".join(f"{s.runaways[n]:.2f} / {s.calm[n]:.2f}" for n in EVERY)
         mark = " **chosen**" if s is chosen else ""
-        out.append(f"| {s.ratio:g} | {s.confirmations} | {cells} | {s.latest} | {'yes' if s.admissible() else 'no'}{mark} |")
+        out.append(f"| {s.ratio:g} | {s.recent_observations} | {s.confirmations} | {cells} | {s.latest} | {'yes' if s.admissible() else 'no'}{mark} |")
     out += ["", f"of {len(runaways)} runaways and {len(calm)} calm copies", "",
             "## Leave one seed out: the rule chosen on the other seeds, counted on the held-out seed", "",
-            "| held-out seed | chosen on the others (r, m) | runaways of the seed | " + " | ".join(f"N={n}: runaways / calm flagged" for n in EVERY) + " | calm copies of the seed |",
+            "| held-out seed | chosen on the others (r, k, m) | runaways of the seed | " + " | ".join(f"N={n}: runaways / calm flagged" for n in EVERY) + " | calm copies of the seed |",
             "|---|---|---|" + "---|" * len(EVERY) + "---|"]
     totals_run, totals_calm = dict.fromkeys(EVERY, 0.0), dict.fromkeys(EVERY, 0.0)
     for seed in sorted({c.seed for c in runaways + calm}):
@@ -207,12 +215,12 @@ def scan_report(groups: dict[str, list[Copy]]) -> str:
         if fit is None:
             out.append(f"| {seed} | none admissible | {len(held_run)} | " + " | ".join("" for _ in EVERY) + f" | {len(held_calm)} |")
             continue
-        held = score(sigs, held_run, held_calm, fit.ratio, fit.confirmations)
+        held = score(sigs, held_run, held_calm, fit.ratio, fit.recent_observations, fit.confirmations)
         for n in EVERY:
             totals_run[n] += held.runaways[n]
             totals_calm[n] += held.calm[n]
         cells = " | ".join(f"{held.runaways[n]:.2f} / {held.calm[n]:.2f}" for n in EVERY)
-        out.append(f"| {seed} | {fit.ratio:g}, {fit.confirmations} | {len(held_run)} | {cells} | {len(held_calm)} |")
+        out.append(f"| {seed} | {fit.ratio:g}, {fit.recent_observations}, {fit.confirmations} | {len(held_run)} | {cells} | {len(held_calm)} |")
     cells = " | ".join(f"{totals_run[n]:.2f} / {totals_calm[n]:.2f} ({100 * totals_calm[n] / len(calm):.1f} %)" for n in EVERY)
     out.append(f"| all, held out | | {len(runaways)} | {cells} | {len(calm)} |")
     return "\n".join(out)
