@@ -33,9 +33,9 @@ class RunawayRule:
 
     recent_steps: int = 10
     base_steps: int = 50
-    kl_ratio: float = 6.0
+    kl_ratio: float = 5.0
     min_base_observations: int = 3
-    min_recent_observations: int = 1
+    min_recent_observations: int = 3
     confirmations: int = 2
 
     @property

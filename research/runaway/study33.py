@@ -1,8 +1,8 @@
 """The runaway alarm (unsloth_adaptive_kl/runaway.py) and the runaway definition of docs/runaway.md, applied to study
 33's streams (docs/evidence-data/study33-p[12]-*/*-stream.jsonl.gz, docs/evidence.md section 7).
 
-    python research/runaway/study33.py                 # the counts docs/runaway.md records
-    python research/runaway/study33.py --every 1 4 16  # also with the KL seen every N-th step (the sampled kl_monitor)
+    python research/runaway/study33.py --scan    # the counts docs/runaway.md records, and the scan of the thresholds
+    python research/runaway/study33.py --every 16  # the counts at kl_monitor_every=16 only (default: 1 4 8 16)
 
 Every copy of every run (section 7's rule: every copy counts as a draw) is fed to the package's own
 ``RunawayAlarm``, step by step, with the step's logged ``adaptive_kl/raw_kl`` and ``reward``: what the alarm would
@@ -13,7 +13,11 @@ KL above 10 x K_nat = 0.247 while the 10-step reward is 0.1 below its best; at b
 * the calm copies (beta > 0, in a run section 7 found no runaway in) the alarm flags, out of how many;
 * the cut copies of runs that ran away in another copy (neither population: shown apart);
 * the beta 0.04-0.1 runs (issue 51's test of the definition) flagged;
-* with ``--every``: the same counts with the KL kept on every N-th step only, over all N phases (mean and worst).
+* for each N of ``--every`` (kl_monitor_every; default 1, 4, 8, 16): the counts with the KL kept on the watched steps
+  only (every N-th; every phase of N tried), and the reward of every step: runaways flagged and when, calm copies
+  flagged (mean over phases and worst phase);
+* with ``--scan``: the scan the package's thresholds were chosen by (docs/runaway.md's selection rule, written
+  before the counts) and its leave-one-seed-out check.
 
 The beta = 0 copies logged no KL: neither the alarm nor the definition can judge them (docs/runaway.md).
 """
@@ -24,6 +28,7 @@ import argparse
 import glob
 import math
 import os
+import statistics
 import sys
 from dataclasses import dataclass
 
@@ -204,7 +209,9 @@ def scan_report(groups: dict[str, list[Copy]]) -> str:
         cells = " | ".join(f"{s.runaways[n]:.2f} / {s.calm[n]:.2f}" for n in EVERY)
         mark = " **chosen**" if s is chosen else ""
         out.append(f"| {s.ratio:g} | {s.recent_observations} | {s.confirmations} | {cells} | {s.latest} | {'yes' if s.admissible() else 'no'}{mark} |")
-    out += ["", f"of {len(runaways)} runaways and {len(calm)} calm copies", "",
+    package = (chosen.ratio, chosen.recent_observations, chosen.confirmations) == (RULE.kl_ratio, RULE.min_recent_observations, RULE.confirmations)
+    out += ["", f"of {len(runaways)} runaways and {len(calm)} calm copies; the chosen rule is the package's RunawayRule: "
+            f"{'yes' if package else 'NO'}", "",
             "## Leave one seed out: the rule chosen on the other seeds, counted on the held-out seed", "",
             "| held-out seed | chosen on the others (r, k, m) | runaways of the seed | " + " | ".join(f"N={n}: runaways / calm flagged" for n in EVERY) + " | calm copies of the seed |",
             "|---|---|---|" + "---|" * len(EVERY) + "---|"]
@@ -237,13 +244,15 @@ def populations(copies: list[Copy]) -> dict[str, list[Copy]]:
     }
 
 
-def report(copies: list[Copy], every_list: list[int]) -> str:
+def report(copies: list[Copy], every_list=EVERY) -> str:
     rule = RULE
     groups = populations(copies)
     stated = (
-        f"rule: mean KL over the last {rule.recent_steps} steps >= {rule.kl_ratio:g} x the median KL of the "
-        f"{rule.base_steps} steps before them (>= {rule.min_base_observations} KLs there), while the mean reward over the "
-        f"last {rule.recent_steps} steps is below the mean over those {rule.base_steps}; judged from step {rule.span}"
+        f"rule: at each observed KL, the mean KL of the recent window (the last {rule.recent_steps} steps, or back to the "
+        f"{rule.min_recent_observations}th last observed KL where they hold fewer) >= {rule.kl_ratio:g} x the median KL of the "
+        f"{rule.base_steps} steps before it (>= {rule.min_base_observations} KLs there), while the mean reward of the recent "
+        f"window is below the mean over those {rule.base_steps}; the alarm fires when this holds at {rule.confirmations} "
+        "consecutive observed KLs"
     )
     out = [
         stated,
@@ -291,26 +300,45 @@ def report(copies: list[Copy], every_list: list[int]) -> str:
                f"{len(others_hits)} of {len(others)} ({100 * len(others_hits) / len(others):.1f} %)")
     out += [f"- flagged: {c.label}: step {alarm_step(c.rows)} (section 7: {c.section7_step or 'no runaway'})" for c in low_hits]
     out += ["", f"beta 0 copies: {len(groups['beta 0 (no KL logged)'])}, not judged (no KL logged; kl_monitor gives one)"]
-    if every_list:
-        out += ["", "## The KL seen every N-th step only (the sampled kl_monitor), over the N phases", ""]
-        out.append("| every N steps | runaways flagged (mean over phases) | fewest | calm flagged (mean) | most | most calm (%) "
-                   "| latest alarm - section 7 |")
-        out.append("|---|---|---|---|---|---|---|")
+    out += ["", sampled_report(groups, every_list)]
+    return "\n".join(out)
+
+
+def sampled_report(groups: dict[str, list[Copy]], every_list=EVERY) -> str:
+    """The counts at each kl_monitor_every N, every phase tried: runaways flagged and when, calm copies flagged."""
+    runaways, calm = groups["runaways"], groups["calm"]
+    out = ["## The counts at each kl_monitor_every N (the KL of the watched steps only; every phase of N tried)", "",
+           "| N | runaways flagged, mean over phases | fewest in a phase | alarm - section 7's step: earliest, median, latest "
+           "| calm flagged, mean over phases (%) | most in a phase (%) |", "|---|---|---|---|---|---|"]
+    detail = {}
+    for every in every_list:
+        per_phase_runaways, per_phase_calm, delays = [], [], []
+        for phase in range(every):
+            fired = [alarm_step(c.rows, every, phase) for c in runaways]
+            per_phase_runaways.append(sum(f is not None for f in fired))
+            delays += [f - c.section7_step for f, c in zip(fired, runaways) if f is not None]
+            for c, f in zip(runaways, fired):
+                detail.setdefault((c.label, every), []).append(None if f is None else f - c.section7_step)
+            per_phase_calm.append(sum(alarm_step(c.rows, every, phase) is not None for c in calm))
+        mean_calm = sum(per_phase_calm) / every
+        spread = f"{min(delays)}, {statistics.median(delays):g}, {max(delays)}" if delays else ""
+        out.append(f"| {every} | {sum(per_phase_runaways) / every:.2f} of {len(runaways)} | {min(per_phase_runaways)} | {spread} | "
+                   f"{mean_calm:.2f} of {len(calm)} ({100 * mean_calm / len(calm):.1f} %) | {max(per_phase_calm)} ({100 * max(per_phase_calm) / len(calm):.1f} %) |")
+    out += ["", "Each runaway: the phases that flag it, and alarm - section 7's step over them (its stream ends at step 200):", "",
+            "| run | section 7's step | " + " | ".join(f"N={n}: phases flagged, alarm - section 7" for n in every_list) + " |",
+            "|---|---|" + "---|" * len(every_list)]
+    for c in runaways:
+        cells = []
         for every in every_list:
-            ra, ca, late = [], [], []
-            for phase in range(every):
-                fired = [alarm_step(c.rows, every, phase) for c in groups["runaways"]]
-                ra.append(sum(f is not None for f in fired))
-                late += [f - c.section7_step for f, c in zip(fired, groups["runaways"]) if f is not None]
-                ca.append(sum(alarm_step(c.rows, every, phase) is not None for c in calm))
-            out.append(f"| {every} | {sum(ra) / every:.2f} of {len(groups['runaways'])} | {min(ra)} | {sum(ca) / every:.2f} of {len(calm)} | "
-                       f"{max(ca)} | {100 * max(ca) / len(calm):.1f} | {max(late) if late else ''} |")
+            got = [d for d in detail[c.label, every] if d is not None]
+            cells.append(f"{len(got)} of {every}" + (f", {min(got)} to {max(got)}" if got else ""))
+        out.append(f"| {c.label} | {c.section7_step} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--every", type=int, nargs="*", default=[], help="also count with the KL of every N-th step only")
+    parser.add_argument("--every", type=int, nargs="*", default=list(EVERY), help="the kl_monitor_every values counted (default: 1 4 8 16)")
     parser.add_argument("--scan", action="store_true", help="the scan the thresholds were chosen by, and its leave-one-seed-out check")
     args = parser.parse_args(argv)
     copies = read_copies()
