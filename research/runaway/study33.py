@@ -210,8 +210,8 @@ def scan_report(groups: dict[str, list[Copy]]) -> str:
         mark = " **chosen**" if s is chosen else ""
         out.append(f"| {s.ratio:g} | {s.recent_observations} | {s.confirmations} | {cells} | {s.latest} | {'yes' if s.admissible() else 'no'}{mark} |")
     package = (chosen.ratio, chosen.recent_observations, chosen.confirmations) == (RULE.kl_ratio, RULE.min_recent_observations, RULE.confirmations)
-    out += ["", f"of {len(runaways)} runaways and {len(calm)} calm copies; the chosen rule is the package's RunawayRule: "
-            f"{'yes' if package else 'NO'}", "",
+    out += ["", (f"of {len(runaways)} runaways and {len(calm)} calm copies; the chosen rule is the package's RunawayRule: "
+                 f"{'yes' if package else 'NO'}"), "",
             "## Leave one seed out: the rule chosen on the other seeds, counted on the held-out seed", "",
             "| held-out seed | chosen on the others (r, k, m) | runaways of the seed | " + " | ".join(f"N={n}: runaways / calm flagged" for n in EVERY) + " | calm copies of the seed |",
             "|---|---|---|" + "---|" * len(EVERY) + "---|"]
@@ -308,8 +308,8 @@ def sampled_report(groups: dict[str, list[Copy]], every_list=EVERY) -> str:
     """The counts at each kl_monitor_every N, every phase tried: runaways flagged and when, calm copies flagged."""
     runaways, calm = groups["runaways"], groups["calm"]
     out = ["## The counts at each kl_monitor_every N (the KL of the watched steps only; every phase of N tried)", "",
-           "| N | runaways flagged, mean over phases | fewest in a phase | alarm - section 7's step: earliest, median, latest "
-           "| calm flagged, mean over phases (%) | most in a phase (%) |", "|---|---|---|---|---|---|"]
+           ("| N | runaways flagged, mean over phases | fewest in a phase | alarm - section 7's step: earliest, median, latest "
+            "| calm flagged, mean over phases (%) | most in a phase (%) |"), "|---|---|---|---|---|---|"]
     detail = {}
     for every in every_list:
         per_phase_runaways, per_phase_calm, delays = [], [], []
