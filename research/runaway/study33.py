@@ -248,8 +248,8 @@ def report(copies: list[Copy], every_list=EVERY) -> str:
     rule = RULE
     groups = populations(copies)
     stated = (
-        f"rule: at each observed KL, the mean KL of the recent window (the last {rule.recent_steps} steps, or back to the "
-        f"{rule.min_recent_observations}th last observed KL where they hold fewer) >= {rule.kl_ratio:g} x the median KL of the "
+        f"rule: at each observed KL, the mean KL of the recent window (the last {rule.recent_steps} steps, or the steps of the "
+        f"last {rule.min_recent_observations} observed KLs where they hold fewer) >= {rule.kl_ratio:g} x the median KL of the "
         f"{rule.base_steps} steps before it (>= {rule.min_base_observations} KLs there), while the mean reward of the recent "
         f"window is below the mean over those {rule.base_steps}; the alarm fires when this holds at {rule.confirmations} "
         "consecutive observed KLs"
