@@ -228,16 +228,17 @@ class AdaptiveKL:
             return
         signal, rule = self.alarm.last, self.alarm.rule
         logger.warning(
-            "unsloth_adaptive_kl: runaway alarm at step %d: the KL's mean over the last %d steps is %.1fx its median over "
-            "the %d steps before them (alarm at >= %gx) while the mean reward fell from %.4g to %.4g; the policy may be "
-            "running away from the reference (a larger beta, or a checkpoint from before this step). Logged as %s = 1 "
-            "from this step on; this warning is shown once (docs/runaway.md)",
-            step, rule.recent_steps, signal.kl_ratio, rule.base_steps, rule.kl_ratio, signal.base_reward, signal.recent_reward,
-            metrics.RUNAWAY_ALARM,
+            "unsloth_adaptive_kl: runaway alarm at step %d: at %d consecutive steps with a KL, its recent mean (the last %d "
+            "steps, at least %d observed KLs) was >= %gx its median over the %d steps before (now %.1fx) while the mean "
+            "reward fell (now from %.4g to %.4g); the policy may be running away from the reference (a larger beta, or a "
+            "checkpoint from before this step). Logged as %s = 1 from this step on; this warning is shown once "
+            "(docs/runaway.md)",
+            step, rule.confirmations, rule.recent_steps, rule.min_recent_observations, rule.kl_ratio, rule.base_steps,
+            signal.kl_ratio, signal.base_reward, signal.recent_reward, metrics.RUNAWAY_ALARM,
         )
 
     def state_dict(self) -> dict:
-        return {"controller": self.controller.state_dict(), "kl_adaptation_method": self.method_text}
+        return {"controller": self.controller.state_dict(), "kl_adaptation_method": self.method_text, "runaway_alarm": self.alarm.state_dict()}
 
     @property
     def method_text(self) -> str:
@@ -252,6 +253,8 @@ class AdaptiveKL:
         A checkpoint of another β controller (e.g. trained with ``none``, resumed with ``dynamic``)
         cannot be restored: ValueError naming both methods and the option that starts it fresh."""
         saved = state["controller"]
+        if "runaway_alarm" in state:  # the run's KL history, whatever the controller (absent in older checkpoints)
+            self.alarm.load_state_dict(state["runaway_alarm"])
         if restart:
             logger.warning(
                 "unsloth_adaptive_kl: restart_beta_controller=True: the %s controller starts fresh from beta=%s; the "
