@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from . import target_controller  # noqa: F401  registers the built-in 'target' before the fields are derived
 from .controllers import CONTROLLERS, ControllerConfig, controller_names, controller_parameters
 from .declarations import Parameter, check_parameter, checked_beta, checked_number, yaml_hint  # noqa: F401  (checked_beta: a name of this module's API)
 from .estimators import builtin_estimator_names, estimator_aliases, estimator_parameters, get_estimator
