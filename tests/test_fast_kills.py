@@ -12,9 +12,8 @@ import torch
 
 from unsloth_adaptive_kl import metrics, tail
 from unsloth_adaptive_kl.adaptation import AdaptiveKL
-from unsloth_adaptive_kl.config import DEFAULTS, validate
+from unsloth_adaptive_kl.config import DEFAULTS, build, validate
 from unsloth_adaptive_kl.estimators import estimate_kl
-from unsloth_adaptive_kl.kl_term import KLTerm
 
 
 def _config(**fields):
@@ -89,7 +88,7 @@ def test_the_unsloth_fused_statistics_carry_unsloths_kl_first_then_the_metric_su
     from unsloth_adaptive_kl.backends._trainer import TrainerAdaptiveKL
     from unsloth_adaptive_kl.backends.unsloth import STATS_SIZE, FusedKLInputs, UnslothAdaptiveKL
 
-    term = KLTerm.from_config(_config(kl_estimator="k3"))
+    term = build(_config(kl_estimator="k3")).term
     logp, ref, mask = _shard(3, 0.8)
     raw, adapted = term.per_token(logp, ref, mask)
     inputs = FusedKLInputs(term=term, beta=torch.tensor(0.1), num_completions=torch.tensor(3.0), statistic=None,

@@ -11,7 +11,7 @@ import torch
 
 from unsloth_adaptive_kl import FIELDS
 from unsloth_adaptive_kl.estimators import builtin_estimator_names, estimate_kl, get_estimator
-from unsloth_adaptive_kl.kl_term import KLTerm
+from unsloth_adaptive_kl.config import build
 from unsloth_adaptive_kl.shaping import SHAPING, length_normalized_term, shaping_names
 
 CLIP, KL_TARGET = 0.3, 0.2
@@ -20,7 +20,7 @@ CLIP, KL_TARGET = 0.3, 0.2
 def _term(**fields):
     config = {f.name: f.default for f in FIELDS}
     config.update({"beta": 0.1, "kl_estimator": "k3", "kl_clip_threshold": CLIP, "kl_target": KL_TARGET, **fields})
-    return KLTerm.from_config(SimpleNamespace(**config))
+    return build(SimpleNamespace(**config)).term
 
 
 def _batch(seed=0, rows=3, tokens=6):
