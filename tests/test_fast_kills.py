@@ -12,7 +12,7 @@ import torch
 
 from unsloth_adaptive_kl import metrics, tail
 from unsloth_adaptive_kl.adaptation import AdaptiveKL
-from unsloth_adaptive_kl.config import DEFAULTS, build, validate
+from unsloth_adaptive_kl.config import DEFAULTS, build, registered_parameters, validate
 from unsloth_adaptive_kl.estimators import estimate_kl
 
 
@@ -72,10 +72,11 @@ def test_abs_has_a_finite_gradient_where_the_policy_equals_the_reference():
     assert logp.grad.tolist() == [[0.0, -1.0, 0.0]]  # d|logp - ref|/dlogp = sign(logp - ref), 0 at 0
 
 
-@pytest.mark.parametrize("field, value", [("reward_window", True), ("beta_schedule_steps", False), ("kl_bottom_q", True)])
+@pytest.mark.parametrize("value", [True, False])
+@pytest.mark.parametrize("field", [p.name for p in registered_parameters(builtin=True) if p.type in (int, float)])
 def test_a_bool_is_refused_for_an_integer_parameter(field, value):
     """A surviving mutant (issue 52): with the check of declarations.checked_number dropped, reward_window=True and
-    beta_schedule_steps=False passed (a bool is an int in Python)."""
+    beta_schedule_steps=False passed (a bool is an int in Python). Every numeric parameter of the registries."""
     if field not in DEFAULTS:
         pytest.skip(f"{field} is not a field here")
     with pytest.raises(ValueError, match=rf"{field}={value!r} is not valid; allowed:"):
