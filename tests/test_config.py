@@ -155,7 +155,9 @@ def test_beta_zero_with_method_none_is_plain_trl():
 
 def test_core_modules_import_only_torch():
     package = pathlib.Path(unsloth_adaptive_kl.__file__).parent
-    for name in ["estimators.py", "shaping.py", "kl_term.py", "controllers.py", "config.py", "metrics.py", "adaptation.py"]:
+    core = ["registry.py", "estimator_registry.py", "estimators.py", "shaping.py", "kl_term.py", "controller_base.py", "controllers.py"]
+    core += [path.name for path in package.glob("*_controller.py")] + ["method.py", "config.py", "metrics.py", "adaptation.py"]
+    for name in core:
         tree = ast.parse((package / name).read_text())
         imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 0 and n.module}

@@ -1,7 +1,7 @@
 """``KLTerm`` as the backends call it, against float64 references (tests/reference.py): found by a complete mutmut
 run of ``kl_term`` (docs/reliability.md, "Mutation testing"), whose fast tests never passed an importance ratio, a
 loss module's own estimator, a chunk's batch statistic or excluded tokens to ``per_token``, nor read what
-``from_config`` keeps."""
+``config.build`` keeps in the term (it was ``KLTerm.from_config``)."""
 
 from types import SimpleNamespace
 
@@ -116,7 +116,7 @@ def test_with_excluded_tokens_both_kls_are_zero_off_the_kl_mask_whatever_the_sha
     assert (raw[~valid] == 0).all() and (adapted[~valid] == 0).all() and (~valid & mask.bool()).any()
 
 
-def test_from_config_keeps_the_placement_and_the_bottom_q():
+def test_the_built_term_keeps_the_placement_and_the_bottom_q():
     assert _term(kl_placement="reward").placement == "reward" and _term().placement == "loss"
     assert dict(_term(kl_estimator="bottom_q", kl_bottom_q=0.35).estimator_parameters) == {"kl_bottom_q": 0.35}
 
