@@ -201,16 +201,6 @@ def parameter_values(config, parameters: tuple[Parameter, ...]) -> dict[str, obj
     return values
 
 
-def shaping_values(config, method: Method) -> dict[str, object]:
-    """The value of every parameter of ``method``'s shaping steps (checked): name -> value."""
-    return parameter_values(config, method.parameters)
-
-
-def estimator_values(config) -> dict[str, object]:
-    """The value of every parameter of ``config.kl_estimator`` (checked): name -> value."""
-    return parameter_values(config, get_estimator(config.kl_estimator).parameters)
-
-
 def controller_config(config, method: Method) -> ControllerConfig:
     """β and the β controllers' settings of ``config``: every built-in controller parameter (fields), and the
     registered ones of ``method``'s controller or set in ``kl_shaping_kwargs``."""
