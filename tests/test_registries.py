@@ -16,8 +16,9 @@ from unsloth_adaptive_kl.estimators import ESTIMATORS, builtin_estimator_names, 
 from unsloth_adaptive_kl.shaping import SHAPING, shaping_names
 
 ROOT = pathlib.Path(unsloth_adaptive_kl.__file__).resolve().parent.parent
-#: Where lists are searched: the package, its tests, the scripts, benches, examples and the demo.
-SEARCHED = ("unsloth_adaptive_kl", "tests", "scripts", "bench", "examples", "blackwell")
+#: Where lists are searched: the package, its tests, the scripts, benches, examples, the demo and the research tree
+#: (where the study code and its tests move, issue 54).
+SEARCHED = ("unsloth_adaptive_kl", "tests", "scripts", "bench", "examples", "blackwell", "research")
 
 
 def registries() -> dict[str, set[str]]:
