@@ -1,5 +1,5 @@
-"""The one registry the three share (KL estimators, shaping methods, β controllers): a read-only mapping of name
-to entry, with the claim of a name and its parameters, unregistration, and the ordered queries every module reads.
+"""The one registry the three share (KL estimators, shaping methods, β controllers): a dict of name to entry, with
+the claim of a name and its parameters, unregistration, and the ordered queries every module reads.
 
 An entry is a frozen record (``EstimatorSpec``, ``ShapingMethod``, ``ControllerSpec``) with at least ``name``,
 ``builtin`` and ``parameters``. Shaping methods and β controllers share the names of ``kl_adaptation_method``
@@ -10,38 +10,30 @@ registry module keeps its decorator (what it checks of a function or class is it
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable
 
 from .declarations import Parameter, claim_method_part, declare, release_method_part, undeclare
 
 
-class Registry(Mapping):
-    """Name -> entry of one ``kind`` ("KL estimator", "shaping method", "β controller"), read-only from outside.
+class Registry(dict):
+    """Name -> entry of one ``kind`` ("KL estimator", "shaping method", "β controller"): a dict, as each registry was
+    before it (register and unregister through :meth:`claim`, :meth:`add` and :meth:`remove`, which keep the names
+    and the parameters' declarations consistent; a test may still set an entry with ``monkeypatch.setitem``).
 
     ``order``: the sort key of an entry for :meth:`names` (None: registration order). ``method_names``: the names
     are parts of ``kl_adaptation_method``, one namespace with the other registry of such parts; otherwise the
     registry has its own names (and may have aliases), each checked by ``check_name`` (raises ValueError)."""
 
     def __init__(self, kind: str, *, order: Callable | None = None, method_names: bool = False, check_name: Callable[[str], None] | None = None):
+        super().__init__()
         self.kind = kind
         self._order = order
         self._method_names = method_names
         self._check_name = check_name
-        self._entries: dict = {}
-        self._aliases: dict[str, str] = {}  # alias -> name
-
-    # -- the mapping: name -> entry (aliases are not keys) ------------------------------------------------------
-    def __getitem__(self, name: str):
-        return self._entries[name]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._entries)
-
-    def __len__(self) -> int:
-        return len(self._entries)
+        self._aliases: dict[str, str] = {}  # alias -> name (aliases are not keys)
 
     def __repr__(self) -> str:
-        return f"Registry({self.kind!r}, {list(self._entries)})"
+        return f"Registry({self.kind!r}, {list(self)})"
 
     # -- registration ----------------------------------------------------------------------------------------
     def claim(self, name: str, parameters: tuple[Parameter, ...] = (), aliases: tuple[str, ...] = ()) -> None:
@@ -52,7 +44,7 @@ class Registry(Mapping):
             claim_method_part(self.kind, name, tuple(parameters))
             return
         for key in (name, *aliases):
-            if key in self._entries or key in self._aliases:
+            if key in self or key in self._aliases:
                 raise ValueError(f"{self.kind} {key!r} is already registered")
             if self._check_name is not None:
                 self._check_name(key)
@@ -60,7 +52,7 @@ class Registry(Mapping):
 
     def add(self, entry, aliases: tuple[str, ...] = ()) -> None:
         """Store ``entry`` under its name (already claimed with :meth:`claim`) and its ``aliases``."""
-        self._entries[entry.name] = entry
+        self[entry.name] = entry
         for alias in aliases:
             self._aliases[alias] = entry.name
 
@@ -71,7 +63,7 @@ class Registry(Mapping):
         if entry is None or entry.builtin:
             noun = self.kind.split()[-1]
             raise ValueError(f"{self.kind} {name!r} is not a registered user {noun}; allowed: {list(self.user_names())}")
-        del self._entries[entry.name]
+        del self[entry.name]
         for alias in self.aliases(entry.name):
             del self._aliases[alias]
         if self._method_names:
@@ -82,7 +74,7 @@ class Registry(Mapping):
     # -- queries ---------------------------------------------------------------------------------------------
     def resolve(self, name: str):
         """The entry registered as ``name`` or with it as an alias; None if there is none."""
-        return self._entries.get(self._aliases.get(name, name))
+        return self.get(self._aliases.get(name, name))
 
     def aliases(self, name: str) -> tuple[str, ...]:
         """The other names of ``name``, sorted."""
@@ -93,21 +85,21 @@ class Registry(Mapping):
 
     def names(self) -> tuple[str, ...]:
         """Every registered name (no alias), in the registry's order."""
-        entries = self._entries.values() if self._order is None else sorted(self._entries.values(), key=self._order)
+        entries = self.values() if self._order is None else sorted(self.values(), key=self._order)
         return tuple(entry.name for entry in entries)
 
     def builtin_names(self) -> tuple[str, ...]:
-        return tuple(name for name in self.names() if self._entries[name].builtin)
+        return tuple(name for name in self.names() if self[name].builtin)
 
     def user_names(self) -> tuple[str, ...]:
-        return tuple(name for name in self.names() if not self._entries[name].builtin)
+        return tuple(name for name in self.names() if not self[name].builtin)
 
     def parameters(self, builtin: bool | None = None) -> tuple[Parameter, ...]:
         """Every parameter the entries declare, once, in the registry's order (``builtin``: only the built-ins' or
         only the users')."""
         seen: dict[str, Parameter] = {}
         for name in self.names():
-            entry = self._entries[name]
+            entry = self[name]
             if builtin is None or entry.builtin == builtin:
                 for parameter in entry.parameters:
                     seen.setdefault(parameter.name, parameter)
