@@ -63,10 +63,7 @@ def _core(module: str):
         package = types.ModuleType("unsloth_adaptive_kl")
         package.__path__ = [str(PACKAGE)]
         sys.modules["unsloth_adaptive_kl"] = package
-    loaded = importlib.import_module(f"unsloth_adaptive_kl.{module}")
-    if module == "controllers":  # the built-in 'target' registers from its own module (config.py imports it too)
-        importlib.import_module("unsloth_adaptive_kl.target_controller")
-    return loaded
+    return importlib.import_module(f"unsloth_adaptive_kl.{module}")  # controllers registers every built-in, 'target' too
 
 
 def _cell(text: str) -> str:

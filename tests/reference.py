@@ -14,7 +14,7 @@ MAX_COMPLETION = 6
 
 #: Float64 per-token shaping of each built-in method, written from its definition (``c``:
 #: kl_clip_threshold, ``t``: kl_target). ``test_shaping`` checks that every built-in has one.
-SHAPING64 = {
+SHAPING64 = {  # not a registry list: references, checked against the registry by test_shaping
     "clip": lambda kl, c, t: torch.minimum(kl, torch.tensor(c, dtype=torch.float64)),
     "soft_clip": lambda kl, c, t: c * torch.tanh(kl / c),
     "sigmoid": lambda kl, c, t: torch.sigmoid(kl - t) * kl,
@@ -79,6 +79,7 @@ def aggregate(x, mask, loss_type, *, num_items, max_completion=MAX_COMPLETION, s
 
 #: The estimators' values (Schulman 2020; abs: |r|) as functions of r = log pi_ref - log pi, in float64. The
 #: straight-through k1+ / k3+ and bottom_q (a batch statistic) have references of their own in their tests.
+# not a registry list: read by estimator name (the others have references in their tests)
 RAW64 = {"k3": lambda r: torch.exp(r) - r - 1, "k1": lambda r: -r, "k2": lambda r: 0.5 * r**2, "abs": lambda r: r.abs()}
 
 
@@ -263,7 +264,7 @@ class HeldTargetReference:
         return min(upper, max(lower, beta * math.exp(s)))
 
 
-NEXT_BETA = {
+NEXT_BETA = {  # not a registry list: references, checked against the registry by test_controllers
     "fixed": lambda beta, c, kl, reward, n, *, step=None, latest=None: beta,
     "dynamic": _dynamic_step,
     "ziegler": _target_step,

@@ -11,7 +11,7 @@ import torch
 
 from unsloth_adaptive_kl import FIELDS, AdaptiveKL, metrics
 from unsloth_adaptive_kl.estimators import register_estimator, unregister_estimator
-from unsloth_adaptive_kl.kl_term import KLTerm
+from unsloth_adaptive_kl.config import build
 
 INF, NAN = math.inf, math.nan
 
@@ -32,7 +32,7 @@ def nan_past_five():
 
 
 def test_a_built_in_estimator_is_never_blamed():
-    term = KLTerm.from_config(_config(kl_estimator="k3"))
+    term = build(_config(kl_estimator="k3")).term
     assert term.estimator_faults(torch.full((1, 2), NAN), torch.zeros(1, 2), torch.zeros(1, 2)) is None
 
 

@@ -4,6 +4,8 @@ another module's private names or, directly or through any chain of imports, int
 import ast
 import pathlib
 
+import pytest
+
 import unsloth_adaptive_kl
 
 PACKAGE = pathlib.Path(unsloth_adaptive_kl.__file__).parent
@@ -210,3 +212,103 @@ def test_the_architecture_page_lists_every_module_and_no_other():
     listed = documented_modules()
     assert modules - listed == set(), f"docs/architecture.md does not list {sorted(modules - listed)}"
     assert listed - modules == set(), f"docs/architecture.md lists modules that do not exist: {sorted(listed - modules)}"
+
+
+# -- layers: every import goes to the module's own layer or one below ---------------------------------------------
+def layers() -> dict[str, int]:
+    """Module (dotted name) -> layer number, from the block under "## Layers" of docs/architecture.md: lines
+    ``N name  file.py ...`` and their continuation lines; ``backends/`` stands for every module under it."""
+    text = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    block = text.split("## Layers", 1)[1].split("```", 2)[1]
+    found, layer = {}, None
+    for line in block.splitlines():
+        words = line.split()
+        if not words:
+            continue
+        if words[0].isdigit():
+            layer, words = int(words[0]), words[2:]
+        for word in words:
+            if word.endswith("/"):
+                found.update({name: layer for name in MODULES if name.startswith(f"{NAME}.{word[:-1]}.") or name == f"{NAME}.{word[:-1]}"})
+            else:
+                found[module_name(PACKAGE / word)] = layer
+    return found
+
+
+def upward_imports(edges: dict[str, set[str]], layer_of: dict[str, int]) -> list[str]:
+    return [
+        f"{name} (layer {layer_of[name]}) imports {target} (layer {layer_of[target]})"
+        for name, targets in sorted(edges.items())
+        for target in sorted(targets)
+        if layer_of[target] > layer_of[name]
+    ]
+
+
+def test_every_module_is_in_one_layer():
+    layer_of = layers()
+    assert set(layer_of) == set(MODULES), f"not in a layer: {sorted(set(MODULES) - set(layer_of))}; unknown: {sorted(set(layer_of) - set(MODULES))}"
+
+
+def test_no_import_goes_from_a_lower_layer_up_to_a_higher_one():
+    assert upward_imports(graph(), layers()) == []
+
+
+def test_the_layer_check_finds_an_upward_import_lazy_ones_included():
+    """The import the issue found: the per-token math (kl_term.py) reading the config validator; and one inside a
+    function (``def f(): from .config import validate``), which the graph reads as any other."""
+    edges = graph()
+    old = {**edges, f"{NAME}.kl_term": edges[f"{NAME}.kl_term"] | {f"{NAME}.config"}}
+    assert upward_imports(old, layers()) == [f"{NAME}.kl_term (layer 3) imports {NAME}.config (layer 4)"]
+    tree = ast.parse("def f():\n    from .config import validate\n")
+    assert any(isinstance(node, ast.ImportFrom) and node.module == "config" for node in ast.walk(tree))  # what imports() walks
+    assert f"{NAME}.backends.loss_class" in edges[f"{NAME}.backends._trainer"]  # a lazy import (inside attach()) is an edge
+
+
+def test_the_cycle_check_finds_the_registration_cycle_that_config_py_worked_around():
+    """target_controller.py imports the controller base; were the base (not controllers.py, which registers the
+    built-ins) to import it back, that would be a cycle: config.py imported it to register it before issue 54."""
+    edges = graph()
+    assert f"{NAME}.target_controller" in edges[f"{NAME}.controllers"]  # registered by controllers.py
+    assert f"{NAME}.target_controller" not in edges[f"{NAME}.config"]
+    cyclic = {**edges, f"{NAME}.controller_base": edges[f"{NAME}.controller_base"] | {f"{NAME}.target_controller"}}
+    assert find_cycle(cyclic) is not None
+
+
+def test_no_core_module_is_over_400_lines():
+    long = {name: n for name, path in MODULES.items() if not name.startswith(f"{NAME}.backends") and (n := len(path.read_text().splitlines())) > 400}
+    assert long == {}, long
+
+
+def config_entries(config) -> list[str]:
+    """The calls into a function of config.py from another file while one AdaptiveKL is built from ``config``."""
+    import sys
+
+    from unsloth_adaptive_kl import AdaptiveKL, config as config_module
+
+    here, calls = config_module.__file__, []
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename == here and frame.f_back is not None and frame.f_back.f_code.co_filename != here:
+            calls.append(f"{pathlib.Path(frame.f_back.f_code.co_filename).name} -> {frame.f_code.co_name}")
+
+    sys.setprofile(profile)
+    try:
+        AdaptiveKL(config)
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+@pytest.mark.parametrize("method", ["none", "first_controller"])
+def test_building_an_adaptive_kl_enters_config_py_once(method):
+    """docs/architecture.md ("Validation once"): ``config.build`` is the one entry (it was 6 calls from kl_term.py
+    and adaptation.py)."""
+    import types
+
+    from unsloth_adaptive_kl.config import DEFAULTS
+    from unsloth_adaptive_kl.controllers import controller_names
+
+    method = controller_names()[0] if method == "first_controller" else method
+    config = types.SimpleNamespace(**{**DEFAULTS, "kl_adaptation_method": method}, beta=0.1)
+    assert config_entries(config) == ["adaptation.py -> build"]
+    assert "enters `config.py` once" in (PACKAGE.parent / "docs" / "architecture.md").read_text()

@@ -63,7 +63,8 @@ def test_liger_fused_head_from_the_command_line(tmp_path, given, setting):
 def test_a_registered_methods_parameters_are_set_from_the_config_yaml_and_flags_and_checked(tmp_path):
     from trl import TrlParser
 
-    from unsloth_adaptive_kl import KLTerm, Parameter, register_shaping, unregister_shaping
+    from unsloth_adaptive_kl import Parameter, register_shaping, unregister_shaping
+    from unsloth_adaptive_kl.config import build
 
     @register_shaping("scaled", parameters=(Parameter("scaled_by", float, 0.5, check=lambda v: 0 < v <= 1, allowed="a number in (0, 1]", keyword="by"),))
     def scaled(kl, by):
@@ -71,14 +72,14 @@ def test_a_registered_methods_parameters_are_set_from_the_config_yaml_and_flags_
 
     try:
         base = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False, beta=0.1, kl_adaptation_method="scaled")
-        assert KLTerm.from_config(GRPOConfig(**base)).shaping_parameters == (("scaled_by", 0.5),)  # its default
-        assert KLTerm.from_config(GRPOConfig(**base, kl_shaping_kwargs={"scaled_by": 0.25})).shaping_parameters == (("scaled_by", 0.25),)
+        assert build(GRPOConfig(**base)).term.shaping_parameters == (("scaled_by", 0.5),)  # its default
+        assert build(GRPOConfig(**base, kl_shaping_kwargs={"scaled_by": 0.25})).term.shaping_parameters == (("scaled_by", 0.25),)
         yaml_file = tmp_path / "c.yaml"
         yaml_file.write_text(f"output_dir: {tmp_path}\nuse_cpu: true\nbf16: false\nbeta: 0.1\nkl_adaptation_method: clip+scaled\nkl_shaping_kwargs:\n  scaled_by: 0.75\n")
         (from_yaml,) = TrlParser((GRPOConfig,)).parse_args_and_config(["--config", str(yaml_file)])
-        assert KLTerm.from_config(from_yaml).shaping_parameters == (("kl_clip_threshold", 1.0), ("scaled_by", 0.75))
+        assert build(from_yaml).term.shaping_parameters == (("kl_clip_threshold", 1.0), ("scaled_by", 0.75))
         (from_flag,) = TrlParser((GRPOConfig,)).parse_args_and_config(["--config", str(yaml_file), "--kl_shaping_kwargs", '{"scaled_by": 1.0}'])
-        assert KLTerm.from_config(from_flag).shaping_parameters[-1] == ("scaled_by", 1.0)
+        assert build(from_flag).term.shaping_parameters[-1] == ("scaled_by", 1.0)
         for bad, message in (({"scaled_by": 2.0}, r"kl_shaping_kwargs\['scaled_by'\]=2.0 is not valid; allowed: a number in \(0, 1\]"),
                              ({"scaled_by": "x"}, r"kl_shaping_kwargs\['scaled_by'\]='x' is not valid; allowed: a finite number"),
                              ({"scaledby": 1.0}, r"kl_shaping_kwargs has unknown key\(s\) \['scaledby'\]; allowed: .*'scaled_by'"),
@@ -154,7 +155,9 @@ def test_beta_zero_with_method_none_is_plain_trl():
 
 def test_core_modules_import_only_torch():
     package = pathlib.Path(unsloth_adaptive_kl.__file__).parent
-    for name in ["estimators.py", "shaping.py", "kl_term.py", "controllers.py", "config.py", "metrics.py", "adaptation.py"]:
+    core = ["registry.py", "estimator_registry.py", "estimators.py", "shaping.py", "kl_term.py", "controller_base.py", "controllers.py"]
+    core += [path.name for path in package.glob("*_controller.py")] + ["method.py", "config.py", "metrics.py", "adaptation.py"]
+    for name in core:
         tree = ast.parse((package / name).read_text())
         imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 0 and n.module}

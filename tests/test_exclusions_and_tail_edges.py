@@ -9,12 +9,11 @@ import torch
 
 from unsloth_adaptive_kl import metrics, tail
 from unsloth_adaptive_kl.adaptation import AdaptiveKL
-from unsloth_adaptive_kl.config import DEFAULTS
-from unsloth_adaptive_kl.kl_term import KLTerm
+from unsloth_adaptive_kl.config import DEFAULTS, build
 
 
 def _term(ids):
-    return KLTerm.from_config(SimpleNamespace(**{**DEFAULTS, "beta": 0.1, "kl_exclude_token_ids": ids}))
+    return build(SimpleNamespace(**{**DEFAULTS, "beta": 0.1, "kl_exclude_token_ids": ids})).term
 
 
 def test_an_id_outside_the_vocabulary_is_refused_naming_the_field_the_ids_and_the_range():

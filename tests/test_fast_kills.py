@@ -12,9 +12,8 @@ import torch
 
 from unsloth_adaptive_kl import metrics, tail
 from unsloth_adaptive_kl.adaptation import AdaptiveKL
-from unsloth_adaptive_kl.config import DEFAULTS, validate
+from unsloth_adaptive_kl.config import DEFAULTS, build, registered_parameters, validate
 from unsloth_adaptive_kl.estimators import estimate_kl
-from unsloth_adaptive_kl.kl_term import KLTerm
 
 
 def _config(**fields):
@@ -73,10 +72,11 @@ def test_abs_has_a_finite_gradient_where_the_policy_equals_the_reference():
     assert logp.grad.tolist() == [[0.0, -1.0, 0.0]]  # d|logp - ref|/dlogp = sign(logp - ref), 0 at 0
 
 
-@pytest.mark.parametrize("field, value", [("reward_window", True), ("beta_schedule_steps", False), ("kl_bottom_q", True)])
+@pytest.mark.parametrize("value", [True, False])
+@pytest.mark.parametrize("field", [p.name for p in registered_parameters(builtin=True) if p.type in (int, float)])
 def test_a_bool_is_refused_for_an_integer_parameter(field, value):
     """A surviving mutant (issue 52): with the check of declarations.checked_number dropped, reward_window=True and
-    beta_schedule_steps=False passed (a bool is an int in Python)."""
+    beta_schedule_steps=False passed (a bool is an int in Python). Every numeric parameter of the registries."""
     if field not in DEFAULTS:
         pytest.skip(f"{field} is not a field here")
     with pytest.raises(ValueError, match=rf"{field}={value!r} is not valid; allowed:"):
@@ -89,7 +89,7 @@ def test_the_unsloth_fused_statistics_carry_unsloths_kl_first_then_the_metric_su
     from unsloth_adaptive_kl.backends._trainer import TrainerAdaptiveKL
     from unsloth_adaptive_kl.backends.unsloth import STATS_SIZE, FusedKLInputs, UnslothAdaptiveKL
 
-    term = KLTerm.from_config(_config(kl_estimator="k3"))
+    term = build(_config(kl_estimator="k3")).term
     logp, ref, mask = _shard(3, 0.8)
     raw, adapted = term.per_token(logp, ref, mask)
     inputs = FusedKLInputs(term=term, beta=torch.tensor(0.1), num_completions=torch.tensor(3.0), statistic=None,

@@ -162,12 +162,14 @@ def test_k3_in_the_loss_without_correction_is_the_forward_kl_per_state_and_k3_in
 
 
 @pytest.mark.parametrize("max_length, exact", [(1, True), (3, False)])
+# not a registry list: the cases the claim is about (docs/kl-gradients.md)
 @pytest.mark.parametrize("estimator, correction", [("k2", False), ("k3", True), ("k3+", False)])
 def test_per_token_losses_are_unbiased_only_for_one_token_completions(max_length, exact, estimator, correction):
     s = study_module.make_study(max_length=max_length)
     assert (rel(loss(s, estimator, correction), study_module.true_gradient(s)) < EXACT) is exact
 
 
+# not a registry list: the cases the claim is about (docs/kl-gradients.md)
 @pytest.mark.parametrize("estimator, correction", [("k3", False), ("abs", False), ("k2", True), ("k1+", True)])
 def test_other_losses_are_biased_even_for_one_token_completions(estimator, correction):
     s = study_module.make_study(max_length=1)

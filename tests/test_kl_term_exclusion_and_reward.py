@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from unsloth_adaptive_kl import FIELDS, AdaptiveKL, metrics
-from unsloth_adaptive_kl.kl_term import KLTerm
+from unsloth_adaptive_kl.config import build
 
 
 def _config(**fields):
@@ -24,7 +24,7 @@ def _tokens(seed=0, rows=3, length=7):
 
 @pytest.mark.parametrize("exclude", [None, [4], [0, 2, 5]])
 def test_excluded_tokens_are_those_whose_id_is_listed_and_leave_the_kl_mask_and_the_kl(exclude):
-    term = KLTerm.from_config(_config(kl_exclude_token_ids=exclude))
+    term = build(_config(kl_exclude_token_ids=exclude)).term
     ids = _tokens()
     mask = (torch.rand(ids.shape, generator=torch.Generator().manual_seed(1)) > 0.2).long()
     kl = torch.rand(ids.shape, generator=torch.Generator().manual_seed(2)) + 0.1
@@ -46,7 +46,7 @@ def test_excluded_tokens_are_those_whose_id_is_listed_and_leave_the_kl_mask_and_
 
 @pytest.mark.parametrize("method", ["none", "clip", "length_normalized", "clip+length_normalized"])
 def test_the_reward_penalty_is_beta_times_each_completions_summed_or_mean_valid_adapted_kl(method):
-    term = KLTerm.from_config(_config(kl_adaptation_method=method))
+    term = build(_config(kl_adaptation_method=method)).term
     adapted = torch.rand(3, 5, generator=torch.Generator().manual_seed(3), requires_grad=True)
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0]])
     beta = 0.3

@@ -1,7 +1,7 @@
 """``KLTerm`` as the backends call it, against float64 references (tests/reference.py): found by a complete mutmut
 run of ``kl_term`` (docs/reliability.md, "Mutation testing"), whose fast tests never passed an importance ratio, a
 loss module's own estimator, a chunk's batch statistic or excluded tokens to ``per_token``, nor read what
-``from_config`` keeps."""
+``config.build`` keeps in the term (it was ``KLTerm.from_config``)."""
 
 from types import SimpleNamespace
 
@@ -11,7 +11,7 @@ import torch
 
 from unsloth_adaptive_kl import FIELDS
 from unsloth_adaptive_kl.estimators import builtin_estimator_names, estimate_kl, get_estimator
-from unsloth_adaptive_kl.kl_term import KLTerm
+from unsloth_adaptive_kl.config import build
 from unsloth_adaptive_kl.shaping import SHAPING, length_normalized_term, shaping_names
 
 CLIP, KL_TARGET = 0.3, 0.2
@@ -20,7 +20,7 @@ CLIP, KL_TARGET = 0.3, 0.2
 def _term(**fields):
     config = {f.name: f.default for f in FIELDS}
     config.update({"beta": 0.1, "kl_estimator": "k3", "kl_clip_threshold": CLIP, "kl_target": KL_TARGET, **fields})
-    return KLTerm.from_config(SimpleNamespace(**config))
+    return build(SimpleNamespace(**config)).term
 
 
 def _batch(seed=0, rows=3, tokens=6):
@@ -116,7 +116,7 @@ def test_with_excluded_tokens_both_kls_are_zero_off_the_kl_mask_whatever_the_sha
     assert (raw[~valid] == 0).all() and (adapted[~valid] == 0).all() and (~valid & mask.bool()).any()
 
 
-def test_from_config_keeps_the_placement_and_the_bottom_q():
+def test_the_built_term_keeps_the_placement_and_the_bottom_q():
     assert _term(kl_placement="reward").placement == "reward" and _term().placement == "loss"
     assert dict(_term(kl_estimator="bottom_q", kl_bottom_q=0.35).estimator_parameters) == {"kl_bottom_q": 0.35}
 

@@ -16,7 +16,9 @@ from unsloth_adaptive_kl.estimators import ESTIMATORS, builtin_estimator_names, 
 from unsloth_adaptive_kl.shaping import SHAPING, shaping_names
 
 ROOT = pathlib.Path(unsloth_adaptive_kl.__file__).resolve().parent.parent
-SEARCHED = ("unsloth_adaptive_kl", "tests", "scripts", "bench", "examples")
+#: Where lists are searched: the package, its tests, the scripts, benches, examples, the demo and the research tree
+#: (where the study code and its tests move, issue 54).
+SEARCHED = ("unsloth_adaptive_kl", "tests", "scripts", "bench", "examples", "blackwell", "research")
 
 
 def registries() -> dict[str, set[str]]:
@@ -30,19 +32,75 @@ def registries() -> dict[str, set[str]]:
     }
 
 
+#: ``kl_adaptation_method``'s name for "no β controller": not a registry's name, so it is left out before a list is
+#: judged (``["fixed", "dynamic", "ziegler"]`` lists two β controllers by hand; ``("fixed", "dynamic")`` one).
+NO_CONTROLLER = "fixed"
+
+
+def _strings(node) -> list[str] | None:
+    """The strings of a literal list, tuple or set of string constants; None for anything else."""
+    if isinstance(node, (ast.List, ast.Tuple, ast.Set)) and all(isinstance(e, ast.Constant) and isinstance(e.value, str) for e in node.elts):
+        return [e.value for e in node.elts]
+    return None
+
+
+def _row(node) -> list[str] | None:
+    """One row of a table of cases: a literal list or tuple of string constants (possibly empty), or
+    ``pytest.param(...)`` of them; None for anything else."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "param":
+        node = ast.Tuple(elts=node.args)
+    if isinstance(node, (ast.List, ast.Tuple)):
+        return [e.value for e in node.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)]
+    return None
+
+
+def _candidates(tree):
+    """``(line, strings)`` for every literal that could spell out a registry: a list, tuple or set of strings; a
+    dict's string keys; a list or tuple of rows (a ``pytest.mark.parametrize`` table, ``[[], ["dynamic"]]``): all
+    its strings, and each column of rows of equal length. The last two only without a repeated name: a table of
+    chosen cases repeats its names (``[("k3", ...), ("k3", ...), ("k2", ...)]``), an enumeration does not."""
+    for node in ast.walk(tree):
+        strings = _strings(node)
+        if strings is not None:
+            yield node.lineno, strings
+            continue
+        if isinstance(node, ast.Dict) and node.keys and all(isinstance(k, ast.Constant) and isinstance(k.value, str) for k in node.keys):
+            yield node.lineno, [k.value for k in node.keys]
+            continue
+        if not (isinstance(node, (ast.List, ast.Tuple, ast.Set)) and node.elts):
+            continue
+        rows = [_row(e) for e in node.elts]
+        if any(row is None for row in rows):
+            continue
+        tables = [[value for row in rows for value in row]]
+        if len({len(row) for row in rows}) == 1 and len(rows[0]) > 1:
+            tables += [list(column) for column in zip(*rows)]
+        for table in tables:
+            if len(set(table)) == len(table):
+                yield node.lineno, table
+
+
+#: A literal that names a registry's entries on purpose says why, in a comment on its first line or the line above:
+#: a table of float64 references that a test reads by the registry's names (a new built-in without an entry fails
+#: there), or cases chosen for what they show.
+EXEMPT = "# not a registry list:"
+
+
 def hand_lists(source: str, names: dict[str, set[str]]) -> list[tuple[int, str, list[str]]]:
-    """The literal lists, tuples and sets of strings in ``source`` that spell out a registry by hand: three or more
-    of its names, or two β controllers (the hand list was ``("dynamic", "target")``)."""
+    """The literals in ``source`` (:func:`_candidates`) that spell out a registry by hand: three or more of its names,
+    or two β controllers (the hand list was ``("dynamic", "target")``), ``"fixed"`` left out; unless marked
+    :data:`EXEMPT`."""
+    lines = ["", *source.splitlines()]
     found = []
-    for node in ast.walk(ast.parse(source)):
-        if not isinstance(node, (ast.List, ast.Tuple, ast.Set)) or len(node.elts) < 2:
+    for line, strings in _candidates(ast.parse(source)):
+        if any(EXEMPT in text for text in lines[max(line - 1, 0) : line + 1]):
             continue
-        if not all(isinstance(e, ast.Constant) and isinstance(e.value, str) for e in node.elts):
+        values = [value for value in strings if value != NO_CONTROLLER]
+        if len(values) < 2:
             continue
-        values = [e.value for e in node.elts]
         for kind, registered in names.items():
             if set(values) <= registered and (len(values) >= 3 or (kind == "β controllers" and len(set(values)) >= 2)):
-                found.append((node.lineno, kind, values))
+                found.append((line, kind, values))
                 break
     return found
 
@@ -66,13 +124,30 @@ def test_no_hand_kept_list_of_methods_estimators_or_parameters():
         'ESTIMATORS = ["k1", "k2", "k3", "abs"]',
         'pytest.mark.parametrize("name", ["dynamic", "target"])',
         'FIELDS = {"kl_clip_threshold", "beta_min", "kl_horizon"}',
+        # what tests/test_fuzz.py drew before issue 54 (2 of the 4 built-in controllers; the guard read none of it):
+        'controller = st.sampled_from([[], ["dynamic"], ["ziegler"]])',
+        'name = st.sampled_from(["fixed", "dynamic", "ziegler"])',
+        'expected = {"fixed": fixed64, "dynamic": dynamic64, "ziegler": target64}[name](cfg, steps)',
+        # a parametrize table, one column of which enumerates a registry
+        '@pytest.mark.parametrize("name, value", [("k1", 1.0), ("k2", 2.0), pytest.param("k3", 3.0)])\ndef f(name, value): pass',
+        'REFERENCES = {"k1": 1, "k2": 2, "abs": 3}',
     ],
 )
 def test_the_hand_list_check_finds_a_list_it_is_meant_to_find(source):
     assert hand_lists(source, registries())
 
 
-@pytest.mark.parametrize("source", ['CASES = [("none", "k3"), ("clip", "k2")]', 'pair = ("fixed", "dynamic")', 'one = ["clip", "k3"]'])
+@pytest.mark.parametrize(
+    "source",
+    [
+        'CASES = [("none", "k3"), ("clip", "k2")]',
+        'pair = ("fixed", "dynamic")',
+        'one = ["clip", "k3"]',
+        '@pytest.mark.parametrize("e, c", [("k3", 1), ("k3", 2), ("k2", 1), ("abs", 0)])\ndef f(e, c): pass',  # chosen: k3 twice
+        'REFERENCES = {"k1": 1, "k2": 2, "abs": 3}  # not a registry list: read by the registry\'s names',
+        '# not a registry list: cases chosen for what they show\nCASES = ["k1", "k2", "k3"]',
+    ],
+)
 def test_the_hand_list_check_leaves_chosen_cases_alone(source):
     assert not hand_lists(source, registries())
 

@@ -13,8 +13,9 @@ from typing import Callable
 import torch
 
 from . import metrics, tail
-from .config import checked_beta, controller_config, monitor_every
+from .config import build
 from .controllers import BetaController, ControllerMismatchError, check_controller_beta, make_controller
+from .declarations import checked_beta
 from .estimators import nonfinite_estimator_error
 from .kl_term import KLTerm
 from .method import format_method
@@ -37,14 +38,15 @@ class AdaptiveKL:
     """
 
     def __init__(self, config, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, *, process_index: int = 0, num_processes: int = 1):
-        self.term = KLTerm.from_config(config)
+        settings = build(config)  # the one validation of the config
+        self.term: KLTerm = settings.term
         self.term.check_user_functions()
-        self.controller: BetaController = make_controller(self.term.method.controller, controller_config(config, self.term.method))
+        self.controller: BetaController = make_controller(self.term.method.controller, settings.controller)
         check_controller_beta(self.controller, self.controller.beta, when="when it was created")
         self.reduce = reduce or _no_reduce
         self.process_index, self.num_processes = process_index, num_processes
-        self.monitor = bool(getattr(config, "kl_monitor", False))  # kl_monitor: the KL is computed and logged at β = 0 too
-        self.monitor_every = monitor_every(config)  # ... on every monitor_every-th generation batch of training
+        self.monitor = settings.monitor  # kl_monitor: the KL is computed and logged at β = 0 too
+        self.monitor_every = settings.monitor_every  # ... on every monitor_every-th generation batch of training
         self.alarm = RunawayAlarm()  # fed each optimizer step with its KL and reward (end_step)
         self._step_sums: torch.Tensor | None = None
         self._tail_window: dict[bool, tail.TailTotals | None] = {True: None, False: None}  # by training

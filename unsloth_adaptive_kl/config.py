@@ -9,10 +9,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from . import target_controller  # noqa: F401  registers the built-in 'target' before the fields are derived
 from .controllers import CONTROLLERS, ControllerConfig, controller_names, controller_parameters
 from .declarations import Parameter, check_parameter, checked_beta, checked_number, yaml_hint  # noqa: F401  (checked_beta: a name of this module's API)
 from .estimators import builtin_estimator_names, estimator_aliases, estimator_parameters, get_estimator
+from .kl_term import KLTerm
 from .method import Method, parse_method
 from .shaping import SHAPING, shaping_names, shaping_parameters
 
@@ -201,16 +201,6 @@ def parameter_values(config, parameters: tuple[Parameter, ...]) -> dict[str, obj
     return values
 
 
-def shaping_values(config, method: Method) -> dict[str, object]:
-    """The value of every parameter of ``method``'s shaping steps (checked): name -> value."""
-    return parameter_values(config, method.parameters)
-
-
-def estimator_values(config) -> dict[str, object]:
-    """The value of every parameter of ``config.kl_estimator`` (checked): name -> value."""
-    return parameter_values(config, get_estimator(config.kl_estimator).parameters)
-
-
 def controller_config(config, method: Method) -> ControllerConfig:
     """β and the β controllers' settings of ``config``: every built-in controller parameter (fields), and the
     registered ones of ``method``'s controller or set in ``kl_shaping_kwargs``."""
@@ -220,6 +210,37 @@ def controller_config(config, method: Method) -> ControllerConfig:
     wanted.update({p.name: p for p in controller_parameters(builtin=False) if p.name in given})
     values = parameter_values(config, tuple(wanted.values()))
     return ControllerConfig(beta=config.beta, kl_monitor=getattr(config, "kl_monitor", False) is True, **values)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the runtime (:class:`~unsloth_adaptive_kl.adaptation.AdaptiveKL`) needs from a config, made by :func:`build`:
+    the KL term, the β controller's settings, and whether (and on which generation batches) ``kl_monitor`` logs the KL
+    at β = 0."""
+
+    term: KLTerm
+    controller: ControllerConfig
+    monitor: bool
+    monitor_every: int
+
+
+def build(config) -> Settings:
+    """Validate ``config`` (any object with the adaptive-KL fields and ``beta``, a ``GRPOConfig``) once, with
+    :func:`validate`, and make from it what the runtime needs. The one way from a config to a KL term: the KL term
+    (``kl_term.py``, the per-token math) reads no config. Raises ValueError naming the field, the value and what is
+    allowed."""
+    method = validate(config)
+    estimator = get_estimator(config.kl_estimator)
+    values = parameter_values(config, (*estimator.parameters, *method.parameters))
+    term = KLTerm(
+        method=method,
+        estimator=estimator.name,
+        estimator_parameters=tuple((p.name, values[p.name]) for p in estimator.parameters),
+        shaping_parameters=tuple((p.name, values[p.name]) for p in method.parameters),
+        exclude_token_ids=excluded_token_ids(config.kl_exclude_token_ids),
+        placement=config.kl_placement,
+    )
+    return Settings(term, controller_config(config, method), config.kl_monitor, monitor_every(config))
 
 
 def validate(config) -> Method:

@@ -16,7 +16,6 @@ from typing import Callable
 
 import torch
 
-from .config import estimator_values, excluded_token_ids, shaping_values, validate
 from .estimators import check_user_estimator, estimate_kl, get_estimator, nonfinite_on_finite_inputs
 from .method import Method
 from .shaping import check_user_steps, length_normalized_term, sequence_mean, shape_per_token, user_steps
@@ -30,6 +29,8 @@ REWARD_KL_BOUND = 10.0
 
 @dataclass(frozen=True)
 class KLTerm:
+    """The per-token KL term: its settings, already checked (``config.build`` makes one from a ``GRPOConfig``)."""
+
     method: Method
     estimator: str
     #: The estimator's parameters, ``((name, value), ...)`` (``bottom_q``: ``kl_bottom_q``): a constant for compilation.
@@ -40,19 +41,6 @@ class KLTerm:
     exclude_token_ids: tuple[int, ...] = ()
     #: ``kl_placement``: "loss" (β·KL in the loss) or "reward" (β·KL subtracted from each reward at scoring time).
     placement: str = "loss"
-
-    @classmethod
-    def from_config(cls, config) -> "KLTerm":
-        """From any object with the adaptive-KL fields (a ``GRPOConfig``); validated."""
-        method = validate(config)
-        return cls(
-            method=method,
-            estimator=get_estimator(config.kl_estimator).name,
-            estimator_parameters=tuple(estimator_values(config).items()),
-            shaping_parameters=tuple(shaping_values(config, method).items()),
-            exclude_token_ids=excluded_token_ids(getattr(config, "kl_exclude_token_ids", None)),
-            placement=config.kl_placement,
-        )
 
     def check_user_functions(self) -> None:
         """Run the registered (user) estimator and shaping steps of this term once, eagerly, on a small batch, and

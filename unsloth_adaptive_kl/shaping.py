@@ -44,7 +44,8 @@ from typing import Callable
 
 import torch
 
-from .declarations import Parameter, check_user_output, claim_method_part, finite_positive, release_method_part
+from .declarations import Parameter, check_user_output, finite_positive
+from .registry import Registry
 
 #: Where a method registered without ``order`` applies: after the built-in per-token methods.
 DEFAULT_ORDER = 50
@@ -65,7 +66,8 @@ class ShapingMethod:
     builtin: bool
 
 
-SHAPING: dict[str, ShapingMethod] = {}
+#: Name -> :class:`ShapingMethod`; :func:`shaping_names` gives them in applied order.
+SHAPING = Registry(KIND, order=lambda m: (not m.per_token, m.order, m.name), method_names=True)
 
 
 def register_shaping(
@@ -95,11 +97,11 @@ def register_shaping(
         raise ValueError(f"shaping method {name!r}: order={order!r} is not valid; allowed: a finite number (built-ins: clip 10, soft_clip 20, sigmoid 30)")
     if not per_token and not _builtin:
         raise ValueError(f"shaping method {name!r}: only per-token methods can be registered (per_token=True)")
-    claim_method_part(KIND, name, tuple(parameters))
+    SHAPING.claim(name, tuple(parameters))
 
     def decorator(fn):
         summary_line = summary or (fn.__doc__ or "").strip().split("\n")[0]
-        SHAPING[name] = ShapingMethod(name, fn, float(order), tuple(parameters), per_token, summary_line, _builtin)
+        SHAPING.add(ShapingMethod(name, fn, float(order), tuple(parameters), per_token, summary_line, _builtin))
         return fn
 
     return decorator
@@ -107,31 +109,21 @@ def register_shaping(
 
 def unregister_shaping(name: str) -> None:
     """Remove a method registered with :func:`register_shaping` (built-ins cannot be removed)."""
-    method = SHAPING.get(name)
-    if method is None or method.builtin:
-        raise ValueError(f"shaping method {name!r} is not a registered user method; allowed: {user_shaping_names()}")
-    del SHAPING[name]
-    release_method_part(KIND, name)
+    SHAPING.remove(name)
 
 
 def shaping_names() -> tuple[str, ...]:
     """The registered shaping methods, in applied order (per-token first, then the aggregation)."""
-    return tuple(m.name for m in sorted(SHAPING.values(), key=lambda m: (not m.per_token, m.order, m.name)))
+    return SHAPING.names()
 
 
 def user_shaping_names() -> tuple[str, ...]:
-    return tuple(name for name in shaping_names() if not SHAPING[name].builtin)
+    return SHAPING.user_names()
 
 
 def shaping_parameters(builtin: bool | None = None) -> tuple[Parameter, ...]:
     """Every registered parameter once, in method order (``builtin``: only the built-ins' or only the users')."""
-    seen: dict[str, Parameter] = {}
-    for name in shaping_names():
-        method = SHAPING[name]
-        if builtin is None or method.builtin == builtin:
-            for parameter in method.parameters:
-                seen.setdefault(parameter.name, parameter)
-    return tuple(seen.values())
+    return SHAPING.parameters(builtin)
 
 
 def shape_per_token(kl: torch.Tensor, method, parameters: dict[str, object]) -> torch.Tensor:

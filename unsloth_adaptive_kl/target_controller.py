@@ -43,7 +43,7 @@ from __future__ import annotations
 import logging
 import math
 
-from .controllers import BETA_MIN, BetaController, ControllerConfig, _finite, register_controller
+from .controller_base import BETA_MIN, BetaController, ControllerConfig, _finite, register_controller
 from .declarations import Parameter, finite_positive
 from .metrics import TARGET_REACHABLE
 from .shaping import KL_TARGET

@@ -58,7 +58,7 @@ import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-METHODS = {
+METHODS = {  # not a registry list: one case per kind, each with settings that make beta move
     "none": dict(kl_adaptation_method="none"),
     "dynamic": dict(kl_adaptation_method="dynamic", reward_threshold=-1.0),  # decays every step
     "target": dict(kl_adaptation_method="target", kl_target=1e-6),  # far below the KL: β rises from step 2 on

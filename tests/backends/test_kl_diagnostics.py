@@ -11,8 +11,9 @@ import torch
 from test_tail import exact_tail
 from test_trl import _capture_logps, grpo_config, loss_and_grads, loss_inputs, loss_test_trainer, make_trainer, set_method
 
-import unsloth_adaptive_kl
+import unsloth_adaptive_kl  # noqa: F401  (patches TRL)
 from unsloth_adaptive_kl import metrics, tail, toy
+from unsloth_adaptive_kl.config import build
 from unsloth_adaptive_kl.backends import trl as trl_backend
 from unsloth_adaptive_kl.backends.liger import AdaptiveFusedLinearGRPOLoss
 from transformers import TrainerCallback
@@ -124,7 +125,7 @@ def test_kl_exclude_token_ids_refuses_anything_but_a_list_of_non_negative_ints(t
 def test_kl_exclude_token_ids_accepts_a_list_a_tuple_or_none(tmp_path):
     for value, kept in (([7, 2, 7], (2, 7)), ((0,), (0,)), (None, ()), ([], ())):
         config = grpo_config(tmp_path, kl_exclude_token_ids=value)
-        assert unsloth_adaptive_kl.KLTerm.from_config(config).exclude_token_ids == kept
+        assert build(config).term.exclude_token_ids == kept
 
 
 def test_liger_module_excluded_tokens_leave_the_kl_term_only():

@@ -217,6 +217,7 @@ def reference_kl_part(batch, logps, *, beta, estimator, method="none", loss_type
             threshold = ref[mask].kthvalue(count).values
         kl = torch.where(ref <= threshold, k3 / q, torch.zeros_like(k3))
     else:
+        # not a registry list: the float64 values of the estimators the cases below use
         kl = {"k3": k3, "k3+": k3, "k1": -r, "k1+": -r, "k2": 0.5 * r**2, "squared": 0.5 * r**2}[estimator]
     kl = torch.where(mask, reference.shaped64(kl, method, clip, target), torch.zeros_like(kl))
     if "length_normalized" in method:

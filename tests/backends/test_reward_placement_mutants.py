@@ -9,6 +9,7 @@ from test_kl_placement import BETA, generation_batch, make_trainer, move_policy_
 import reference
 from unsloth_adaptive_kl import metrics
 from unsloth_adaptive_kl.backends import reward_placement
+from unsloth_adaptive_kl.config import build
 from unsloth_adaptive_kl.kl_term import KLTerm
 
 
@@ -252,7 +253,7 @@ def test_the_trl_rewrite_leaves_the_excluded_tokens_out_of_the_penalty_and_the_c
                            kl_target=0.02)  # fmt: skip
     eos = trainer.processing_class.eos_token_id
     trainer.args.kl_exclude_token_ids = [eos]
-    trainer._adaptive_kl.term = KLTerm.from_config(trainer.args)
+    trainer._adaptive_kl.term = build(trainer.args).term
     move_policy_away_from_reference(trainer)
     trainer.model.train()
     seen = {}
