@@ -20,7 +20,9 @@ The policy's log-probs at scoring time are TRL's ``old_per_token_logps`` where T
 (generation not aligned with the optimizer steps, or vLLM's importance-sampling correction);
 otherwise one more no-grad forward of the policy on the generation batch, the same call TRL makes
 for them (and for the reference model's). The rewritten function runs only for a trainer whose
-``kl_placement`` is "reward"; every other trainer runs the library's own function, unchanged.
+``kl_placement`` is "reward"; every other trainer runs the library's own function, unchanged (or kl_monitor's).
+With ``kl_monitor`` too, the trainer runs one copy of the source with both features' edits (``_generation.py``);
+at β = 0 the monitor's batches then have their KL computed here for the controller and the alarm, and no penalty.
 
 A library whose anchors do not match is not patched for the reward placement: the reason is kept
 and a trainer that asks for it is refused with it (:meth:`RewardPlacement.check_placement`); the

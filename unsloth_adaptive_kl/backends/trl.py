@@ -9,6 +9,8 @@ What is patched, each undone by ``unpatch()``:
   length-normalised term is added after aggregation. TRL's ``kl`` metric keeps meaning the
   unshaped KL. With ``GRPOTrainer(loss_class=...)`` the loss comes from that module instead
   (``backends/loss_class.py``).
+* ``_generate_and_score_completions``: :data:`PLAN`'s edit for ``kl_monitor`` (the reference forward at β = 0) and
+  the reward placement's, composed per trainer (``backends/_generation.py``).
 * ``__init__``, ``_generate_and_score_completions``, ``_load_callback_state``: the wrappers every
   trainer gets (``backends/_trainer.py``): state and callback, reward feed, resume.
 """

@@ -30,7 +30,8 @@ would break ``fullgraph=True``. Under ``kl_monitor`` the gate stays 1.0 at β = 
 is computed, so β reaching 0 compiles nothing new; the batches ``kl_monitor_every`` skips take the gate 0.0, Unsloth's
 own β = 0 graph, compiled once) and a 0-dim flag keeps the KL out of the loss and its gradient
 (:meth:`FusedKLInputs.kl_inputs`, :meth:`FusedKLInputs.in_loss`); :data:`MONITOR_PLAN` runs the reference forward
-at β = 0 in the generation (2026.10 only: the older lines refuse kl_monitor). The ``mean_kl`` slot
+at β = 0 in the generation (2026.10 only: the older lines refuse kl_monitor), composed with the reward placement's
+edits for a trainer with both (``_generation.py``). The ``mean_kl`` slot
 carries ``[unsloth_kl, local sums...]``: it is the only output of Unsloth's autograd function a
 statistic can leave through.
 
