@@ -42,6 +42,8 @@ METHODS = {
     "target-reward": dict(kl_adaptation_method="ziegler", kl_target=0.01, kl_horizon=20.0, kl_placement="reward"),
     # the sampled kl_monitor at β = 0: the reference forward on generation batches 0 and 2 of 3, on both ranks
     "monitor-sampled": dict(kl_adaptation_method="none", beta=0.0, kl_monitor=True, kl_monitor_every=2),
+    # the same with the KL in the reward (issue 53): the scoring-time KL of batches 0 and 2 reduced, the rewards untouched
+    "monitor-reward": dict(kl_adaptation_method="none", beta=0.0, kl_monitor=True, kl_monitor_every=2, kl_placement="reward"),
 }
 
 
@@ -90,9 +92,10 @@ def record_sums(runtime, rows):
     runtime.record, runtime.record_sums = record, record_sums
 
 
-def record_penalties(runtime, penalties):
+def record_penalties(runtime, penalties, untouched):
     """kl_placement='reward': each generation batch's local penalties (before the gather), the rewards before and
-    after, the logged kl_penalty, and the scoring-time KL sums (local, and reduced) the controller got."""
+    after, the logged kl_penalty, and the scoring-time KL sums (local, and reduced) the controller got. A batch that got
+    no penalty (β = 0 under kl_monitor) goes to ``untouched``: whether the rewards came back as the same tensor."""
     penalized_rewards, observe = runtime.penalized_rewards, runtime.observe_scoring_sums
 
     def observe_scoring_sums(local_sums):
@@ -102,6 +105,9 @@ def record_penalties(runtime, penalties):
 
     def penalized(rewards, local_penalty, mode, *group_size):
         out = penalized_rewards(rewards, local_penalty, mode, *group_size)
+        if local_penalty is None:
+            untouched.append(out is rewards)
+            return out
         penalties[-1].update(
             local=local_penalty.tolist(), rewards=rewards.tolist(), penalized=out.tolist(),
             logged=runtime.trainer._metrics[mode][metrics.KL_PENALTY][-1],
@@ -123,11 +129,11 @@ def main():
         trainer = GRPOTrainer(
             model=CHECKPOINT, reward_funcs=[toy.format_reward, toy.correctness_reward], args=args, train_dataset=toy.prompt_dataset(32)
         )
-        betas, rows, penalties = [trainer.beta], [], []
+        betas, rows, penalties, untouched = [trainer.beta], [], [], []
         trainer.add_callback(RecordBeta(trainer, betas))
         uneven_batches(trainer, rank)
         record_sums(trainer._adaptive_kl, rows)
-        record_penalties(trainer._adaptive_kl, penalties)
+        record_penalties(trainer._adaptive_kl, penalties, untouched)
         ref_calls = []
         if trainer.ref_model is not None:
             trainer.ref_model.register_forward_hook(lambda *a, calls=ref_calls, t=trainer: calls.append(t.state.global_step))
@@ -136,7 +142,8 @@ def main():
         results[name] = {
             "betas": betas, "rows": rows, "logged_betas": [h[metrics.CURRENT_BETA] for h in logged], "penalties": penalties,
             "logged_tail": [[h.get(name) for name in metrics.WINDOW_TAIL_METRICS] for h in logged],
-            "ref_calls": sorted(set(ref_calls)), "logged_raw_kl": [h.get(metrics.RAW_KL) for h in logged],
+            "ref_calls": sorted(set(ref_calls)), "logged_raw_kl": [h.get(metrics.RAW_KL) for h in logged], "untouched": untouched,
+            "logged_penalty": [h.get(metrics.KL_PENALTY) for h in logged],
         }  # fmt: skip
         torch.distributed.barrier()
     with open(os.path.join(OUT, f"rank{rank}.json"), "w") as f:

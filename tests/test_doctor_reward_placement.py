@@ -59,3 +59,21 @@ def test_an_unknown_command_is_named_with_the_closest_one(capsys):
 def test_version_prints_the_packages_version(capsys):
     assert cli_main(["--version"]) == 0
     assert capsys.readouterr().out.strip() == f"unsloth-adaptive-kl {__version__}"
+
+
+def test_doctor_dry_runs_kl_monitor_with_the_reward_placement_and_warns_where_they_cannot_compose(monkeypatch):
+    """Issue 53: a trainer with kl_monitor and kl_placement='reward' gets both features' edits on one copy of TRL's
+    generation; doctor dry-runs that copy. Two edits of one anchor cannot compose: a warning naming both features (each
+    alone still works, so the backend is not failed)."""
+    status, text = report("trl")
+    assert status == 0 and "[  ok] GRPOTrainer._generate_and_score_completions (kl_monitor with kl_placement='reward'): the edits" in text
+    (anchor_set,) = reward_placement.TRL_PLAN.anchor_sets
+    monitor_anchor = next(r for r in trl_backend.PLAN.select(trl_backend.owners()).rewrites if "runs_reference" in r.replacement).anchor
+    clash = Rewrite(anchor_set.rewrites[-1].target, "trl", monitor_anchor, monitor_anchor.replace(":\n", " and True:\n"), "test")
+    replaced = dataclasses.replace(anchor_set, rewrites=(*anchor_set.rewrites, clash))
+    monkeypatch.setattr(reward_placement, "TRL_PLAN", dataclasses.replace(reward_placement.TRL_PLAN, anchor_sets=(replaced,)))
+    status, text = report("trl")
+    assert status == 0, text
+    (line,) = [line for line in text.splitlines() if "[warn]" in line]
+    assert "kl_monitor=True with kl_placement='reward' cannot work here" in line
+    assert "kl_monitor and kl_placement='reward' rewrite the same anchor" in line

@@ -57,8 +57,6 @@ def _batch(seed):
 
 def _expected_refusal(placement, monitor, shaping):
     """Which field the config must name, written from docs/kl-placement.md and docs/metrics-tail.md (None: valid)."""
-    if placement == "reward" and monitor:
-        return "kl_monitor"
     if placement == "reward" and shaping != "none" and not SHAPING[shaping].per_token and shaping != "length_normalized":
         return "kl_placement"
     return None
@@ -71,8 +69,8 @@ def test_every_combination_of_features_matches_its_float64_reference(placement, 
     method = _method(controller, shaping)
     checked = 0
     for excluded, monitor, estimator in itertools.product([False, True], [False, True], ESTIMATOR_CHOICES):
-        # kl_monitor acts at β = 0, which only "none" in the loss allows (with beta_min 0: it may not exceed β)
-        beta = 0.0 if monitor and method == "none" and placement == "loss" else 0.2
+        # kl_monitor acts at β = 0, which only "none" allows, in either placement (with beta_min 0: it may not exceed β)
+        beta = 0.0 if monitor and method == "none" else 0.2
         args = SimpleNamespace(**{
             **DEFAULTS, **SETTINGS, "beta": beta, "beta_min": min(SETTINGS["beta_min"], beta), "kl_adaptation_method": method, "kl_estimator": estimator,
             "kl_placement": placement, "kl_monitor": monitor, "kl_exclude_token_ids": [EXCLUDED_ID] if excluded else None,
@@ -138,23 +136,43 @@ def _run_loss_placement(runtime, args, settings, controller, case):
 def _run_reward_placement(runtime, args, settings, controller, case):
     _, method, estimator, excluded, _ = case
     beta, next_beta = runtime.beta, reference.stepper(controller)
+    alarm = _alarm_feed(runtime)
     for step, reward in enumerate(REWARDS, start=1):
         logp, ref, _, ids, mask = _batch(step)
         kept = _kept(mask, ids, excluded)
         penalty = runtime.scoring_penalty(ref, logp, mask, None, "train", completion_ids=ids)
         penalty64, raw64 = reference.reward_penalty64(method, logp, ref, kept.long(), estimator=VALUE_OF.get(estimator, estimator),
                                                       beta=beta, clip_threshold=args.kl_clip_threshold, kl_target=args.kl_target)  # fmt: skip
-        torch.testing.assert_close(penalty, penalty64, rtol=2e-5, atol=1e-7, msg=lambda m: f"{case}: {m}")
         rewards = torch.tensor([reward + 0.1 * i for i in range(mask.shape[0])])
         penalized = runtime.penalized_rewards(rewards, penalty, "train", GROUP)
-        torch.testing.assert_close(penalized.double(), rewards.double() - penalty64, rtol=1e-5, atol=1e-6, msg=lambda m: f"{case}: {m}")
+        if beta == 0:  # kl_monitor at β = 0: no penalty, the rewards untouched (the same tensor)
+            assert penalty is None and penalized is rewards, case
+        else:
+            torch.testing.assert_close(penalty, penalty64, rtol=2e-5, atol=1e-7, msg=lambda m: f"{case}: {m}")
+            torch.testing.assert_close(penalized.double(), rewards.double() - penalty64, rtol=1e-5, atol=1e-6, msg=lambda m: f"{case}: {m}")
         runtime.observe_reward(reward)
-        kl = raw64.sum().item() / kept.sum().item()  # the controller steers on the raw KL of the kept tokens
+        kl = raw64.sum().item() / kept.sum().item()  # the controller (and the alarm) steer on the raw KL of the kept tokens
         beta64 = _next_beta(next_beta, beta, settings, kl, step, REWARDS[:step], mask.shape[0])
         beta = runtime.end_step(step)
         assert beta == pytest.approx(beta64, rel=1e-9, abs=1e-15), (case, step)
+        assert alarm[-1][0] == step and alarm[-1][1] == pytest.approx(kl, rel=2e-5, abs=1e-9), (case, step)
     logged = runtime.trainer._metrics["train"]
-    assert len(logged[metrics.KL_PENALTY]) == len(REWARDS) and logged[metrics.NONFINITE_PENALTIES] == [0.0]
+    if runtime.beta == 0:
+        assert metrics.KL_PENALTY not in logged and metrics.NONFINITE_PENALTIES not in logged, case
+    else:
+        assert len(logged[metrics.KL_PENALTY]) == len(REWARDS) and logged[metrics.NONFINITE_PENALTIES] == [0.0]
+
+
+def _alarm_feed(runtime):
+    """What the runaway alarm is fed at each step: ``(step, kl)``."""
+    fed, end_step = [], runtime.alarm.end_step
+
+    def record(step, kl):
+        fed.append((step, kl))
+        return end_step(step, kl)
+
+    runtime.alarm.end_step = record
+    return fed
 
 
 def test_the_matrix_reads_every_registry():

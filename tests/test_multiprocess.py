@@ -146,3 +146,21 @@ def test_the_sampled_monitor_takes_the_same_decision_on_every_rank(ranks):
     assert zero["logged_raw_kl"] == one["logged_raw_kl"]
     assert [value is not None for value in zero["logged_raw_kl"]] == [True, False, True]
     assert zero["logged_betas"] == one["logged_betas"] == [0.0, 0.0, 0.0]
+
+
+def test_the_sampled_monitor_with_the_kl_in_the_reward_watches_the_same_batches_on_every_rank(ranks):
+    """kl_monitor_every=2 at β = 0 with kl_placement='reward' (issue 53), 3 steps: both ranks score the reference for
+    generation batches 0 and 2, compute the reward placement's KL there (the sums both reduce to the same totals, the
+    controller's and the runaway alarm's input) and log the same global KL on steps 1 and 3, none on step 2; no batch is
+    penalised (the rewards come back as the same tensor) and no penalty is logged."""
+    zero, one = ranks[0]["monitor-reward"], ranks[1]["monitor-reward"]
+    assert zero["ref_calls"] == one["ref_calls"] == [0, 2]
+    assert zero["logged_raw_kl"] == one["logged_raw_kl"] and [v is not None for v in zero["logged_raw_kl"]] == [True, False, True]
+    assert len(zero["penalties"]) == len(one["penalties"]) == 2  # the scoring-time KL of the two watched batches
+    for a, b in zip(zero["penalties"], one["penalties"]):
+        both = [x + y for x, y in zip(a["local_sums"], b["local_sums"])]
+        assert a["total_sums"] == b["total_sums"] == pytest.approx(both, rel=1e-12)
+    assert zero["penalties"][1]["local_sums"] != one["penalties"][1]["local_sums"]  # each rank scored its own completions
+    assert zero["untouched"] == one["untouched"] == [True, True, True]
+    assert zero["logged_penalty"] == one["logged_penalty"] == [None, None, None]
+    assert zero["logged_betas"] == one["logged_betas"] == [0.0, 0.0, 0.0]

@@ -60,12 +60,14 @@ def rewrite_function(
     library: str | tuple[str, ...],
     extra_globals: dict | None = None,
     namespace: dict | None = None,
+    label: str = "",
 ) -> Callable:
     """Return a copy of ``func`` compiled from its source with each ``(anchor, replacement)`` applied.
 
     Each anchor must occur exactly once in the (dedented) source. The new function runs in a copy
     of the original's module globals (plus ``extra_globals``), or in ``namespace`` when rewrites
-    must see each other. ``library`` names the distribution(s) whose versions a failure reports.
+    must see each other. ``library`` names the distribution(s) whose versions a failure reports. ``label``
+    tells apart several rewrites of one function (each has its own file name, so its own source in linecache).
     """
     libraries = (library,) if isinstance(library, str) else tuple(library)
     installed = " / ".join(f"{name} {version_of(name)}" for name in libraries)
@@ -91,7 +93,7 @@ def rewrite_function(
     namespace.update(extra_globals or {})
     check_free_names(func, source, replaced, namespace, installed=installed, libraries=libraries)
     source = textwrap.dedent(source)
-    filename = source_filename(func)
+    filename = source_filename(func, label)
     # Registered so that a traceback, pdb and profilers show the rewritten lines (mtime None: kept by checkcache).
     linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
     exec(compile(source, filename, "exec"), namespace)  # noqa: S102 - our own literal rewrite of installed code
@@ -177,11 +179,11 @@ def check_free_names(func: Callable, source: str, replaced: list, namespace: Map
                 )
 
 
-def source_filename(func: Callable) -> str:
+def source_filename(func: Callable, label: str = "") -> str:
     """The file name a rewritten ``func`` is compiled under, and its source registered in ``linecache`` as:
-    ``<unsloth_adaptive_kl:module.Qualified.name>``. ``inspect.getsource(f.__code__)`` gives the rewritten
+    ``<unsloth_adaptive_kl:module.Qualified.name>`` (with a ``label``: ``...name[label]>``, one per rewrite). ``inspect.getsource(f.__code__)`` gives the rewritten
     source (``inspect.getsource(f)`` follows ``__wrapped__`` to the installed original, which Unsloth reads)."""
-    return f"<unsloth_adaptive_kl:{func.__module__}.{func.__qualname__}>"
+    return f"<unsloth_adaptive_kl:{func.__module__}.{func.__qualname__}{f'[{label}]' if label else ''}>"
 
 
 # -- the patch ledger ---------------------------------------------------------------------------------
@@ -269,14 +271,15 @@ def libraries_of(rewrites) -> tuple[str, ...]:
     return tuple(dict.fromkeys(r.library for r in rewrites))
 
 
-def compile_target(owners: Mapping[str, object], target: str, rewrites, *, namespace: dict | None = None) -> Callable:
+def compile_target(owners: Mapping[str, object], target: str, rewrites, *, namespace: dict | None = None, label: str = "") -> Callable:
     """The library's own function at ``target`` compiled with ``rewrites`` applied (installed nowhere):
-    what ``Plan.build`` does per target and ``doctor`` dry-runs."""
+    what ``Plan.build`` does per target and ``doctor`` dry-runs (``label``: see :func:`rewrite_function`)."""
     return rewrite_function(
         resolve(owners, target),
         [(r.anchor, r.replacement) for r in rewrites],
         library=libraries_of(rewrites),
         namespace=namespace,
+        label=label,
     )
 
 

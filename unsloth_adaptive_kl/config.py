@@ -81,8 +81,9 @@ FIELDS: tuple[FieldSpec, ...] = (
         False,
         "With beta = 0 (set, or reached by a β controller), still run the reference forward and compute and log "
         "the KL (adaptive_kl/* and TRL's kl), while the loss stays exactly the backend's beta = 0 loss. Costs the reference "
-        "forward (on the generation batches kl_monitor_every selects). TRL (>= 1.8) and Unsloth 2026.10; refused on Unsloth "
-        "2026.8/2026.9 and with GRPOTrainer(loss_class=...).",
+        "forward (on the generation batches kl_monitor_every selects). With kl_placement='reward' the KL is measured at "
+        "scoring as that placement measures it, and the rewards are left as they are (beta * KL = 0). TRL (>= 1.8; >= 1.9 "
+        "with kl_placement='reward') and Unsloth 2026.10; refused on Unsloth 2026.8/2026.9 and with GRPOTrainer(loss_class=...).",
     ),
     FieldSpec(
         "kl_monitor_every",
@@ -115,8 +116,8 @@ FIELDS: tuple[FieldSpec, ...] = (
         "loss",
         "Where β·KL acts: 'loss' (TRL's place: β times the per-token KL is added to the loss) or 'reward' (each "
         "completion's reward is lowered by β times the sum over its tokens of the per-token KL, measured when the "
-        "completions are scored, before the group normalisation of the advantages; the loss then has no KL term). "
-        "See docs/kl-placement.md.",
+        "completions are scored, before the group normalisation of the advantages; the loss then has no KL term; at beta = 0 only with "
+        "kl_monitor=True, which watches that KL and leaves the rewards as they are). See docs/kl-placement.md.",
     ),
 )
 
@@ -281,12 +282,7 @@ def validate(config) -> Method:
             f"beta=0.0 is not valid with kl_adaptation_method={config.kl_adaptation_method!r}: that method acts on "
             "the KL term, which beta=0 removes; allowed: beta > 0, or kl_adaptation_method='none'"
         )
-    check_placement(config.kl_placement, method, beta)
-    if config.kl_monitor and config.kl_placement != "loss":
-        raise ValueError(
-            f"kl_monitor=True is not valid with kl_placement={config.kl_placement!r}: it watches the KL at beta = 0 of the "
-            "loss placement; allowed: kl_monitor=False, or kl_placement='loss'"
-        )
+    check_placement(config.kl_placement, method, beta, monitor=config.kl_monitor)
     return method
 
 
@@ -308,18 +304,20 @@ def monitor_every(config) -> int:
 PLACEMENTS = ("loss", "reward")
 
 
-def check_placement(placement, method: Method, beta) -> str:
-    """``placement`` if it is a valid ``kl_placement`` for ``method`` and ``beta``; ValueError otherwise.
+def check_placement(placement, method: Method, beta, *, monitor: bool = False) -> str:
+    """``placement`` if it is a valid ``kl_placement`` for ``method``, ``beta`` and ``kl_monitor`` (``monitor``);
+    ValueError otherwise. "reward" at β = 0 needs ``kl_monitor`` (the KL is watched, the reward untouched).
 
     In the reward every per-token shaping step applies (it shapes the KL summed into the penalty), and
     ``length_normalized`` makes the penalty a per-completion mean instead of a sum; a shaping step that
     acts on the loss's aggregation in another way has no meaning there and is refused by name."""
     _require(placement in PLACEMENTS, "kl_placement", placement, f"one of {list(PLACEMENTS)}")
     if placement == "reward":
-        if beta == 0:
+        if beta == 0 and not monitor:
             raise ValueError(
                 "kl_placement='reward' is not valid with beta=0.0: the reward is lowered by beta times the KL, which "
-                "beta=0 removes (and TRL then computes no reference log-probs); allowed: beta > 0, or kl_placement='loss'"
+                "beta=0 removes (and TRL then computes no reference log-probs); allowed: beta > 0, kl_monitor=True (the "
+                "KL is computed and logged, the reward left as it is), or kl_placement='loss'"
             )
         for name in method.shaping:
             if not SHAPING[name].per_token and name != "length_normalized":

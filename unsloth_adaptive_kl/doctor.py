@@ -169,6 +169,23 @@ def reward_placement_findings(plan, owners: dict, *, namespace: dict | None = No
     return findings
 
 
+def monitor_with_reward_findings(target: str, features: tuple, owners: dict) -> list[Finding]:
+    """Dry-run ``target`` (the generation) with the edits of ``features`` (kl_monitor's and the reward placement's)
+    composed onto one copy of its source, as a trainer with both gets it (``backends/_generation.py``). Where they cannot
+    be combined each still works alone: a WARN saying that a trainer asking for both will be refused, and why."""
+    from .backends import _generation
+
+    topic = f"{target} (kl_monitor with kl_placement='reward')"
+    _, reasons = _generation.build(target, features, owners)
+    alone = [f.name for f in features if frozenset({f.name}) in reasons]
+    if alone:
+        return [Finding(topic, INFO, f"not checked: {' and '.join(alone)} cannot work here on its own (see above)")]
+    reason = reasons.get(frozenset(f.name for f in features))
+    if reason is None:
+        return [Finding(topic, OK, f"the edits of {' and '.join(f.name for f in features)} compose onto one copy of its source")]
+    return [Finding(topic, WARN, f"kl_monitor=True with kl_placement='reward' cannot work here: a trainer asking for both is refused ({reason})")]
+
+
 def targets_exist(owner, names: tuple[str, ...], topic: str) -> Finding:
     missing = [name for name in names if not hasattr(owner, name)]
     if missing:
@@ -189,6 +206,8 @@ def trl_backend_findings() -> list[Finding]:
     if findings[-1].status == OK:
         findings.extend(plan_findings(trl_backend.PLAN, owners))
         findings.extend(reward_placement_findings(reward_placement.TRL_PLAN, owners))
+        features = (trl_backend.MONITOR, reward_placement.feature(reward_placement.TRL_PLAN))
+        findings.extend(monitor_with_reward_findings(trl_backend._GENERATE, features, owners))
     findings.append(triton_finding())
     findings.append(
         Finding("trl used when", INFO, "trl.GRPOTrainer is TRL's own class (Unsloth not active: see Backend unsloth) and no loss_class= is given")
@@ -271,7 +290,13 @@ def unsloth_backend_findings(requested: bool = False) -> list[Finding]:
     from .backends import reward_placement
 
     generated = getattr(module, "_UnslothGRPOTrainer", trainer_cls.__mro__[1])  # the class whose copy of TRL's function it rewrites
-    return findings + reward_placement_findings(reward_placement.UNSLOTH_PLAN, {"_UnslothGRPOTrainer": generated})
+    owners = {"_UnslothGRPOTrainer": generated}
+    features = (unsloth_backend.MONITOR, reward_placement.feature(reward_placement.UNSLOTH_PLAN))
+    return (
+        findings
+        + reward_placement_findings(reward_placement.UNSLOTH_PLAN, owners)
+        + monitor_with_reward_findings(unsloth_backend._MONITOR_GENERATE, features, owners)
+    )
 
 
 def liger_backend_findings() -> list[Finding]:

@@ -577,6 +577,63 @@ def test_the_generated_trainer_trains_with_reward_placement_and_the_target_contr
     assert betas[0] == 0.04 and len(set(betas)) == 3  # the controller acted on the scoring-time KL after each step
 
 
+def _monitor_reward(tmp_path_factory):
+    return run_worker("unsloth-first", "monitor_reward", tmp_path_factory)["monitor_reward"]
+
+
+def test_kl_monitor_with_the_reward_placement_logs_the_watched_batches_kl_against_float64_on_the_generated_trainer(tmp_path_factory):
+    """kl_monitor_every=2, kl_placement='reward', beta = 0, EOS excluded (4 steps, one generation batch a step): the
+    reference forward runs for batches 0 and 2 only; steps 1 and 3 log adaptive_kl/raw_kl equal to the float64 KL of the
+    log-probs the fused loss saw (Unsloth's clamps, the completion mask less the EOS tokens); steps 2 and 4 log no
+    adaptive_kl KL and Unsloth's own kl its stock beta = 0 value, 0; no penalty is logged anywhere."""
+    import torch
+
+    r = _monitor_reward(tmp_path_factory)
+    logs = r["logs"]
+    assert r["ref_calls"] == [0, 2] and r["scored_reference"] == [True, False, True, False], r["ref_calls"]
+    assert ["adaptive_kl/raw_kl" in h for h in logs] == [True, False, True, False], logs
+    assert [logs[step]["kl"] for step in (1, 3)] == [0.0, 0.0] and all(logs[step]["kl"] > 0 for step in (0, 2)), logs
+    assert not any("adaptive_kl/kl_penalty" in h for h in logs) and all(h["adaptive_kl/current_beta"] == 0.0 for h in logs), logs
+    assert [f["ref"] is not None for f in r["fused"]] == [True, False, True, False]
+    for step in (0, 2):
+        f = r["fused"][step]
+        new, ref, mask, ids = (torch.tensor(f[k], dtype=torch.float64) for k in ("new", "ref", "mask", "input_ids"))
+        valid = mask.bool()
+        kept = valid & (ids != r["eos"])
+        assert (valid & ~kept).any(), step  # the batch has an EOS token, which the KL leaves out
+        raw, _ = reference.raw_and_shaped_kl("none", new, ref, new, kept, estimator="k3", clip_threshold=1, kl_target=1, unsloth_clamps=True)
+        assert logs[step]["adaptive_kl/raw_kl"] == pytest.approx((raw.sum() / kept.sum()).item(), rel=1e-5), step
+        with_eos, _ = reference.raw_and_shaped_kl("none", new, ref, new, valid, estimator="k3", clip_threshold=1, kl_target=1, unsloth_clamps=True)
+        assert abs((with_eos.sum() / valid.sum()).item() - logs[step]["adaptive_kl/raw_kl"]) > 1e-4  # the exclusion mattered
+
+
+def test_kl_monitor_with_the_reward_placement_feeds_the_runaway_alarm_the_scoring_time_kl_on_the_generated_trainer(tmp_path_factory):
+    """The reward placement's KL of a watched batch (at scoring, from Unsloth's own log-probs of the policy and the
+    reference, EOS left out) reaches the runaway alarm at that step, in float64; an unwatched step feeds it None."""
+    import torch
+
+    r = _monitor_reward(tmp_path_factory)
+    assert [step for step, _ in r["fed"]] == [1, 2, 3, 4] and [kl is not None for _, kl in r["fed"]] == [True, False, True, False], r["fed"]
+    assert len(r["scored"]) == 2  # the scoring-time KL was computed for the two watched batches only
+    for (step, kl), scored, batch in zip((r["fed"][0], r["fed"][2]), r["scored"], r["watched_batches"]):
+        logp, ref, mask = (torch.tensor(scored[k], dtype=torch.float64) for k in ("logp", "ref", "mask"))
+        ids, valid = torch.tensor(batch["completion_ids"]), torch.tensor(batch["completion_mask"]).bool()
+        assert ((ids == r["eos"]) & valid).any() and not ((ids == r["eos"]) & mask.bool()).any(), step  # EOS left out
+        assert bool((mask.bool() <= valid).all()), step
+        k3 = torch.where(mask.bool(), torch.exp(ref - logp) - (ref - logp) - 1, 0.0)
+        assert kl == pytest.approx((k3.sum() / mask.sum()).item(), rel=1e-5) and kl > 0, step
+
+
+def test_kl_monitor_with_the_reward_placement_trains_exactly_as_stock_unsloth_at_beta_zero(tmp_path_factory):
+    """Against stock Unsloth at beta = 0 (unpatched, no reference): the same completions, advantages (torch.equal, and
+    not all 0: a penalty would have moved them), logged loss and reward at every step, and the same weights after 4 steps."""
+    r = _monitor_reward(tmp_path_factory)
+    assert r["stock_runtime"] and r["completions_equal"] == [True] * 4 and r["advantages_equal"] == [True] * 4, r
+    assert r["advantages_nonzero"] and r["weights_equal"], r
+    for key in ("loss", "reward"):
+        assert [h[key] for h in r["logs"]] == [h[key] for h in r["stock_logs"]], key
+
+
 # -- fast: kl_monitor's checks, without the generated trainer ------------------------------------------------------
 def test_kl_monitor_is_refused_on_the_unsloth_lines_generated_from_trl_0_24_naming_the_version():
     """2026.8 and 2026.9 generate their trainer from TRL 0.24's source: MONITOR_PLAN has no family for them, and

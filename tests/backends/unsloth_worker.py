@@ -891,6 +891,87 @@ def scenario_reward_placement():
     results["reward_placement"]["rewritten_super"] = {"calls": calls, "freevars": list(rewritten.__code__.co_freevars)}
 
 
+def scenario_monitor_reward():
+    """kl_monitor with kl_placement='reward' at beta = 0 (issue 53), kl_monitor_every=2, EOS excluded: 4 steps against 4
+    steps of stock Unsloth at beta = 0 (unpatched), same seed and the same perturbed policy. Per step: what the generation
+    returned (advantages, whether it scored the reference), what the fused loss saw (its policy and reference log-probs,
+    mask and token ids, for a float64 KL), what the scoring-time KL of the reward placement saw (the alarm's input) and
+    what the alarm was fed; the steps whose reference forward ran; the logs and the final weights of both runs."""
+    from unsloth_adaptive_kl.kl_term import KLTerm
+
+    eos = TOKENIZER.eos_token_id
+
+    def perturbed(t):
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():  # the policy starts as the reference (KL 0): move it away
+            for p in t.model.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * 0.05)
+        return t
+
+    def spy_generation(t, batches):
+        generate = t._generate_and_score_completions
+
+        def spy(*args, **kwargs):
+            out = generate(*args, **kwargs)
+            batches.append({"advantages": out["advantages"].clone(), "completion_ids": out["completion_ids"].clone(),
+                            "completion_mask": out["completion_mask"].clone(), "scored_reference": out.get("ref_per_token_logps") is not None})  # fmt: skip
+            return out
+
+        t._generate_and_score_completions = spy
+
+    def weights(t):
+        return [p.detach().clone() for p in t.model.parameters()]
+
+    unsloth_adaptive_kl.unpatch()
+    try:
+        stock = perturbed(trainer(beta=0.0, max_steps=4))
+        stock_batches = []
+        spy_generation(stock, stock_batches)
+        stock.train()
+    finally:
+        unsloth_adaptive_kl.patch()
+
+    fused, scored, fed, ref_calls, batches = [], [], [], [], []
+    cls = generated.UnslothEfficientGRPO
+    inner = cls.forward
+
+    def fused_spy(ctx, new, old, ref, *args, **kwargs):
+        mask, input_ids = args[3], args[2]
+        fused.append({"new": new.detach().double().tolist(), "old": None if old is None else old.double().tolist(), "ref": None if ref is None else ref.double().tolist(),
+                      "mask": mask.tolist(), "input_ids": input_ids.reshape(mask.shape).tolist()})  # fmt: skip
+        return inner(ctx, new, old, ref, *args, **kwargs)
+
+    cls.forward = staticmethod(fused_spy)
+    per_token = KLTerm.per_token
+
+    def per_token_spy(term, logp, ref, mask, coef=None, statistic=None, estimator=None):
+        scored.append({"logp": logp.double().tolist(), "ref": ref.double().tolist(), "mask": mask.tolist()})
+        return per_token(term, logp, ref, mask, coef, statistic, estimator)
+
+    KLTerm.per_token = per_token_spy
+    try:
+        t = perturbed(trainer(beta=0.0, max_steps=4, kl_placement="reward", kl_monitor=True, kl_monitor_every=2, kl_exclude_token_ids=[eos]))
+        spy_generation(t, batches)
+        t.ref_model.register_forward_hook(lambda *a: ref_calls.append(t.state.global_step))
+        end_step = t._adaptive_kl.alarm.end_step
+        t._adaptive_kl.alarm.end_step = lambda step, kl: (fed.append([step, kl]), end_step(step, kl))[1]
+        t.train()
+    finally:
+        KLTerm.per_token, cls.forward = per_token, inner
+    keys = ("loss", "reward", "kl", "adaptive_kl/raw_kl", "adaptive_kl/current_beta", "adaptive_kl/kl_penalty")
+    logs = [[{k: h[k] for k in keys if k in h} for h in run.state.log_history if "loss" in h] for run in (t, stock)]
+    results["monitor_reward"] = {
+        "eos": eos, "logs": logs[0], "stock_logs": logs[1], "fused": fused, "scored": scored, "fed": fed, "ref_calls": sorted(set(ref_calls)),
+        "scored_reference": [b["scored_reference"] for b in batches],
+        "watched_batches": [{k: b[k].tolist() for k in ("completion_ids", "completion_mask")} for b in batches if b["scored_reference"]],
+        "advantages_equal": [torch.equal(a["advantages"], b["advantages"]) for a, b in zip(batches, stock_batches)],
+        "completions_equal": [torch.equal(a["completion_ids"], b["completion_ids"]) for a, b in zip(batches, stock_batches)],
+        "advantages_nonzero": any(bool(b["advantages"].abs().sum() > 0) for b in batches),
+        "weights_equal": all(torch.equal(a, b) for a, b in zip(weights(t), weights(stock))),
+        "stock_runtime": getattr(stock, "_adaptive_kl", None) is None,
+    }  # fmt: skip
+
+
 def scenario_unpatch():
     """Configs built by stock Unsloth, then after each of import, unpatch(), patch(), unpatch()."""
     results["never_patched"] = never_patched
@@ -900,6 +981,6 @@ def scenario_unpatch():
         results["sequence"][step] = probe_config()
 
 
-{"early_config": scenario_early_config, "config": scenario_config, "unpatch": scenario_unpatch, "identity": scenario_identity, "all_masked": scenario_all_masked, "resume": scenario_resume, "kl_part": scenario_kl_part, "train": scenario_train, "subclass": scenario_subclass, "renamed": scenario_renamed, "compiled": scenario_compiled, "compiled_loop": scenario_compiled_loop, "reward_placement": scenario_reward_placement, "user_code": scenario_user_code, "diagnostics": scenario_diagnostics}[SCENARIO]()
+{"early_config": scenario_early_config, "config": scenario_config, "unpatch": scenario_unpatch, "identity": scenario_identity, "all_masked": scenario_all_masked, "resume": scenario_resume, "kl_part": scenario_kl_part, "train": scenario_train, "subclass": scenario_subclass, "renamed": scenario_renamed, "compiled": scenario_compiled, "compiled_loop": scenario_compiled_loop, "reward_placement": scenario_reward_placement, "user_code": scenario_user_code, "diagnostics": scenario_diagnostics, "monitor_reward": scenario_monitor_reward}[SCENARIO]()
 with open(OUT, "w") as f:
     json.dump(results, f, default=lambda o: None if isinstance(o, float) and math.isnan(o) else str(o))

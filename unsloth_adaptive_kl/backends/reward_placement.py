@@ -20,7 +20,9 @@ The policy's log-probs at scoring time are TRL's ``old_per_token_logps`` where T
 (generation not aligned with the optimizer steps, or vLLM's importance-sampling correction);
 otherwise one more no-grad forward of the policy on the generation batch, the same call TRL makes
 for them (and for the reference model's). The rewritten function runs only for a trainer whose
-``kl_placement`` is "reward"; every other trainer runs the library's own function, unchanged.
+``kl_placement`` is "reward"; every other trainer runs the library's own function, unchanged (or kl_monitor's).
+With ``kl_monitor`` too, the trainer runs one copy of the source with both features' edits (``_generation.py``);
+at β = 0 the monitor's batches then have their KL computed here for the controller and the alarm, and no penalty.
 
 A library whose anchors do not match is not patched for the reward placement: the reason is kept
 and a trainer that asks for it is refused with it (:meth:`RewardPlacement.check_placement`); the
@@ -29,14 +31,14 @@ loss placement is unaffected. docs/kl-placement.md is the user's page.
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
 
 from .. import metrics
 from ..kl_term import REWARD_KL_BOUND, kl_dominated_groups
-from .._source_patch import AnchorSet, PatchError, Plan, Rewrite, set_attribute, version_of
+from .._source_patch import AnchorSet, PatchError, Plan, Rewrite, version_of
+from . import _generation
 
 TARGET_NAME = "_generate_and_score_completions"
 logger = logging.getLogger("unsloth_adaptive_kl")
@@ -129,47 +131,62 @@ UNSLOTH_PLAN = Plan(
 _UNAVAILABLE: dict[type, str] = {}
 
 
-def install(trainer_cls, plan: Plan, owners, wrap=None) -> None:
-    """Give ``trainer_cls`` the reward placement: its ``_generate_and_score_completions`` dispatches to the
-    rewritten one for a trainer with ``kl_placement="reward"``. Where ``plan`` cannot be built for the
-    installed version, nothing is set and the reason is kept for :meth:`RewardPlacement.check_placement`.
-    ``wrap`` (optional) wraps the rewritten function as the library wraps its own (Unsloth's rollout
-    wrapper). Call it before the trainer wrappers of ``_trainer.patch_trainer_class`` wrap the method."""
-    library_own = getattr(trainer_cls, TARGET_NAME)
-    try:
-        anchor_set = plan.select(owners)
-        (rewritten,) = plan.build(owners, anchor_set=anchor_set).values()
-    except PatchError as error:
-        _UNAVAILABLE[trainer_cls] = str(error)
-        return
-    _UNAVAILABLE.pop(trainer_cls, None)
-    set_attribute(trainer_cls, TARGET_NAME, _dispatch(rewritten if wrap is None else wrap(rewritten), library_own))
+#: The name of the reward placement as a feature that rewrites the generation (``_generation.Feature``).
+FEATURE_NAME = "kl_placement='reward'"
+#: Trainer class -> why kl_monitor cannot be applied together with the reward placement (both available alone).
+_UNAVAILABLE_WITH_MONITOR: dict[type, str] = {}
 
 
-def unavailable_reason(trainer_cls) -> str | None:
-    """Why ``kl_placement="reward"`` cannot be applied to ``trainer_cls`` (None: it can)."""
+def _check_penalized(trainer, runtime) -> None:
+    if not runtime.rewards_penalized:  # the sum_then_normalize branch did not run: the penalty was not applied
+        raise PatchError(
+            f"kl_placement='reward': {type(trainer).__qualname__}._generate_and_score_completions did not reach the "
+            "rewards' group normalisation (multi_objective_aggregation='sum_then_normalize'); the KL penalty was not applied"
+        )
+
+
+def _start_scoring(runtime) -> None:
+    runtime.rewards_penalized = False
+
+
+def feature(plan: Plan) -> _generation.Feature:
+    """The reward placement as a feature of the generation (``plan``: :data:`TRL_PLAN` or :data:`UNSLOTH_PLAN`): on for a
+    trainer with ``kl_placement="reward"``, and a call that did not reach the penalised rewards is refused."""
+    return _generation.Feature(FEATURE_NAME, plan, enabled=lambda runtime: not runtime.kl_in_loss, before=_start_scoring, after=_check_penalized)
+
+
+def install(trainer_cls, plan: Plan, owners, wrap=None, *, also: tuple[_generation.Feature, ...] = ()) -> dict:
+    """Give ``trainer_cls`` the reward placement: its ``_generate_and_score_completions`` runs, for a trainer with
+    ``kl_placement="reward"``, the library's source with the edits of ``plan`` and those of the other features of
+    ``also`` that the trainer enables (kl_monitor's), composed onto one copy (``_generation.install``; ``also``'s first).
+    Where ``plan`` cannot be built for the installed version the reason is kept for
+    :meth:`RewardPlacement.check_placement` (and nothing is set where no feature can be applied). ``wrap`` (optional)
+    wraps each rewritten function as the library wraps its own (Unsloth's rollout wrapper). Call it before the trainer
+    wrappers of ``_trainer.patch_trainer_class`` wrap the method. Returns ``_generation.install``'s reasons."""
+    target = next(iter(plan.anchor_sets[0].targets()))
+    reasons = _generation.install(trainer_cls, TARGET_NAME, target, (*also, feature(plan)), owners, wrap)
+    _keep(_UNAVAILABLE, trainer_cls, reasons.get(frozenset({FEATURE_NAME})))
+    for other in also:  # a combination of two features each available alone that cannot be composed
+        alone = [reasons.get(frozenset({name})) for name in (other.name, FEATURE_NAME)]
+        _keep(_UNAVAILABLE_WITH_MONITOR, trainer_cls, None if any(alone) else reasons.get(frozenset({other.name, FEATURE_NAME})))
+    return reasons
+
+
+def _keep(store: dict, trainer_cls, reason: str | None) -> None:
+    if reason is None:
+        store.pop(trainer_cls, None)
+    else:
+        store[trainer_cls] = reason
+
+
+def unavailable_reason(trainer_cls, store: dict | None = None) -> str | None:
+    """Why ``kl_placement="reward"`` cannot be applied to ``trainer_cls`` (None: it can); with ``store``
+    :data:`_UNAVAILABLE_WITH_MONITOR`, why it cannot be applied together with kl_monitor."""
+    store = _UNAVAILABLE if store is None else store
     for cls in trainer_cls.__mro__:
-        if cls in _UNAVAILABLE:
-            return _UNAVAILABLE[cls]
+        if cls in store:
+            return store[cls]
     return None
-
-
-def _dispatch(rewritten, library_own):
-    @functools.wraps(library_own)
-    def _generate_and_score_completions(self, *args, **kwargs):
-        runtime = getattr(self, "_adaptive_kl", None)
-        if runtime is None or runtime.kl_in_loss:
-            return library_own(self, *args, **kwargs)
-        runtime.rewards_penalized = False
-        output = rewritten(self, *args, **kwargs)
-        if not runtime.rewards_penalized:  # the sum_then_normalize branch did not run: the penalty was not applied
-            raise PatchError(
-                f"kl_placement='reward': {type(self).__qualname__}._generate_and_score_completions did not reach the "
-                "rewards' group normalisation (multi_objective_aggregation='sum_then_normalize'); the KL penalty was not applied"
-            )
-        return output
-
-    return _generate_and_score_completions
 
 
 def completions_per_update(args, num_processes: int, num_iterations: int) -> int:
@@ -214,6 +231,9 @@ class RewardPlacement:
         reason = unavailable_reason(cls)
         if reason is not None:
             raise PatchError(f"kl_placement='reward' cannot be applied to {cls.__module__}.{cls.__qualname__}: {reason}")
+        reason = unavailable_reason(cls, _UNAVAILABLE_WITH_MONITOR) if self.monitor else None
+        if reason is not None:
+            raise PatchError(f"kl_monitor=True with kl_placement='reward' cannot be applied to {cls.__module__}.{cls.__qualname__}: {reason}")
         aggregation = getattr(trainer, "multi_objective_aggregation", "sum_then_normalize")
         if aggregation != "sum_then_normalize":
             raise ValueError(
@@ -232,7 +252,9 @@ class RewardPlacement:
         self.check_step_size(completions_per_update(trainer.args, trainer.accelerator.num_processes, num_iterations))
 
     def scoring_penalty(self, ref_logps, old_logps, mask, policy_logps, mode: str, left_pad=None, *, completion_ids=None) -> torch.Tensor | None:
-        """Each local completion's penalty, ``(B,)`` float64 (None while β is 0: no reference log-probs).
+        """Each local completion's penalty, ``(B,)`` float64; None while β is 0 (the rewards are left as they are).
+        At β = 0 under ``kl_monitor``, on a batch it watches (``ref_logps`` given), the KL is computed as at β > 0 and
+        its sums reach the controller and the runaway alarm, but no penalty is returned: β·KL is 0.
 
         ``old_logps``: TRL's ``old_per_token_logps`` (the policy at scoring time) or None, then
         ``policy_logps()`` computes them. In training the generation batch's KL sums go to the β
@@ -242,7 +264,8 @@ class RewardPlacement:
         the sampled tokens, ``(B, L)`` as ``mask``; the tokens of ``kl_exclude_token_ids`` get no penalty and are not
         counted in the controller's sums (:meth:`KLTerm.kl_mask`, as in the loss)."""
         beta = float(self.trainer.beta)
-        if ref_logps is None or beta == 0.0:
+        observed = mode == "train" and not getattr(self.trainer, "_adaptive_kl_regenerated_batch", False)
+        if ref_logps is None or (beta == 0.0 and not (self.monitor and observed)):  # β = 0: only kl_monitor's sums to take
             return None
         logps = old_logps if old_logps is not None else policy_logps()
         if left_pad is not None:
@@ -265,9 +288,11 @@ class RewardPlacement:
             mask = self.term.kl_mask(mask, completion_ids.to(mask.device))
         with torch.no_grad():
             raw, adapted = self.term.per_token(logps, ref_logps, mask, None, self.term.batch_statistic(ref_logps, mask))
-            if mode == "train" and not getattr(self.trainer, "_adaptive_kl_regenerated_batch", False):
+            if observed:
                 faults = bool(self.term.user_shaping_steps)  # a user method's NaN on a finite KL: refused by name, as in the loss
                 self.observe_scoring_sums(metrics.local_kl_sums(raw, adapted, mask, count_shaping_faults=faults))
+            if beta == 0.0:  # kl_monitor: the KL is watched, the rewards stay the library's (no 0 * KL: a NaN stays out)
+                return None
             self.warn_clamped_tokens(adapted, mask)
             return self.term.reward_penalty(adapted, mask, beta=beta)
 

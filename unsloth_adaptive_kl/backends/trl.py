@@ -9,6 +9,8 @@ What is patched, each undone by ``unpatch()``:
   length-normalised term is added after aggregation. TRL's ``kl`` metric keeps meaning the
   unshaped KL. With ``GRPOTrainer(loss_class=...)`` the loss comes from that module instead
   (``backends/loss_class.py``).
+* ``_generate_and_score_completions``: :data:`PLAN`'s edit for ``kl_monitor`` (the reference forward at β = 0) and
+  the reward placement's, composed per trainer (``backends/_generation.py``).
 * ``__init__``, ``_generate_and_score_completions``, ``_load_callback_state``: the wrappers every
   trainer gets (``backends/_trainer.py``): state and callback, reward feed, resume.
 """
@@ -22,7 +24,7 @@ import torch
 
 from .._source_patch import AnchorSet, Plan, Rewrite, check_version, is_patched, original, rewrite_function, set_attribute, version_of  # noqa: F401
 from ..versions import SUPPORTED, offered_loss_types
-from . import _trainer
+from . import _generation, _trainer
 from . import loss_class as loss_class_path
 from . import reward_placement
 
@@ -149,6 +151,8 @@ def _trl_supported(version: str) -> bool:
 
 
 _MONITORED: set[str] = set()  # the patched targets kl_monitor needs that this TRL's family has (patch() fills it)
+#: kl_monitor as a feature of the generation: PLAN's rewrites of ``_generate_and_score_completions`` (TRL >= 1.8).
+MONITOR = _generation.Feature("kl_monitor", PLAN, enabled=lambda runtime: runtime.monitor)
 
 
 class TRLAdaptiveKL(_trainer.TrainerAdaptiveKL):
@@ -219,18 +223,6 @@ def _dispatch_compute_loss(rewritten, library_own):
     return _compute_loss
 
 
-def _dispatch_generate(rewritten, library_own):
-    """TRL's own generation for a trainer without our state (created before the import), ours otherwise
-    (the unattached case is decided by the wrapper of ``_trainer.py`` around this)."""
-
-    @functools.wraps(rewritten)
-    def _generate_and_score_completions(self, *args, **kwargs):
-        own = self.__dict__.get("_adaptive_kl") is None
-        return (library_own if own else rewritten)(self, *args, **kwargs)
-
-    return _generate_and_score_completions
-
-
 def is_unsloth_generated(cls) -> bool:
     """Whether ``cls`` is one of the classes Unsloth generated from TRL's (``UnslothGRPOTrainer``)."""
     return cls.__module__ == "UnslothGRPOTrainer" or getattr(cls, "_unsloth_patched_rl_config", False)
@@ -267,11 +259,12 @@ def patch(after_config_created=None) -> None:
     if eager_trl:
         trainer_cls = classes["GRPOTrainer"]
         set_attribute(trainer_cls, "_compute_loss", _dispatch_compute_loss(built[_COMPUTE_LOSS], trainer_cls._compute_loss))
+        # kl_monitor's reference forward (PLAN's rewrites of the generation) and the reward placement's penalty, composed
+        # onto one copy of TRL's source per combination; before the wrappers below wrap it
+        reasons = reward_placement.install(trainer_cls, reward_placement.TRL_PLAN, classes, also=(MONITOR,))
         _MONITORED.clear()
-        if _GENERATE in built:  # kl_monitor's reference forward; then the reward placement's dispatch around it
-            set_attribute(trainer_cls, "_generate_and_score_completions", _dispatch_generate(built[_GENERATE], trainer_cls._generate_and_score_completions))
+        if frozenset({MONITOR.name}) not in reasons:
             _MONITORED.add(_GENERATE)
-        reward_placement.install(trainer_cls, reward_placement.TRL_PLAN, classes)  # before the wrappers below wrap it
         _trainer.patch_trainer_class(trainer_cls, TRLAdaptiveKL, loss_path=("compute_loss", "_compute_loss"))
 
 

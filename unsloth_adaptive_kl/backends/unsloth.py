@@ -30,7 +30,8 @@ would break ``fullgraph=True``. Under ``kl_monitor`` the gate stays 1.0 at β = 
 is computed, so β reaching 0 compiles nothing new; the batches ``kl_monitor_every`` skips take the gate 0.0, Unsloth's
 own β = 0 graph, compiled once) and a 0-dim flag keeps the KL out of the loss and its gradient
 (:meth:`FusedKLInputs.kl_inputs`, :meth:`FusedKLInputs.in_loss`); :data:`MONITOR_PLAN` runs the reference forward
-at β = 0 in the generation (2026.10 only: the older lines refuse kl_monitor). The ``mean_kl`` slot
+at β = 0 in the generation (2026.10 only: the older lines refuse kl_monitor), composed with the reward placement's
+edits for a trainer with both (``_generation.py``). The ``mean_kl`` slot
 carries ``[unsloth_kl, local sums...]``: it is the only output of Unsloth's autograd function a
 statistic can leave through.
 
@@ -42,7 +43,6 @@ generates it (``unsloth_hooks.watch_generation``), so also a config created befo
 
 from __future__ import annotations
 
-import functools
 import sys
 from typing import NamedTuple
 
@@ -53,7 +53,7 @@ from .._source_patch import AnchorSet, PatchError, Plan, Rewrite, check_version,
 from ..config import FIELD_NAMES
 from ..kl_term import KLTerm
 from ..versions import SUPPORTED
-from . import _trainer
+from . import _generation, _trainer
 from . import reward_placement
 from .unsloth_hooks import forget_accepted_config_arguments
 
@@ -236,6 +236,8 @@ MONITOR_PLAN = Plan(
 )
 #: Trainer class -> why kl_monitor cannot be applied to it (MONITOR_PLAN does not match its generation).
 _MONITOR_UNAVAILABLE: dict[type, str] = {}
+#: kl_monitor as a feature of the generation (``_generation.Feature``), composed with the reward placement's.
+MONITOR = _generation.Feature("kl_monitor", MONITOR_PLAN, enabled=lambda runtime: runtime.monitor)
 
 
 class FusedKLInputs(NamedTuple):
@@ -485,28 +487,6 @@ def _rollout_wrapper(trainer_cls):
     return wrap
 
 
-def _install_monitor(trainer_cls) -> None:
-    """Give ``trainer_cls`` kl_monitor's generation (:data:`MONITOR_PLAN`), wrapped as Unsloth wraps its own, for
-    the trainers that watch the KL; every other trainer runs Unsloth's. Where the plan does not match, nothing is
-    set and the reason is kept: a trainer asking for kl_monitor is refused with it."""
-    library_own = getattr(trainer_cls, reward_placement.TARGET_NAME)
-    try:
-        (rewritten,) = MONITOR_PLAN.build({"_UnslothGRPOTrainer": trainer_cls.__mro__[1]}).values()
-    except PatchError as error:
-        _MONITOR_UNAVAILABLE[trainer_cls] = str(error)
-        return
-    _MONITOR_UNAVAILABLE.pop(trainer_cls, None)
-    wrap = _rollout_wrapper(trainer_cls)
-    monitored = rewritten if wrap is None else wrap(rewritten)
-
-    @functools.wraps(library_own)
-    def _generate_and_score_completions(self, *args, **kwargs):
-        runtime = self.__dict__.get("_adaptive_kl")
-        return (monitored if runtime is not None and runtime.monitor else library_own)(self, *args, **kwargs)
-
-    set_attribute(trainer_cls, reward_placement.TARGET_NAME, _generate_and_score_completions)
-
-
 def patch_generated_module(module) -> None:
     global _patched_module
     check_versions()
@@ -521,9 +501,16 @@ def patch_generated_module(module) -> None:
     for target, function in built.items():
         owner, name = split_target(target)
         set_attribute(targets[owner], name, function)
-    _install_monitor(trainer_cls)  # then the reward placement's dispatch around it, then the wrappers below
-    reward_placement.install(  # before the wrappers below wrap it
-        trainer_cls, reward_placement.UNSLOTH_PLAN, {"_UnslothGRPOTrainer": trainer_cls.__mro__[1]}, wrap=_rollout_wrapper(trainer_cls)
-    )
+    # kl_monitor's reference forward and the reward placement's penalty, composed onto one copy of the generated
+    # source per combination, each wrapped as Unsloth wraps its own; before the wrappers below wrap it
+    reasons = reward_placement.install(
+        trainer_cls, reward_placement.UNSLOTH_PLAN, {"_UnslothGRPOTrainer": trainer_cls.__mro__[1]}, wrap=_rollout_wrapper(trainer_cls),
+        also=(MONITOR,),
+    )  # fmt: skip
+    monitor_reason = reasons.get(frozenset({MONITOR.name}))
+    if monitor_reason is None:
+        _MONITOR_UNAVAILABLE.pop(trainer_cls, None)
+    else:
+        _MONITOR_UNAVAILABLE[trainer_cls] = monitor_reason
     _trainer.patch_trainer_class(trainer_cls, UnslothAdaptiveKL, loss_path=("compute_loss",))
     _patched_module = module
