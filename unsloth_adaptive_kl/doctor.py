@@ -207,7 +207,7 @@ def trl_backend_findings() -> list[Finding]:
         findings.extend(plan_findings(trl_backend.PLAN, owners))
         findings.extend(reward_placement_findings(reward_placement.TRL_PLAN, owners))
         features = (trl_backend.MONITOR, reward_placement.feature(reward_placement.TRL_PLAN))
-        findings.extend(monitor_with_reward_findings(trl_backend._GENERATE, features, owners))
+        findings.extend(monitor_with_reward_findings(trl_backend.GENERATE, features, owners))
     findings.append(triton_finding())
     findings.append(
         Finding("trl used when", INFO, "trl.GRPOTrainer is TRL's own class (Unsloth not active: see Backend unsloth) and no loss_class= is given")
@@ -295,7 +295,7 @@ def unsloth_backend_findings(requested: bool = False) -> list[Finding]:
     return (
         findings
         + reward_placement_findings(reward_placement.UNSLOTH_PLAN, owners)
-        + monitor_with_reward_findings(unsloth_backend._MONITOR_GENERATE, features, owners)
+        + monitor_with_reward_findings(unsloth_backend.MONITOR_GENERATE, features, owners)
     )
 
 

@@ -207,7 +207,7 @@ def test_each_combination_of_features_is_one_rewrite_of_trls_source_with_its_own
     alone, both; the combined copy carries both features' edits (the explicit super() they share once), each copy has
     its own file name, so linecache shows its own source."""
     features = (trl_backend.MONITOR, reward_placement.feature(reward_placement.TRL_PLAN))
-    functions, reasons = _generation.build(trl_backend._GENERATE, features, trl_backend.owners())
+    functions, reasons = _generation.build(trl_backend.GENERATE, features, trl_backend.owners())
     assert reasons == {} and set(functions) == set(_generation.combinations(("kl_monitor", "kl_placement='reward'")))
     sources = {key: inspect.getsource(f.__code__) for key, f in functions.items()}
     both = sources[frozenset({"kl_monitor", "kl_placement='reward'"})]

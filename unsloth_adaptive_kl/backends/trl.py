@@ -96,9 +96,9 @@ def _after_aggregation(anchor: str, mask: str, mode: str) -> Rewrite:
     )
 
 
-_GENERATE = "GRPOTrainer._generate_and_score_completions"
+GENERATE = "GRPOTrainer._generate_and_score_completions"
 _REFERENCE_WHILE_MONITORED = Rewrite(
-    target=_GENERATE,
+    target=GENERATE,
     library="trl",
     anchor="            # Compute the per-token log probabilities for the reference model\n            if self.beta != 0.0:\n",
     replacement="            # Compute the per-token log probabilities for the reference model\n"
@@ -110,7 +110,7 @@ _REFERENCE_WHILE_MONITORED = Rewrite(
 
 _GENERATE_REWRITES = (
     _REFERENCE_WHILE_MONITORED,
-    *(reward_placement.explicit_super(_GENERATE, "trl", line) for line in reward_placement.SUPER_CALLS),
+    *(reward_placement.explicit_super(GENERATE, "trl", line) for line in reward_placement.SUPER_CALLS),
 )
 TRL_1_8 = AnchorSet(
     family="trl 1.8",
@@ -198,7 +198,7 @@ class TRLAdaptiveKL(_trainer.TrainerAdaptiveKL):
             allowed = ", ".join(name for name, why in offered.items() if why is None)
             why = offered.get(loss_type) or "a newer TRL has it"
             raise ValueError(f"loss_type={loss_type!r} is not offered with the installed trl {version} ({why}); allowed: {allowed}")
-        if self.monitor and _GENERATE not in _MONITORED:
+        if self.monitor and GENERATE not in _MONITORED:
             raise ValueError(
                 f"kl_monitor=True is not valid with the installed trl {version}: the reference forward at beta = 0 is "
                 "patched into TRL >= 1.8 only; allowed: kl_monitor=False, or trl >= 1.8"
@@ -264,7 +264,7 @@ def patch(after_config_created=None) -> None:
         reasons = reward_placement.install(trainer_cls, reward_placement.TRL_PLAN, classes, also=(MONITOR,))
         _MONITORED.clear()
         if frozenset({MONITOR.name}) not in reasons:
-            _MONITORED.add(_GENERATE)
+            _MONITORED.add(GENERATE)
         _trainer.patch_trainer_class(trainer_cls, TRLAdaptiveKL, loss_path=("compute_loss", "_compute_loss"))
 
 

@@ -209,7 +209,7 @@ PLAN = Plan(backend="unsloth", anchor_sets=(UNSLOTH_2026_10, UNSLOTH_2026_9, UNS
 # kl_monitor's reference forward at β = 0, in the generation of the trainer generated from TRL 1.15's source
 # (``_UnslothGRPOTrainer``'s; ``UnslothGRPOTrainer``'s own is Unsloth's rollout wrapper around it). The 2026.8 and
 # 2026.9 lines generate theirs from TRL 0.24's, where the TRL backend does not offer kl_monitor either: refused there.
-_MONITOR_GENERATE = "_UnslothGRPOTrainer._generate_and_score_completions"
+MONITOR_GENERATE = "_UnslothGRPOTrainer._generate_and_score_completions"
 
 
 MONITOR_PLAN = Plan(
@@ -220,7 +220,7 @@ MONITOR_PLAN = Plan(
             {"unsloth_zoo": ">=2026.10,<2026.11"},
             (
                 Rewrite(
-                    _MONITOR_GENERATE,
+                    MONITOR_GENERATE,
                     "unsloth",
                     "            # Compute the per-token log probabilities for the reference model\n            if self.beta != 0.0:\n",
                     "            # Compute the per-token log probabilities for the reference model\n"
@@ -229,7 +229,7 @@ MONITOR_PLAN = Plan(
                     "kl_monitor: the reference forward also runs at β = 0 (every kl_monitor_every-th generation batch), with the "
                     "loss's precision latch of a β = 0 run",
                 ),
-                *(reward_placement.explicit_super(_MONITOR_GENERATE, "unsloth", line) for line in reward_placement.SUPER_CALLS),
+                *(reward_placement.explicit_super(MONITOR_GENERATE, "unsloth", line) for line in reward_placement.SUPER_CALLS),
             ),
         ),
     ),
