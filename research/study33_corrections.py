@@ -6,7 +6,7 @@
 It reads the streams with the study's own analysis (blackwell/demo/analysis.py: the copies, the final window, the
 pre-registered runaway rule, a seed's value as the mean over its copies, the t interval with the table's
 quantiles) and adds what that analysis lacks: a Student-t p-value, Bonferroni and Holm over a family, and the
-exact sign-flip test. tests/test_study33_corrections.py checks these against textbook values and the
+exact sign-flip test. research/tests/test_study33_corrections.py checks these against textbook values and the
 correction's text against this script.
 """
 

@@ -35,7 +35,7 @@ DEMO = os.path.join(ROOT, "blackwell", "test_adaptive_kl_grpo.py")
 sys.path.insert(0, os.path.join(ROOT, "blackwell"))
 
 # The study's run list (docs/evidence/study33-long-task.md), in run-steps, for the projection; kept equal to the
-# list there by tests/test_study33_probe.py.
+# list there by research/tests/test_study33_probe.py.
 STUDY_RUNS = 75  # 5 seeds x (6 fixed β + 3 shaping methods at β 0.04 + 6 target), without the conditional (d)
 STUDY_STEPS = 200
 CALL_SECONDS = 540  # a 600 s call, less start-up margin

@@ -8,7 +8,7 @@
 # beta over 32 steps), liger (bench), liger-conformance (Liger's upstream GRPO tests against the
 # drop-in, and GRPOTrainer(loss_class=) against TRL's loss), unsloth-bench (bench_unsloth.py, LoRA, 16 completions,
 # budget 520 s), demo-check (a short demo run), demo-3seeds,
-# evidence:NAME (the demo invocations listed in scripts/gpu/evidence/NAME.txt, all at once; see
+# evidence:NAME (the demo invocations listed in research/runlists/NAME.txt, all at once; see
 # docs/evidence/). An evidence stage writes to $OUT: NAME-stream.jsonl (every run's steps, as they
 # come), NAME-analysis.md (the slope table), NAME.log and NAME-runs.tar.gz (logs, summaries, plots); a list with
 # --betas (the beta grid, betagrid*.txt) also NAME-grid.md and NAME-grid.png (--analyze --grid).
@@ -84,11 +84,11 @@ evidence() {  # $1: NAME; the stream goes to $EVIDENCE_STREAM_DIR (default $OUT)
     timeout "$EVIDENCE_TIMEOUT" python blackwell/test_adaptive_kl_grpo.py $line --keep-going \
       --stream "$stream" --output-dir "$work/$i" > "$work/$i.log" 2>&1 &
     pids+=($!)
-  done < "scripts/gpu/evidence/$name.txt"
+  done < "research/runlists/$name.txt"
   for pid in "${pids[@]}"; do wait "$pid"; done
   for f in "$work"/*.log; do echo "== $f"; grep -v "^\[\|  started \|^step" "$f" | tail -25; done > "$OUT/$name.log"
   python blackwell/test_adaptive_kl_grpo.py --analyze "$stream" | tee "$OUT/$name-analysis.md"
-  if grep -q -- "--betas" "scripts/gpu/evidence/$name.txt"; then  # a beta grid: its own analysis and figure
+  if grep -q -- "--betas" "research/runlists/$name.txt"; then  # a beta grid: its own analysis and figure
     python blackwell/test_adaptive_kl_grpo.py --analyze "$stream" --grid --plot "$OUT/$name-grid.png" \
       | tee "$OUT/$name-grid.md"
   fi

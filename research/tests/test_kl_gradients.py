@@ -1,4 +1,4 @@
-"""The cases of the exact KL-gradient study (scripts/kl_gradient_study.py) that theory settles.
+"""The cases of the exact KL-gradient study (research/kl_gradient_study.py) that theory settles.
 
 The references here are written independently of the script's sum over completions: the sequence
 KL by its chain rule over states, ``KL(pi || ref) = sum_s d(s) KL(pi_s || ref_s)`` with ``d(s)`` the
@@ -16,8 +16,8 @@ import sys
 import pytest
 import torch
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("kl_gradient_study", ROOT / "scripts" / "kl_gradient_study.py")
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("kl_gradient_study", ROOT / "research" / "kl_gradient_study.py")
 study_module = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = study_module  # dataclasses look their module up by name
 _spec.loader.exec_module(study_module)
@@ -269,4 +269,4 @@ def test_the_study_covers_every_built_in_estimator_but_bottom_q():
 def test_docs_hold_the_tables_the_script_prints():
     text = study_module.DOC.read_text()
     generated = study_module.report()
-    assert study_module.replace_generated(text, generated) == text, "run: python scripts/kl_gradient_study.py --write"
+    assert study_module.replace_generated(text, generated) == text, "run: python research/kl_gradient_study.py --write"

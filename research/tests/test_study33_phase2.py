@@ -1,4 +1,4 @@
-"""scripts/study33_phase2.py: phase 2's targets, (b)'s mechanical prediction and the run lists, from phase-1
+"""research/study33_phase2.py: phase 2's targets, (b)'s mechanical prediction and the run lists, from phase-1
 streams, against values computed by hand (docs/evidence/study33-long-task.md)."""
 
 import importlib.util
@@ -9,13 +9,13 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "blackwell"))
 
 from demo.cli import parse_args  # noqa: E402
 from demo.settings import RunSpec  # noqa: E402
 
-spec = importlib.util.spec_from_file_location("study33_phase2", os.path.join(ROOT, "scripts", "study33_phase2.py"))
+spec = importlib.util.spec_from_file_location("study33_phase2", os.path.join(ROOT, "research", "study33_phase2.py"))
 phase2 = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(phase2)
 

@@ -17,8 +17,8 @@ With ``--write DIR`` it also writes the lists, two per seed, each one demo invoc
 with the KL in the reward, estimator k1) and ``study33-p2-seedS-b.txt`` (`target` from the three β at the high
 target).
 
-    python scripts/study33_phase2.py docs/evidence-data/study33-p1-*/*-stream.jsonl.gz
-    python scripts/study33_phase2.py docs/evidence-data/study33-p1-*/*-stream.jsonl.gz --write scripts/gpu/evidence
+    python research/study33_phase2.py docs/evidence-data/study33-p1-*/*-stream.jsonl.gz
+    python research/study33_phase2.py docs/evidence-data/study33-p1-*/*-stream.jsonl.gz --write research/runlists
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def prediction(cells: dict, steps: int) -> tuple[float, list[float], list[str]]:
 
 def base_options(seed: int) -> str:
     """Phase 1's settings for ``seed``, from its shaping list, without its runs."""
-    path = os.path.join(ROOT, "scripts", "gpu", "evidence", f"study33-p1-seed{seed}-shape.txt")
+    path = os.path.join(ROOT, "research", "runlists", f"study33-p1-seed{seed}-shape.txt")
     with open(path) as f:
         (line,) = [ln.strip() for ln in f if ln.strip() and not ln.startswith("#")]
     return re.sub(r" --runs \S+", "", line)
@@ -128,7 +128,7 @@ def write_lists(folder: str, targets: list[float]) -> list[str]:
             with open(path, "w") as f:
                 f.write(f"# Issue 33, phase 2 (docs/evidence.md section 7), seed {seed}: `target` from β0 "
                         f"{', '.join(f'{b:g}' for b in TARGET_BETAS)} at {what}.\n"
-                        f"# Written by scripts/study33_phase2.py from phase 1's streams. Run with "
+                        f"# Written by research/study33_phase2.py from phase 1's streams. Run with "
                         f"`verify.sh \"$OUT\" study33:study33-p2-seed{seed}-{part}`.\n"
                         f"{base_options(seed)} --runs {','.join(runs)}\n")
             written.append(path)

@@ -1,8 +1,8 @@
 """Builds the demo's trainer for one backend on the CPU and reports what its optimizer step trains, then
-(optionally) trains a few steps: run by tests/test_demo_batch.py in a fresh process, since ``import unsloth``
+(optionally) trains a few steps: run by research/tests/test_demo_batch.py in a fresh process, since ``import unsloth``
 rebinds TRL's classes process-wide.
 
-    python tests/demo_batch_worker.py BACKEND OUT.json WORKDIR [SETTINGS_JSON]
+    python research/tests/demo_batch_worker.py BACKEND OUT.json WORKDIR [SETTINGS_JSON]
 """
 
 import json
@@ -10,7 +10,7 @@ import os
 import sys
 from dataclasses import asdict, replace
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "blackwell"))
 
 from demo import worker  # noqa: E402

@@ -24,8 +24,8 @@ Each expected gradient is compared with the truth scaled by the aggregation's co
 that multiplies a completion's token sum on average: 1 for luspo, ``1/max_completion_length`` for
 dr_grpo, ``1/E|y|`` for grpo, dapo and bnpo): relative error ``|g - c g*| / |c g*|`` and cosine.
 
-Run ``python scripts/kl_gradient_study.py`` to print the tables; ``--write`` puts them into
-docs/kl-gradients.md between its generated markers (tests/test_kl_gradients.py checks the page
+Run ``python research/kl_gradient_study.py`` to print the tables; ``--write`` puts them into
+docs/kl-gradients.md between its generated markers (research/tests/test_kl_gradients.py checks the page
 holds what the script prints).
 """
 

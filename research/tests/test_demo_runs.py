@@ -1,6 +1,6 @@
 """The demo's explicit run list (--runs METHOD@BETA,...; issue 33's phase 1 in one invocation), β = 0 runs (TRL's
 default: no KL computed or logged) through training and the study's analysis, and the phase-1 GPU lists
-(scripts/gpu/evidence/study33-p1-seed*.txt) against the settings docs/evidence.md section 7 pre-registers."""
+(research/runlists/study33-p1-seed*.txt) against the settings docs/evidence.md section 7 pre-registers."""
 
 import json
 import math
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "blackwell"))
 
 from demo import analysis, grid, scheduler, settings  # noqa: E402
@@ -96,7 +96,7 @@ def test_make_runs_writes_one_spec_per_listed_pair_and_seed(tmp_path):
 # -- a β = 0 run trains (CPU smoke) -----------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def smoke_runs(tmp_path_factory):
-    from test_blackwell_demo import run_smoke
+    from demo_script import run_smoke
 
     return run_smoke(tmp_path_factory.mktemp("demo-runs"), "--runs", "none@0,clip@0.1")
 
@@ -174,7 +174,7 @@ def test_without_a_natural_kl_runaways_at_positive_beta_are_not_assessed(tmp_pat
 
 # -- the phase-1 GPU lists ---------------------------------------------------------------------------------
 def _list_args(name):
-    path = os.path.join(ROOT, "scripts", "gpu", "evidence", f"{name}.txt")
+    path = os.path.join(ROOT, "research", "runlists", f"{name}.txt")
     with open(path) as f:
         lines = [line.split() for line in f if line.strip() and not line.lstrip().startswith("#")]
     assert len(lines) == 1, path  # one invocation: one warm start per call
@@ -209,22 +209,22 @@ def test_phase1_lists_run_section_7s_settings(names, seed):
 
 
 def test_every_phase1_list_is_checked():
-    folder = os.path.join(ROOT, "scripts", "gpu", "evidence")
+    folder = os.path.join(ROOT, "research", "runlists")
     on_disk = {f[:-4] for f in os.listdir(folder) if f.startswith(P) and f.endswith(".txt")}
     assert on_disk == {name for names, _ in CALLS for name in names}
 
 
-# The phase-2 lists (Amendment 10): written by scripts/study33_phase2.py from phase 1's streams once phase 1 is
+# The phase-2 lists (Amendment 10): written by research/study33_phase2.py from phase 1's streams once phase 1 is
 # complete (it refuses before), two a seed: -a, `target` from 0.01, 0.1 and 1.0 at the low target and (d)'s run;
 # -b, the three at the high target. Committed with the amendment that gives their targets, before phase 2 runs.
 P2 = "study33-p2-seed"
 
 
 def test_phase2_lists_are_all_written_or_none_and_run_section_7s_settings():
-    folder = os.path.join(ROOT, "scripts", "gpu", "evidence")
+    folder = os.path.join(ROOT, "research", "runlists")
     on_disk = sorted(f[:-4] for f in os.listdir(folder) if f.startswith(P2) and f.endswith(".txt"))
     if not on_disk:
-        pytest.skip("phase 2's lists are not written yet: scripts/study33_phase2.py refuses until phase 1 is complete")
+        pytest.skip("phase 2's lists are not written yet: research/study33_phase2.py refuses until phase 1 is complete")
     assert on_disk == sorted(f"{P2}{seed}-{part}" for seed in range(5) for part in "ab")
     targets = {"a": set(), "b": set()}
     for name in on_disk:

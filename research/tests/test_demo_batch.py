@@ -13,7 +13,8 @@ import sys
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "blackwell"))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, os.path.join(ROOT, "blackwell"))
 
 from demo.batch import StepBatch  # noqa: E402
 from demo.settings import Settings, method_fields  # noqa: E402

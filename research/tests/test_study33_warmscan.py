@@ -16,7 +16,7 @@ import pytest
 
 from unsloth_adaptive_kl import toy
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "scripts", "gpu", "study33_warmscan.py")
 spec = importlib.util.spec_from_file_location("study33_warmscan", SCRIPT)
 scan = importlib.util.module_from_spec(spec)

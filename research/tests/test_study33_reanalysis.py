@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EVIDENCE_DOC = ROOT / "docs" / "evidence" / "study33-long-task.md"
 PHASE_1_STREAMS = "docs/evidence-data/study33-p1-*/*-stream.jsonl.gz"
 PHASE_2_STREAMS = "docs/evidence-data/study33-p2-*/*-stream.jsonl.gz"  # never the probe's or genspeed's streams
@@ -61,7 +61,7 @@ SHAPING_BETA = 0.04
 def shaping_runs_of_phase_1():
     """Question (c)'s methods, each at β 0.04 against `none` at 0.04, in the order phase 1's `shape` list ran them
     (read from the list rather than spelled out: tests/test_registries.py forbids hand-kept method lists)."""
-    text = (ROOT / "scripts" / "gpu" / "evidence" / "study33-p1-seed0-shape.txt").read_text()
+    text = (ROOT / "research" / "runlists" / "study33-p1-seed0-shape.txt").read_text()
     (runs,) = re.findall(r"--runs (\S+)", text)
     methods = [run.split("@")[0] for run in runs.split(",")]
     assert {float(run.split("@")[1]) for run in runs.split(",")} == {SHAPING_BETA} and "none" not in methods
@@ -97,7 +97,7 @@ def phase_2_lists():
     """Phase 2's committed lists, the same runs for every seed: {'a': runs, 'b': runs} (Amendment 10: `a` holds
     `target` from each β0 at the low target and (d)'s run, `b` `target` from each β0 at the high target)."""
     lists_by_seed = defaultdict(dict)
-    for path in sorted((ROOT / "scripts" / "gpu" / "evidence").glob("study33-p2-seed*-*.txt")):
+    for path in sorted((ROOT / "research" / "runlists").glob("study33-p2-seed*-*.txt")):
         seed, letter = re.fullmatch(r"study33-p2-seed(\d+)-(\w+)\.txt", path.name).groups()
         (runs,) = re.findall(r"--runs (\S+)", path.read_text())
         lists_by_seed[int(seed)][letter] = tuple(map(listed_run, runs.split(",")))

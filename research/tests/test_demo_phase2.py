@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "blackwell"))
 
 from demo import analysis, scheduler, settings  # noqa: E402
@@ -125,7 +125,7 @@ def test_phase1_lists_still_make_the_tags_their_streams_recorded():
         name = os.path.basename(os.path.dirname(path))
         with gzip.open(path, "rt") as f:
             recorded = {(row["method"], row["beta0"]): row["tag"] for row in map(json.loads, f)}
-        list_path = os.path.join(ROOT, "scripts", "gpu", "evidence", f"{name}.txt")
+        list_path = os.path.join(ROOT, "research", "runlists", f"{name}.txt")
         with open(list_path) as f:
             line, = [line.split() for line in f if line.strip() and not line.lstrip().startswith("#")]
         args = parse_args(line)
@@ -136,7 +136,7 @@ def test_phase1_lists_still_make_the_tags_their_streams_recorded():
 # -- a reward-placement run beside a loss-placement run at the same β (CPU smoke, TRL backend) -----------------
 @pytest.fixture(scope="module")
 def smoke_placement(tmp_path_factory):
-    from test_blackwell_demo import run_smoke
+    from demo_script import run_smoke
 
     return run_smoke(tmp_path_factory.mktemp("demo-placement"), "--backend", "trl", "--runs",
                      "none@0.04,none@0.04:placement=reward:estimator=k1")

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "scripts", "gpu", "study33_probe.py")
 spec = importlib.util.spec_from_file_location("study33_probe", SCRIPT)
 probe = importlib.util.module_from_spec(spec)
