@@ -178,7 +178,7 @@ def test_warm_start_lr_reaches_the_optimizer_and_names_the_setting(task, tmp_pat
     from demo import settings as demo_settings
     from demo import tasks as demo_tasks
 
-    from unsloth_adaptive_kl import toy
+    import toy
 
     seen = []
     monkeypatch.setattr(toy, "supervised_warm_start", lambda *a, lr, **k: seen.append(lr) or 1.0)

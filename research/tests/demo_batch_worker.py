@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.join(ROOT, "blackwell"))
 from demo import worker  # noqa: E402
 from demo.settings import SMOKE, Settings  # noqa: E402
 
-from unsloth_adaptive_kl import toy  # noqa: E402
+import toy  # noqa: E402
 
 
 def record_lengths_given_to_rewards(trainer) -> dict:

@@ -188,7 +188,7 @@ def test_column_solutions_add_up_column_by_column_and_earn_the_full_reward():
 
     from demo.settings import SOLUTIONS, TASKS
 
-    from unsloth_adaptive_kl import toy
+    import toy
 
     assert toy.column_solution([4821, 7390], 2) == "1+0+0=1,2+9+0=11,8+3+1=12,4+7+1=12,1>12211"
     assert toy.column_solution([4821, 7390], 1) == "1,11,12,12,1>12211" and toy.column_solution([4821, 7390], 0) == ">12211"

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from unsloth_adaptive_kl import toy
+import toy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "scripts", "gpu", "study33_warmscan.py")

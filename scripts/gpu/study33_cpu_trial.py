@@ -5,9 +5,10 @@ warm start of seed 0 (`demo.tasks.build_task_checkpoint`), without its determini
     python scripts/gpu/study33_cpu_trial.py HIDDEN LAYERS HEADS STEPS LR [MAX_OPERAND]
     python scripts/gpu/study33_cpu_trial.py 128 4 4 300 3e-3     # Amendment 2's run (8.8 s a step on 2 busy cores)
 """
-import random, sys, time, json
+import os, random, sys, time, json
 import torch
-from unsloth_adaptive_kl import toy
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples"))
+import toy  # examples/toy.py
 TASK = dict(min_terms=4, max_terms=5, max_operand=int(sys.argv[6]) if len(sys.argv) > 6 else 99_999_999)
 hidden, layers, heads, steps, lr = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
 torch.manual_seed(0); torch.set_num_threads(2)

@@ -33,6 +33,7 @@ from dataclasses import replace
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "blackwell"))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "examples"))  # toy.py
 
 SEED = 0
 LIMIT_S = 420  # every candidate ends within this or is stopped (a 600 s call, less ~2 min of start-up and the summary)
@@ -69,7 +70,7 @@ def loss_levels(rows: list[dict], styles: list[int], parts: tuple) -> dict:
         entropy of a column total for each column of style 1 (its digits are not written); totals of
         written digits, carries and marks certain.
     Also the tokens a text has: prompt, completion (end of sequence included), and each role's count."""
-    from unsloth_adaptive_kl import toy
+    import toy
 
     style_entropy = -sum(w * math.log(w) for w in parts if w > 0)
     tokens = prompt_tokens = 0
@@ -97,7 +98,7 @@ def loss_levels(rows: list[dict], styles: list[int], parts: tuple) -> dict:
 def warm_start_texts(settings, seed: int, n: int | None = None) -> tuple[list[dict], list[int]]:
     """The rows and styles of the warm start's texts, drawn as ``demo.tasks.build_task_checkpoint`` draws them."""
     from demo.settings import SOLUTIONS, TASKS
-    from unsloth_adaptive_kl import toy
+    import toy
 
     rng = random.Random(seed + 1)
     rows = toy.sum_problems(n or settings.warm_start_steps * 64, seed=seed + 1, **TASKS[settings.task])
@@ -108,7 +109,7 @@ def warm_start_texts(settings, seed: int, n: int | None = None) -> tuple[list[di
 def held_out(settings, seed: int, n: int = 256) -> tuple[list[dict], list[int]]:
     """``evaluate_start``'s held-out prompts (``sum_problems`` seed + 2) with styles in the warm start's parts."""
     from demo.settings import SOLUTIONS, TASKS
-    from unsloth_adaptive_kl import toy
+    import toy
 
     rows = toy.sum_problems(n, seed=seed + 2, **TASKS[settings.task])
     weights = SOLUTIONS[settings.task][1]
@@ -123,7 +124,7 @@ def loss_by_role(path: str, settings, seed: int, device: str) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from demo.settings import SOLUTIONS
-    from unsloth_adaptive_kl import toy
+    import toy
 
     rows, styles = held_out(settings, seed)
     solution, parts = SOLUTIONS[settings.task]

@@ -12,7 +12,8 @@ from test_tail import exact_tail
 from test_trl import _capture_logps, grpo_config, loss_and_grads, loss_inputs, loss_test_trainer, make_trainer, set_method
 
 import unsloth_adaptive_kl
-from unsloth_adaptive_kl import metrics, tail, toy
+from unsloth_adaptive_kl import metrics, tail
+import toy
 from unsloth_adaptive_kl.backends import trl as trl_backend
 from unsloth_adaptive_kl.backends.liger import AdaptiveFusedLinearGRPOLoss
 from transformers import TrainerCallback

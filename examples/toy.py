@@ -1,7 +1,9 @@
 """A self-contained GRPO task for offline runs: synthetic arithmetic, a tokenizer trained on it,
 and a small Llama built from a config. No downloads.
 
-Used by the quickstart example, the Blackwell demo and the tests.
+Used by the examples (the quickstart, the CLI recipe, the custom KL variant, the multi-GPU check), the Blackwell demo
+and the tests. It is no part of the package (issue 54: a demo task does not ship in the wheel); scripts beside it
+import it as ``toy``, the demo and the tests put examples/ on sys.path, and the recipe names ``examples.toy``.
 """
 
 from __future__ import annotations
