@@ -1,5 +1,5 @@
 """Issue 51, item 1: the numbers of the 2026-11-28 correction to study 33 (docs/evidence/study33-long-task.md,
-"Correction"), recomputed from the raw streams docs/evidence-data/study33-p[12]-*/*-stream.jsonl.gz.
+"Correction"), recomputed from the raw streams research/data/study33-p[12]-*/*-stream.jsonl.gz.
 
     python research/study33_corrections.py            # prints every number the correction states
 
@@ -26,7 +26,7 @@ if ROOT not in sys.path:
 
 from blackwell.demo import analysis  # noqa: E402
 
-STREAMS = os.path.join(ROOT, "docs", "evidence-data", "study33-p[12]-*", "*-stream.jsonl.gz")
+STREAMS = os.path.join(ROOT, "research", "data", "study33-p[12]-*", "*-stream.jsonl.gz")
 PLANNED_STEPS = 200
 LENGTH_CAP = 192  # max_completion_length of the study (section 7, "GRPO")
 MIN_LENGTH, MAX_LENGTH, LENGTH = "completions/min_length", "completions/max_length", "completions/mean_length"

@@ -17,8 +17,8 @@ With ``--write DIR`` it also writes the lists, two per seed, each one demo invoc
 with the KL in the reward, estimator k1) and ``study33-p2-seedS-b.txt`` (`target` from the three β at the high
 target).
 
-    python research/study33_phase2.py docs/evidence-data/study33-p1-*/*-stream.jsonl.gz
-    python research/study33_phase2.py docs/evidence-data/study33-p1-*/*-stream.jsonl.gz --write research/runlists
+    python research/study33_phase2.py research/data/study33-p1-*/*-stream.jsonl.gz
+    python research/study33_phase2.py research/data/study33-p1-*/*-stream.jsonl.gz --write research/runlists
 """
 
 from __future__ import annotations

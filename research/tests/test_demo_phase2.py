@@ -119,7 +119,7 @@ def test_runs_of_one_beta_get_their_own_directories_and_specs(tmp_path):
 
 # -- phase 1's tags are what its streams recorded -----------------------------------------------------------
 def test_phase1_lists_still_make_the_tags_their_streams_recorded():
-    streams = sorted(glob.glob(os.path.join(ROOT, "docs", "evidence-data", "study33-p1-*", "*-stream.jsonl.gz")))
+    streams = sorted(glob.glob(os.path.join(ROOT, "research", "data", "study33-p1-*", "*-stream.jsonl.gz")))
     assert len(streams) >= 6
     for path in streams:
         name = os.path.basename(os.path.dirname(path))

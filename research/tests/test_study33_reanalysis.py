@@ -2,10 +2,10 @@
 
 Recomputes the three tables of section 7's "Results, phase 1: questions (a) and (c)" (the runs: copies, final values
 and runaways; (a) the length slope after saturation; (c) each shaping method against `none` at β 0.04) from the raw
-streams docs/evidence-data/study33-p1-*/*-stream.jsonl.gz, from section 7's written definitions alone, and asserts
+streams research/data/study33-p1-*/*-stream.jsonl.gz, from section 7's written definitions alone, and asserts
 that every number and verdict in the doc's tables equals the recomputation at the printed precision. It does the same
 for "Results, phase 2: questions (d) and (b)", from phase 1's streams and phase 2's
-(docs/evidence-data/study33-p2-*/*-stream.jsonl.gz): the runs table (with β at step 200), (d) (the KL in the reward,
+(research/data/study33-p2-*/*-stream.jsonl.gz): the runs table (with β at step 200), (d) (the KL in the reward,
 k1, against in the loss, k3), (b) at the low and at the high target (the final KL / kl_target as a geometric mean over
 seeds, TOST on its log; Δ reward against the best fixed β), and every number of (b)'s prose at both targets (β_need,
 the steps at which β and the KL crossed, the full-rate updates, the step of target's warning included); K_nat, the
@@ -38,8 +38,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 EVIDENCE_DOC = ROOT / "docs" / "evidence" / "study33-long-task.md"
-PHASE_1_STREAMS = "docs/evidence-data/study33-p1-*/*-stream.jsonl.gz"
-PHASE_2_STREAMS = "docs/evidence-data/study33-p2-*/*-stream.jsonl.gz"  # never the probe's or genspeed's streams
+PHASE_1_STREAMS = "research/data/study33-p1-*/*-stream.jsonl.gz"
+PHASE_2_STREAMS = "research/data/study33-p2-*/*-stream.jsonl.gz"  # never the probe's or genspeed's streams
 RESULTS_HEADING = "### Results, phase 1: questions (a) and (c)"
 PHASE_2_HEADING = "### Results, phase 2: questions (d) and (b)"
 
@@ -1023,7 +1023,7 @@ def logged_warnings():
     """{(seed, β0): (percent, kl_target, updates, last optimizer step)} of `target`'s warning in the run logs of
     phase 2's `b` calls (each call's runs-*.tar.gz holds a log.txt a run, named target-seedS-bβ0)."""
     found = {}
-    for path in sorted(ROOT.glob("docs/evidence-data/study33-p2-seed*-b/*-runs.tar.gz")):
+    for path in sorted(ROOT.glob("research/data/study33-p2-seed*-b/*-runs.tar.gz")):
         with tarfile.open(path) as archive:
             for member in archive.getmembers():
                 name = re.fullmatch(r"\./\d+/runs/target-seed(\d+)-b([\d.]+)/log\.txt", member.name)
