@@ -53,7 +53,7 @@ def test_blocks_split_headings_from_the_paragraph_they_follow():
 MOVED = (("](evidence-data/", "](../research/data/"), ("docs/evidence-data", "research/data"),
          ("`evidence-data/", "`research/data/"), ("scripts/gpu/evidence/", "research/runlists/"),
          ("--write scripts/gpu/evidence`", "--write research/runlists`"),
-         ("scripts/study33_phase2.py", "research/study33_phase2.py"))
+         ("scripts/study33_phase2.py", "research/study33_phase2.py"), ("scripts/gpu/study33_", "research/gpu/study33_"))
 MOVED_TESTS = ("test_demo_batch.py", "test_demo_runs.py", "test_demo_study.py", "test_study33_reanalysis.py",
                "test_study33_corrections.py", "test_study33_phase2.py", "test_study33_probe.py", "test_study33_warmscan.py",
                "test_demo_phase2.py", "test_study_plot.py", "test_kl_gradients.py", "test_evidence_pages.py")

@@ -1,4 +1,4 @@
-"""scripts/gpu/study33_probe.py, issue 33's first GPU call, at tiny size on the CPU (--tiny): both demo
+"""research/gpu/study33_probe.py, issue 33's first GPU call, at tiny size on the CPU (--tiny): both demo
 invocations on the long task, their warm-start records, the step times, the record and the files it returns."""
 
 import importlib.util
@@ -11,7 +11,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SCRIPT = os.path.join(ROOT, "scripts", "gpu", "study33_probe.py")
+SCRIPT = os.path.join(ROOT, "research", "gpu", "study33_probe.py")
 spec = importlib.util.spec_from_file_location("study33_probe", SCRIPT)
 probe = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(probe)

@@ -1,6 +1,6 @@
 """Issue 33's warm-start diagnosis and scan (docs/evidence/study33-long-task.md, Amendment 2): the token roles of a column
 solution, the loss levels a model can reach, the pre-registered choice, the warm start's progress records, and
-scripts/gpu/study33_warmscan.py at tiny size on the CPU."""
+research/gpu/study33_warmscan.py at tiny size on the CPU."""
 
 import importlib.util
 import itertools
@@ -17,7 +17,7 @@ import pytest
 import toy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SCRIPT = os.path.join(ROOT, "scripts", "gpu", "study33_warmscan.py")
+SCRIPT = os.path.join(ROOT, "research", "gpu", "study33_warmscan.py")
 spec = importlib.util.spec_from_file_location("study33_warmscan", SCRIPT)
 scan = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(scan)

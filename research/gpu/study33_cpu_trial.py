@@ -2,8 +2,8 @@
 steps) and its held-out loss by token role (each held-out text alone, no padding). The same texts as the demo's
 warm start of seed 0 (`demo.tasks.build_task_checkpoint`), without its deterministic mode (a CPU run is anyway).
 
-    python scripts/gpu/study33_cpu_trial.py HIDDEN LAYERS HEADS STEPS LR [MAX_OPERAND]
-    python scripts/gpu/study33_cpu_trial.py 128 4 4 300 3e-3     # Amendment 2's run (8.8 s a step on 2 busy cores)
+    python research/gpu/study33_cpu_trial.py HIDDEN LAYERS HEADS STEPS LR [MAX_OPERAND]
+    python research/gpu/study33_cpu_trial.py 128 4 4 300 3e-3     # Amendment 2's run (8.8 s a step on 2 busy cores)
 """
 import os, random, sys, time, json
 import torch

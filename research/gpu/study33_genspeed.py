@@ -14,9 +14,9 @@ Unsloth's CUDA-graph decode counters:
 A phase that would pass the call's deadline is not started; a phase past its limit has its runs ended.
 Writes genspeed.md, genspeed.json and genspeed-stream.jsonl (every phase's rows, tagged) to --out.
 
-    python scripts/gpu/study33_genspeed.py --out "$OUT"        # GPU (~9 min)
-    python scripts/gpu/study33_genspeed.py --out DIR --tiny    # CPU, a tiny model: the plumbing only
-    python scripts/gpu/study33_genspeed.py --out "$OUT" --phases g1,g8,g16 --env UNSLOTH_GRPO_SEQ_PACKING=0
+    python research/gpu/study33_genspeed.py --out "$OUT"        # GPU (~9 min)
+    python research/gpu/study33_genspeed.py --out DIR --tiny    # CPU, a tiny model: the plumbing only
+    python research/gpu/study33_genspeed.py --out "$OUT" --phases g1,g8,g16 --env UNSLOTH_GRPO_SEQ_PACKING=0
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ call with 400 steps saw no slow steps after step 2):
 
 Writes profile.md (every table) and profile.json to --out.
 
-    python scripts/gpu/study33_profile.py --out "$OUT"           # GPU (~5 min)
-    python scripts/gpu/study33_profile.py --out DIR --tiny       # CPU: the plumbing only
+    python research/gpu/study33_profile.py --out "$OUT"           # GPU (~5 min)
+    python research/gpu/study33_profile.py --out DIR --tiny       # CPU: the plumbing only
 """
 
 from __future__ import annotations

@@ -9,9 +9,9 @@ Writes to --out: study33-probe.md and .json (the record: warm start time, loss, 
 reward and length distribution at step 0; step times; the projected cost of the study's run list), the two
 streams, and study33-probe-runs.tar.gz (logs, summaries, warm-start records): at most 5 files.
 
-    python scripts/gpu/study33_probe.py --out "$OUT"            # GPU, the study's settings (~9 min)
-    python scripts/gpu/study33_probe.py --out DIR --tiny        # CPU, a tiny model: checks the plumbing
-    python scripts/gpu/study33_probe.py --out "$OUT" --warm-start-lr 3e-4   # the probe again at another warm-start rate
+    python research/gpu/study33_probe.py --out "$OUT"            # GPU, the study's settings (~9 min)
+    python research/gpu/study33_probe.py --out DIR --tiny        # CPU, a tiny model: checks the plumbing
+    python research/gpu/study33_probe.py --out "$OUT" --warm-start-lr 3e-4   # the probe again at another warm-start rate
 
 The record also holds the k8 warm start's held-out loss by token role (study33_warmscan.loss_by_role), next to
 the loss of a perfect model and of one that copies nothing from the prompt.

@@ -13,9 +13,9 @@ mode), and records for each:
 Writes to --out: warmscan-progress.jsonl, warmscan-lrX.json (one per candidate, when it ends), warmscan.md and
 warmscan.json (the candidates in the pre-registered order, the entry conditions and the rule's choice).
 
-    python scripts/gpu/study33_warmscan.py --out "$OUT" --lrs 3e-4,1e-4     # GPU, the study's model
-    python scripts/gpu/study33_warmscan.py --out DIR --lrs 3e-3,1e-3 --tiny  # CPU, a tiny model, 3 steps: the plumbing
-    python scripts/gpu/study33_warmscan.py --levels                          # the two loss levels (CPU, seconds)
+    python research/gpu/study33_warmscan.py --out "$OUT" --lrs 3e-4,1e-4     # GPU, the study's model
+    python research/gpu/study33_warmscan.py --out DIR --lrs 3e-3,1e-3 --tiny  # CPU, a tiny model, 3 steps: the plumbing
+    python research/gpu/study33_warmscan.py --levels                          # the two loss levels (CPU, seconds)
 """
 
 from __future__ import annotations
