@@ -19,9 +19,10 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # TRL's Triton log-prob kernel, 
 import torch
 
 import unsloth_adaptive_kl  # noqa: F401  (patches GRPOTrainer: loss_class= and the adaptive-KL fields)
-from unsloth_adaptive_kl import toy
 from unsloth_adaptive_kl.backends.liger import AdaptiveFusedLinearGRPOLoss
 from trl import GRPOConfig, GRPOTrainer
+
+import toy  # examples/toy.py, the offline task beside this script
 
 
 class SymmetricKLLoss(AdaptiveFusedLinearGRPOLoss):

@@ -3,7 +3,7 @@
     python examples/prepare_toy.py toy      # writes toy/model (tokenizer + tiny Llama) and toy/data/train.jsonl
 
 Nothing is downloaded: the tokenizer is trained on a synthetic arithmetic corpus and the model is
-built from a config, then warm-started (see unsloth_adaptive_kl.toy).
+built from a config, then warm-started (see examples/toy.py).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from unsloth_adaptive_kl import toy
+import toy  # examples/toy.py, beside this script
 
 
 def main() -> None:

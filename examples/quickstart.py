@@ -26,8 +26,10 @@ from transformers import ProgressCallback
 from transformers.utils import logging as transformers_logging
 
 import unsloth_adaptive_kl  # noqa: F401  (before the trainer is created)
-from unsloth_adaptive_kl import smollm2, toy
+from unsloth_adaptive_kl import smollm2
 from trl import GRPOConfig, GRPOTrainer
+
+import toy  # examples/toy.py, the offline task beside this script
 
 
 class ProgressBarOnly(ProgressCallback):

@@ -4,7 +4,7 @@
     python research/evidence_answer.py --write   # rewrites it in docs/evidence.md, between its two markers
 
 Every number of the answer is read from a table of a study page (docs/evidence/*.md): the wording is this file's,
-the numbers are the tables'. tests/test_evidence_pages.py fails while docs/evidence.md holds another answer than
+the numbers are the tables'. research/tests/test_evidence_pages.py fails while docs/evidence.md holds another answer than
 this one, so a table that changes changes the answer, or the test says so.
 """
 

@@ -1,12 +1,12 @@
 """Issue 51, item 1: the numbers of the 2026-11-28 correction to study 33 (docs/evidence/study33-long-task.md,
-"Correction"), recomputed from the raw streams docs/evidence-data/study33-p[12]-*/*-stream.jsonl.gz.
+"Correction"), recomputed from the raw streams research/data/study33-p[12]-*/*-stream.jsonl.gz.
 
     python research/study33_corrections.py            # prints every number the correction states
 
 It reads the streams with the study's own analysis (blackwell/demo/analysis.py: the copies, the final window, the
 pre-registered runaway rule, a seed's value as the mean over its copies, the t interval with the table's
 quantiles) and adds what that analysis lacks: a Student-t p-value, Bonferroni and Holm over a family, and the
-exact sign-flip test. tests/test_study33_corrections.py checks these against textbook values and the
+exact sign-flip test. research/tests/test_study33_corrections.py checks these against textbook values and the
 correction's text against this script.
 """
 
@@ -26,7 +26,7 @@ if ROOT not in sys.path:
 
 from blackwell.demo import analysis  # noqa: E402
 
-STREAMS = os.path.join(ROOT, "docs", "evidence-data", "study33-p[12]-*", "*-stream.jsonl.gz")
+STREAMS = os.path.join(ROOT, "research", "data", "study33-p[12]-*", "*-stream.jsonl.gz")
 PLANNED_STEPS = 200
 LENGTH_CAP = 192  # max_completion_length of the study (section 7, "GRPO")
 MIN_LENGTH, MAX_LENGTH, LENGTH = "completions/min_length", "completions/max_length", "completions/mean_length"

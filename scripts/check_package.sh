@@ -65,6 +65,8 @@ with zipfile.ZipFile(wheel) as whl:
 dist_info = {n for n in entries if n.split("/", 1)[0].endswith(".dist-info")}
 problems += [f"wheel ships {n}" for n in sorted(set(entries) - dist_info - package_files)]
 problems += [f"wheel lacks {f}" for f in sorted(package_files - set(entries))]
+# The toy task is the examples' (examples/toy.py, issue 54), no module of the package: a stale build must not bring it back.
+problems += [f"wheel ships the toy task: {n}" for n in entries if n.rsplit("/", 1)[-1] == "toy.py"]
 if "unsloth-adaptive-kl = unsloth_adaptive_kl.__main__:main" not in entry_points:
     problems.append(f"wheel's entry_points.txt lacks the unsloth-adaptive-kl console script:\n{entry_points}")
 
@@ -84,6 +86,9 @@ echo "== smoke test, outside the source tree"
 mkdir -p "$WORK/smoke" "$WORK/sdist"
 tar xzf "$SDIST" -C "$WORK/sdist"
 SRC=$(ls -d "$WORK"/sdist/*/)
+# The recipe's reward functions are examples.toy.* (examples/toy.py), which TRL's script imports from the working
+# directory: the sdist's examples/ beside the smoke run, as in a checkout (its package is not copied: the wheel's runs).
+cp -r "$SRC/examples" "$WORK/smoke/examples"
 cd "$WORK/smoke"
 export TRITON_INTERPRET=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 unset PYTHONPATH

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs everything into .venv (CPU torch 2.13 from this machine's disk, never a CUDA build)
-# and runs the test suite. Extra arguments go to pytest.
+# and runs the test suite: the product's, tests/ (pyproject's testpaths); the studies' tests, research/tests, are
+# scripts/test_research.sh's (issue 54). Extra arguments go to pytest.
 # Two pytest-xdist workers, each given whole files (--dist loadfile): the files' module-scoped fixtures and
 # worker-result caches (one subprocess training run serves many tests) then run once, as in one process.
 set -euo pipefail

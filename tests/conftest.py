@@ -15,7 +15,7 @@ import pytest  # noqa: E402
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
     """A tokenizer and a tiny Llama, built here and saved (TRL loads the reference model by path)."""
-    from unsloth_adaptive_kl import toy
+    import toy
 
     return toy.build_checkpoint(str(tmp_path_factory.mktemp("tiny")), hidden_size=32, layers=2)
 
@@ -24,6 +24,12 @@ def tiny_checkpoint(tmp_path_factory):
 import sys  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
+
+# The offline task, examples/toy.py (no part of the package since issue 54), is imported as ``toy`` by the tests, and
+# by the scripts and workers they start in subprocesses: examples/ goes on sys.path here and on their PYTHONPATH.
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+sys.path.insert(0, EXAMPLES)
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (EXAMPLES, os.environ.get("PYTHONPATH")) if p)
 
 
 @pytest.fixture

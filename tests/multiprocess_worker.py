@@ -23,7 +23,8 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 import reference  # noqa: E402
 import unsloth_adaptive_kl  # noqa: E402,F401
-from unsloth_adaptive_kl import metrics, toy  # noqa: E402
+from unsloth_adaptive_kl import metrics  # noqa: E402
+import toy  # noqa: E402
 from unsloth_adaptive_kl.controllers import controller_names  # noqa: E402
 
 

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import reference
-from unsloth_adaptive_kl import metrics, toy
+from unsloth_adaptive_kl import metrics
+import toy
 from unsloth_adaptive_kl.adaptation import AdaptiveKL
 from unsloth_adaptive_kl.config import FIELDS
 from unsloth_adaptive_kl.estimators import ESTIMATORS, builtin_estimator_names

@@ -189,7 +189,7 @@ def test_a_config_made_before_the_import_trains_with_the_defaults(tiny_checkpoin
                           save_strategy="no")
         import unsloth_adaptive_kl
         from trl import GRPOTrainer
-        from unsloth_adaptive_kl import toy
+        import toy
         trainer = GRPOTrainer(model={tiny_checkpoint!r}, reward_funcs=[toy.format_reward], args=args,
                               train_dataset=toy.prompt_dataset(8))
         assert args.kl_adaptation_method == "none" and args.to_dict()["kl_estimator"] == "k3"

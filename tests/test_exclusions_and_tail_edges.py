@@ -32,7 +32,7 @@ def test_excluding_every_token_is_refused():
 def test_a_trainer_with_an_id_outside_its_models_vocabulary_is_refused_when_it_is_created(tiny_checkpoint, tmp_path):
     from trl import GRPOConfig, GRPOTrainer
 
-    from unsloth_adaptive_kl import toy
+    import toy
 
     config = GRPOConfig(
         output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", per_device_train_batch_size=4, num_generations=4,
@@ -74,7 +74,7 @@ def test_the_eos_example_of_the_docs_excludes_no_unknown_token_on_a_tokenizer_wi
     import re
     from pathlib import Path
 
-    from unsloth_adaptive_kl import toy
+    import toy
 
     page = (Path(__file__).resolve().parents[1] / "docs" / "metrics-tail.md").read_text()
     code = re.search(r"\*\*The EOS use case\.\*\*.*?```python\n(.*?)```", page, re.S).group(1)

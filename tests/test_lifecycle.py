@@ -15,9 +15,7 @@ def script(checkpoint, out, after_import: str) -> str:
     return f"""
         import importlib.util, math, sys
         from trl import GRPOConfig, GRPOTrainer
-        # unsloth_adaptive_kl/toy.py, loaded without importing the package (which would patch TRL)
-        spec = importlib.util.spec_from_file_location("toy", importlib.util.find_spec("unsloth_adaptive_kl").submodule_search_locations[0] + "/toy.py")
-        toy = importlib.util.module_from_spec(spec); spec.loader.exec_module(toy)
+        import toy  # examples/toy.py (on PYTHONPATH: tests/conftest.py); it does not import the package
         assert "unsloth_adaptive_kl" not in sys.modules
         args = GRPOConfig(output_dir={str(out)!r}, use_cpu=True, bf16=False, report_to="none", beta=0.04, per_device_train_batch_size=4,
                           num_generations=4, max_completion_length=4, max_steps=2, logging_steps=1, save_strategy="no", seed=0)

@@ -223,7 +223,7 @@ def test_the_one_process_reference_uses_the_configured_accumulation_divisor(tmp_
     import torch
     from transformers import AutoModelForCausalLM
 
-    from unsloth_adaptive_kl import toy
+    import toy
 
     checkpoint = toy.build_checkpoint(str(tmp_path / "checkpoint"), hidden_size=32, layers=1)
     model = AutoModelForCausalLM.from_pretrained(checkpoint)

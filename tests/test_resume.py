@@ -13,7 +13,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 import reference
 import unsloth_adaptive_kl
-from unsloth_adaptive_kl import toy
+import toy
 from unsloth_adaptive_kl.controllers import controller_names
 from unsloth_adaptive_kl.backends.liger import AdaptiveFusedLinearGRPOLoss
 

@@ -10,7 +10,8 @@ from tensorboard.backend.event_processing import event_accumulator  # a dev depe
 from trl import GRPOConfig, GRPOTrainer
 
 import reference
-from unsloth_adaptive_kl import ADAPTED_KL, CURRENT_BETA, RAW_KL, toy
+from unsloth_adaptive_kl import ADAPTED_KL, CURRENT_BETA, RAW_KL
+import toy
 
 STEPS = 3
 METRICS = (RAW_KL, ADAPTED_KL, CURRENT_BETA)

@@ -10,8 +10,8 @@ needs (``llm``, ``llama-cpp-python``) are not used here, so install it without t
 weights and a tokenizer whose end-of-turn token is the chat's ``<|im_end|>``) and caches it, so that TRL,
 Unsloth (``FastLanguageModel.from_pretrained(path)``) and the demo load it like any local checkpoint.
 
-It lives beside :mod:`unsloth_adaptive_kl.toy` because the quickstart, the demo and the tests share it and
-an installed wheel can reproduce their runs; it is not part of the adaptive-KL API.
+It is in the package because the quickstart, the demo and the tests share it and an installed wheel can reproduce
+their runs; it is not part of the adaptive-KL API (the toy task, once beside it, is examples/toy.py since issue 54).
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ import re
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
-from unsloth_adaptive_kl import smollm2, toy
+import toy  # examples/toy.py: demo/__init__.py puts examples/ on sys.path
+from unsloth_adaptive_kl import smollm2
 from unsloth_adaptive_kl.method import method_names
 
 #: Every registered method alone (none, the shaping methods, the β controllers), and one composition.

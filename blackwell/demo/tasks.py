@@ -21,7 +21,7 @@ HUB_HELP = (
 
 def task(spec: dict):
     """(train data set, reward functions) of the run's task."""
-    from unsloth_adaptive_kl import toy
+    import toy
 
     settings = spec["settings"]
     if settings.get("model") == SMOLLM2_MODEL:  # chat prompts (TRL's conversational format) and the one reward
@@ -106,7 +106,7 @@ def starting_model(args, settings: Settings, seed: int, device: str) -> str:
     """The checkpoint every method of this seed starts from. An offline task's warm start is recorded in
     ``OUTPUT_DIR/warm_start-seedN.json`` (:func:`build_task_checkpoint`, :func:`evaluate_start`) and
     printed in a line."""
-    from unsloth_adaptive_kl import toy
+    import toy
 
     if settings.model == SMOLLM2_MODEL:
         path = smollm2_checkpoint()
@@ -149,7 +149,7 @@ def build_task_checkpoint(path: str, settings: Settings, seed: int, device: str,
 
     import torch
 
-    from unsloth_adaptive_kl import toy
+    import toy
 
     tokenizer = toy.build_scratchpad_tokenizer()
     model = toy.build_model(tokenizer, hidden_size=settings.hidden_size, layers=settings.layers, heads=settings.heads,
@@ -223,7 +223,7 @@ def evaluate_start(path: str, settings: Settings, seed: int, device: str, n: int
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from unsloth_adaptive_kl import toy
+    import toy
 
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path).to(device).eval()

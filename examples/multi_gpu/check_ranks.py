@@ -9,7 +9,7 @@
     python examples/multi_gpu/check_ranks.py --config examples/multi_gpu/ddp.yaml --cpu --out /tmp/mg-cpu   # 2 CPU processes, gloo
     python examples/multi_gpu/check_ranks.py --config examples/multi_gpu/fsdp2.yaml --cpu --precision bf16 --out /tmp/mg-cpu-fsdp
 
-It builds a small Llama and tokenizer (``unsloth_adaptive_kl.toy``), then launches
+It builds a small Llama and tokenizer (``examples/toy.py``), then launches
 ``accelerate launch --config_file CONFIG --num_processes 2 check_ranks.py --worker ...`` under a
 timeout (a hang fails the check instead of blocking). Every rank trains ``--steps`` GRPO steps
 for each of ``--methods`` (default: the β controllers ``none``, ``dynamic``, ``target`` and the
@@ -58,6 +58,8 @@ import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+if os.path.dirname(HERE) not in sys.path:  # examples/, for the toy task (examples/toy.py), in every rank too
+    sys.path.insert(0, os.path.dirname(HERE))
 METHODS = {  # not a registry list: one case per kind, each with settings that make beta move
     "none": dict(kl_adaptation_method="none"),
     "dynamic": dict(kl_adaptation_method="dynamic", reward_threshold=-1.0),  # decays every step
@@ -124,7 +126,7 @@ def make_trainer(method: str, args, checkpoint: str, output_dir: str):
     from trl import GRPOTrainer
 
     import unsloth_adaptive_kl  # noqa: F401  (patches TRL, or Unsloth's generated trainer)
-    from unsloth_adaptive_kl import toy
+    import toy
 
     peft_config, model, tokenizer = None, checkpoint, None
     if args.backend == "unsloth":
@@ -175,7 +177,7 @@ def same_length_prompts(tokenizer, n: int):
 
     from datasets import Dataset
 
-    from unsloth_adaptive_kl import toy
+    import toy
 
     rows = toy.arithmetic_problems(8 * n)
     lengths = [len(tokenizer(r["prompt"], add_special_tokens=False)["input_ids"]) for r in rows]
@@ -633,7 +635,7 @@ def main(argv=None) -> int:
     if args.reference:
         reference(args)
         return 0
-    from unsloth_adaptive_kl import toy
+    import toy
 
     checkpoint = toy.build_checkpoint(os.path.join(args.out, "checkpoint"), hidden_size=args.hidden, layers=args.layers)
     launch(args, checkpoint)

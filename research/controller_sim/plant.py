@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-STREAMS = "docs/evidence-data/study33-p[12]-*/*-stream.jsonl.gz"
+STREAMS = "research/data/study33-p[12]-*/*-stream.jsonl.gz"
 TAUS = (1, 2, 3, 5, 8, 12, 20, 30, 50, 80)
 STEPS = 200
 LEVEL_STEP = 175

@@ -5,7 +5,7 @@
 
 The sampled monitor (``kl_monitor_every=N``) logs on every N-th step exactly the KL the full monitor logs on that
 step (tests/backends/test_kl_diagnostics.py). As a reading of the KL over its N steps, it is one step's KL standing
-for N. Study 33's runs at beta > 0 logged the KL of every step (docs/evidence-data/study33-p[12]-*: 88 copies of 200
+for N. Study 33's runs at beta > 0 logged the KL of every step (research/data/study33-p[12]-*: 88 copies of 200
 steps or fewer; the monitor does not change training, so keeping every N-th of their values is what the sampled
 monitor would have logged in the same run). For each copy, phase and cycle of N steps (the cycle's first step
 logged), printed: the logged value over the mean KL of the cycle's N steps (the full monitor's mean over the same
@@ -27,7 +27,7 @@ sys.path.insert(0, ROOT)
 from blackwell.demo import analysis
 from unsloth_adaptive_kl import metrics
 
-STREAMS = "docs/evidence-data/study33-p[12]-*/*-stream.jsonl.gz"
+STREAMS = "research/data/study33-p[12]-*/*-stream.jsonl.gz"
 K_NAT = 0.0247  # section 7's natural KL; its runaway threshold is 10 x K_NAT
 
 

@@ -1,5 +1,5 @@
 """The runaway alarm (unsloth_adaptive_kl/runaway.py) and the runaway definition of docs/runaway.md, applied to study
-33's streams (docs/evidence-data/study33-p[12]-*/*-stream.jsonl.gz, docs/evidence.md section 7).
+33's streams (research/data/study33-p[12]-*/*-stream.jsonl.gz, docs/evidence.md section 7).
 
     python research/runaway/study33.py --scan    # the counts docs/runaway.md records, and the scan of the thresholds
     python research/runaway/study33.py --every 16  # the counts at kl_monitor_every=16 only (default: 1 4 8 16)
@@ -39,7 +39,7 @@ from blackwell.demo import analysis
 from unsloth_adaptive_kl import metrics
 from unsloth_adaptive_kl.runaway import RunawayAlarm, RunawayRule
 
-STREAMS = "docs/evidence-data/study33-p[12]-*/*-stream.jsonl.gz"  # phases 1 and 2; not the probe's or genspeed's
+STREAMS = "research/data/study33-p[12]-*/*-stream.jsonl.gz"  # phases 1 and 2; not the probe's or genspeed's
 K_NAT = 0.0247  # section 7's natural KL (phase 1's best fixed beta, 0.1); its runaway threshold is 10 x K_NAT
 LOW_BETAS = (0.04, 0.1)  # issue 51, item 4: the definition flags at most 10 % of these runs
 

@@ -23,7 +23,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import unsloth_adaptive_kl  # noqa: E402,F401  (patches TRL's GRPOTrainer: loss_class=)
-from unsloth_adaptive_kl import toy  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples"))
+import toy  # noqa: E402  (examples/toy.py)
 from unsloth_adaptive_kl.backends.liger import AdaptiveFusedLinearGRPOLoss  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 

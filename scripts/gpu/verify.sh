@@ -8,7 +8,7 @@
 # beta over 32 steps), liger (bench), liger-conformance (Liger's upstream GRPO tests against the
 # drop-in, and GRPOTrainer(loss_class=) against TRL's loss), unsloth-bench (bench_unsloth.py, LoRA, 16 completions,
 # budget 520 s), demo-check (a short demo run), demo-3seeds,
-# evidence:NAME (the demo invocations listed in scripts/gpu/evidence/NAME.txt, all at once; see
+# evidence:NAME (the demo invocations listed in research/runlists/NAME.txt, all at once; see
 # docs/evidence/). An evidence stage writes to $OUT: NAME-stream.jsonl (every run's steps, as they
 # come), NAME-analysis.md (the slope table), NAME.log and NAME-runs.tar.gz (logs, summaries, plots); a list with
 # --betas (the beta grid, betagrid*.txt) also NAME-grid.md and NAME-grid.png (--analyze --grid).
@@ -36,16 +36,16 @@
 # NAME-runs.tar.gz and NAME-study.md. study33-pair:A,B (a 2-GPU machine): study33:A on GPU 0 and study33:B on GPU 1 at
 # once; writes A-stream.jsonl, B-stream.jsonl, A-study.md, B-study.md and study33-pair.tar.gz (everything else).
 # study33-probe (issue 33, one GPU, <= 560 s): the long task's warm start and GRPO step time before its study
-# (scripts/gpu/study33_probe.py: one run alone, then eight at once, 8 steps each, each invocation warm-starting
+# (research/gpu/study33_probe.py: one run alone, then eight at once, 8 steps each, each invocation warm-starting
 # seed 0); writes study33-probe.md, study33-probe.json, study33-probe-k1-stream.jsonl, study33-probe-k8-stream.jsonl
 # and study33-probe-runs.tar.gz to $OUT. study33-probe:LR: the same at the warm-start learning rate LR (Amendment 2).
 # study33-genspeed (issue 33, one GPU, <= 585 s): where a step of the long task spends its time: one warm start,
 # then the demo's runs alone, 8 and 16 at once, and alone without Unsloth's graph decode, generation timed per step
-# (scripts/gpu/study33_genspeed.py; not study data); writes genspeed.md, genspeed.json, genspeed-stream.jsonl.
+# (research/gpu/study33_genspeed.py; not study data); writes genspeed.md, genspeed.json, genspeed-stream.jsonl.
 # study33-profile (issue 33, one GPU, ~5 min): a lone long-task run's step, profiled (timers, cProfile,
-# torch.profiler; scripts/gpu/study33_profile.py; not study data); writes profile.md and profile.json.
+# torch.profiler; research/gpu/study33_profile.py; not study data); writes profile.md and profile.json.
 # study33-warmscan:LR,LR (issue 33, one GPU, <= ~450 s): the long task's warm start of seed 0 at each learning rate,
-# all at once, each with its step-0 record and held-out loss by token role (scripts/gpu/study33_warmscan.py; not
+# all at once, each with its step-0 record and held-out loss by token role (research/gpu/study33_warmscan.py; not
 # study data); writes warmscan.md, warmscan.json, warmscan-lrX.json, warmscan-lrX.log, warmscan-progress.jsonl.
 # multi-gpu (2 GPUs): examples/multi_gpu/check_ranks.py for each of MULTI_GPU_RUNS (below): DDP, FSDP2, FSDP2 with a
 # LoRA adapter, DeepSpeed ZeRO-2 and ZeRO-3 (full fine-tuning), and the Unsloth backend (LoRA) under DDP;
@@ -84,11 +84,11 @@ evidence() {  # $1: NAME; the stream goes to $EVIDENCE_STREAM_DIR (default $OUT)
     timeout "$EVIDENCE_TIMEOUT" python blackwell/test_adaptive_kl_grpo.py $line --keep-going \
       --stream "$stream" --output-dir "$work/$i" > "$work/$i.log" 2>&1 &
     pids+=($!)
-  done < "scripts/gpu/evidence/$name.txt"
+  done < "research/runlists/$name.txt"
   for pid in "${pids[@]}"; do wait "$pid"; done
   for f in "$work"/*.log; do echo "== $f"; grep -v "^\[\|  started \|^step" "$f" | tail -25; done > "$OUT/$name.log"
   python blackwell/test_adaptive_kl_grpo.py --analyze "$stream" | tee "$OUT/$name-analysis.md"
-  if grep -q -- "--betas" "scripts/gpu/evidence/$name.txt"; then  # a beta grid: its own analysis and figure
+  if grep -q -- "--betas" "research/runlists/$name.txt"; then  # a beta grid: its own analysis and figure
     python blackwell/test_adaptive_kl_grpo.py --analyze "$stream" --grid --plot "$OUT/$name-grid.png" \
       | tee "$OUT/$name-grid.md"
   fi
@@ -250,17 +250,17 @@ for stage in "$@"; do
       # A-stream.jsonl and B-stream.jsonl (as they grow), A-study.md, B-study.md and study33-pair.tar.gz (the rest)
       pair study33 study "${stage#study33-pair:}" "head -20" ;;
     study33-probe)
-      timeout 570 python scripts/gpu/study33_probe.py --out "$OUT" 2>&1 | tail -60 ;;
+      timeout 570 python research/gpu/study33_probe.py --out "$OUT" 2>&1 | tail -60 ;;
     study33-probe:*)
-      timeout 570 python scripts/gpu/study33_probe.py --out "$OUT" --warm-start-lr "${stage#study33-probe:}" 2>&1 | tail -60 ;;
+      timeout 570 python research/gpu/study33_probe.py --out "$OUT" --warm-start-lr "${stage#study33-probe:}" 2>&1 | tail -60 ;;
     study33-genspeed)
-      timeout 585 python scripts/gpu/study33_genspeed.py --out "$OUT" 2>&1 | tail -40 ;;
+      timeout 585 python research/gpu/study33_genspeed.py --out "$OUT" 2>&1 | tail -40 ;;
     study33-genspeed-nopack)  # Amendment 5: the same, Unsloth's GRPO sequence packing (and its re-verification) off
-      timeout 585 python scripts/gpu/study33_genspeed.py --out "$OUT" --phases g1,g8,g16 --env UNSLOTH_GRPO_SEQ_PACKING=0 2>&1 | tail -40 ;;
+      timeout 585 python research/gpu/study33_genspeed.py --out "$OUT" --phases g1,g8,g16 --env UNSLOTH_GRPO_SEQ_PACKING=0 2>&1 | tail -40 ;;
     study33-profile)
-      timeout 585 python scripts/gpu/study33_profile.py --out "$OUT" 2>&1 | tail -20 ;;
+      timeout 585 python research/gpu/study33_profile.py --out "$OUT" 2>&1 | tail -20 ;;
     study33-warmscan:*)
-      timeout 470 python scripts/gpu/study33_warmscan.py --out "$OUT" --lrs "${stage#study33-warmscan:}" 2>&1 | tail -40 ;;
+      timeout 470 python research/gpu/study33_warmscan.py --out "$OUT" --lrs "${stage#study33-warmscan:}" 2>&1 | tail -40 ;;
     demo-3seeds)
       timeout 570 python blackwell/test_adaptive_kl_grpo.py --seeds 3 --jobs 21 --output-dir "$OUT/demo-3seeds" 2>&1 | tee "$OUT/demo-3seeds.log" | tail -40 ;;
   esac

@@ -32,7 +32,9 @@ import torch  # noqa: E402
 import trl  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from unsloth_adaptive_kl import metrics, toy  # noqa: E402
+from unsloth_adaptive_kl import metrics  # noqa: E402
+
+import toy  # noqa: E402
 from unsloth_adaptive_kl.backends.unsloth import UnslothAdaptiveKL  # noqa: E402
 
 generated = sys.modules["UnslothGRPOTrainer"]

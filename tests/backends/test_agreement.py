@@ -23,7 +23,8 @@ import pytest
 import torch
 
 import reference
-from unsloth_adaptive_kl import AdaptiveKL, metrics, toy
+from unsloth_adaptive_kl import AdaptiveKL, metrics
+import toy
 from unsloth_adaptive_kl.config import DEFAULTS
 from unsloth_adaptive_kl.backends import trl as trl_backend
 from unsloth_adaptive_kl.backends.liger import AdaptiveFusedLinearGRPOLoss

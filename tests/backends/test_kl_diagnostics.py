@@ -12,8 +12,9 @@ from test_tail import exact_tail
 from test_trl import _capture_logps, grpo_config, loss_and_grads, loss_inputs, loss_test_trainer, make_trainer, set_method
 
 import unsloth_adaptive_kl  # noqa: F401  (patches TRL)
-from unsloth_adaptive_kl import metrics, tail, toy
+from unsloth_adaptive_kl import metrics, tail
 from unsloth_adaptive_kl.config import build
+import toy
 from unsloth_adaptive_kl.backends import trl as trl_backend
 from unsloth_adaptive_kl.backends.liger import AdaptiveFusedLinearGRPOLoss
 from transformers import TrainerCallback

@@ -15,7 +15,8 @@ from trl import GRPOConfig, GRPOTrainer
 
 import reference
 import unsloth_adaptive_kl
-from unsloth_adaptive_kl import metrics, toy
+from unsloth_adaptive_kl import metrics
+import toy
 from unsloth_adaptive_kl._source_patch import PatchError, version_of
 from unsloth_adaptive_kl.backends import reward_placement
 from unsloth_adaptive_kl.backends import trl as trl_backend

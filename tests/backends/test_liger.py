@@ -17,7 +17,8 @@ import torch
 from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
 
 import unsloth_adaptive_kl
-from unsloth_adaptive_kl import toy, versions
+from unsloth_adaptive_kl import versions
+import toy
 from unsloth_adaptive_kl.backends import trl as trl_backend
 from unsloth_adaptive_kl.backends.liger import AdaptiveFusedLinearGRPOLoss
 from trl import GRPOConfig, GRPOTrainer

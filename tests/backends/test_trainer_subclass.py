@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import unsloth_adaptive_kl
-from unsloth_adaptive_kl import toy
+import toy
 from trl import GRPOConfig, GRPOTrainer
 
 MAX_COMPLETION = 6

@@ -11,7 +11,8 @@ import torch
 
 import reference
 import unsloth_adaptive_kl
-from unsloth_adaptive_kl import toy, versions
+from unsloth_adaptive_kl import versions
+import toy
 from unsloth_adaptive_kl._source_patch import version_of
 from unsloth_adaptive_kl.backends import trl as trl_backend
 from trl import GRPOConfig, GRPOTrainer

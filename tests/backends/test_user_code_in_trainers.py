@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import unsloth_adaptive_kl
-from unsloth_adaptive_kl import metrics, toy
+from unsloth_adaptive_kl import metrics
+import toy
 from unsloth_adaptive_kl.backends.liger import AdaptiveFusedLinearGRPOLoss
 from trl import GRPOConfig, GRPOTrainer
 

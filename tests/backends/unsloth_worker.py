@@ -77,7 +77,8 @@ import trl  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 import reference  # noqa: E402
-from unsloth_adaptive_kl import metrics, toy, versions  # noqa: E402
+from unsloth_adaptive_kl import metrics, versions  # noqa: E402
+import toy  # noqa: E402
 
 generated = sys.modules["UnslothGRPOTrainer"]
 CHECKPOINT = toy.build_checkpoint(tempfile.mkdtemp(prefix="tiny-"), hidden_size=32)

@@ -23,7 +23,7 @@ import unsloth  # noqa: E402,F401  (first, as Unsloth asks; generates its GRPO t
 from unsloth import FastLanguageModel  # noqa: E402
 
 import unsloth_adaptive_kl  # noqa: E402
-from unsloth_adaptive_kl import toy  # noqa: E402
+import toy  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 import reference  # noqa: E402

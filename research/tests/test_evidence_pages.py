@@ -1,0 +1,140 @@
+"""The evidence as pages (issue 51): docs/evidence.md is a short index with a one-screen answer, and each study is a
+page of docs/evidence/. The moved text is the old single page's, verbatim (its links rewritten one folder down),
+and the answer is the one research/evidence_answer.py makes from the studies' tables."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # research/ is not installed: it is study code beside the package
+
+from research import evidence_answer  # noqa: E402
+
+#: The last commit whose docs/evidence.md held every study on one page.
+SINGLE_PAGE_COMMIT = "46cd9eb"
+STUDY_PAGES = ("study11-drift.md", "study26-beta-grid.md", "study33-long-task.md")
+
+
+def blocks(text: str) -> list[str]:
+    """Paragraphs: text between blank lines, with each heading a block of its own (a heading may follow a
+    paragraph's last line directly)."""
+    out = []
+    for block in re.split(r"\n\s*\n", text):
+        current: list[str] = []
+        for line in block.split("\n"):
+            if re.match(r"#{1,6} ", line):
+                out += ["\n".join(current)] if current else []
+                out.append(line)
+                current = []
+            else:
+                current.append(line)
+        out += ["\n".join(current)] if current else []
+    return [b.strip("\n") for b in out if b.strip()]
+
+
+def single_page() -> str:
+    try:
+        return subprocess.run(["git", "show", f"{SINGLE_PAGE_COMMIT}:docs/evidence.md"], cwd=ROOT, capture_output=True,
+                              text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip(f"no git history with commit {SINGLE_PAGE_COMMIT} here (an sdist, a shallow clone)")
+
+
+def test_blocks_split_headings_from_the_paragraph_they_follow():
+    assert blocks("a\nb\n## 7. c\n\nd\n\n\ne") == ["a\nb", "## 7. c", "d", "e"]
+
+
+#: Paths issue 54 moved (the research out of the product's tree): the single page's text is compared with them applied,
+#: as on the study pages. Its links were relative to docs/; the raw data is now research/data, outside docs/.
+MOVED = (("](evidence-data/", "](../research/data/"), ("docs/evidence-data", "research/data"),
+         ("`evidence-data/", "`research/data/"), ("scripts/gpu/evidence/", "research/runlists/"),
+         ("--write scripts/gpu/evidence`", "--write research/runlists`"),
+         ("scripts/study33_phase2.py", "research/study33_phase2.py"), ("scripts/gpu/study33_", "research/gpu/study33_"))
+MOVED_TESTS = ("test_demo_batch.py", "test_demo_runs.py", "test_demo_study.py", "test_study33_reanalysis.py",
+               "test_study33_corrections.py", "test_study33_phase2.py", "test_study33_probe.py", "test_study33_warmscan.py",
+               "test_demo_phase2.py", "test_study_plot.py", "test_kl_gradients.py", "test_evidence_pages.py")
+
+
+def moved(text: str) -> str:
+    for before, after in MOVED:
+        text = text.replace(before, after)
+    for name in MOVED_TESTS:
+        text = re.sub(rf"(?<![\w/])tests/{re.escape(name)}", f"research/tests/{name}", text)
+    return text
+
+
+def test_moved_rewrites_the_paths_issue_54_moved_and_nothing_else():
+    assert moved("[`evidence-data/a/`](evidence-data/a/b.md), `docs/evidence-data/x.jsonl.gz`") == (
+        "[`research/data/a/`](../research/data/a/b.md), `research/data/x.jsonl.gz`")
+    assert moved("`tests/test_demo_runs.py` and `scripts/gpu/evidence/s.txt`") == (
+        "`research/tests/test_demo_runs.py` and `research/runlists/s.txt`")
+    assert moved("`tests/test_config.py`, research/tests/test_demo_runs.py") == "`tests/test_config.py`, research/tests/test_demo_runs.py"
+
+
+def test_every_paragraph_of_the_single_page_is_on_a_study_page_verbatim():
+    old = blocks(moved(single_page()))
+    assert len(old) > 200
+    pages = "\n\n".join((ROOT / "docs" / "evidence" / name).read_text() for name in STUDY_PAGES)
+    new = set(blocks(pages.replace("](../", "](")))  # the pages are one folder down: their links gained ../
+    missing = [b for b in old if b not in new]
+    assert missing == [], f"{len(missing)} paragraphs of the single page are on no study page, e.g. {missing[0][:300]!r}"
+
+
+def test_each_study_page_holds_its_sections_in_order():
+    expected = {"study11-drift.md": [f"## {n}. " for n in range(1, 6)], "study26-beta-grid.md": ["## 6. "],
+                "study33-long-task.md": ["## 7. "]}
+    for name, sections in expected.items():
+        headings = re.findall(r"^## (\d+)\. ", (ROOT / "docs" / "evidence" / name).read_text(), re.M)
+        assert [f"## {h}. " for h in headings] == sections, name
+
+
+def test_the_index_holds_the_answer_made_from_the_studies_tables():
+    index = evidence_answer.INDEX.read_text()
+    assert index.count(evidence_answer.MARKER) == 2
+    block = index.split(evidence_answer.MARKER)[1].strip("\n")
+    assert block == evidence_answer.current(), (
+        "docs/evidence.md's answer is not the one the studies' tables give: run `python research/evidence_answer.py --write`")
+    assert len(block.split("\n")) <= evidence_answer.MAX_LINES
+
+
+def test_the_answer_reads_the_tables_it_names():
+    """A table's number moves the answer: the best fixed β's reward and `target`'s KL / kl_target, changed in a copy
+    of study 33's text, come out changed."""
+    text = evidence_answer.STUDY_33.read_text()
+    s26 = evidence_answer.study_26(evidence_answer.STUDY_26.read_text())
+    edited = text.replace("| **0.762 ± 0.035** |", "| **0.771 ± 0.035** |").replace("| 0.17 | [0.12, 0.23] |", "| 0.15 | [0.12, 0.23] |")
+    assert edited != text
+    before, after = evidence_answer.answer(s26, evidence_answer.study_33(text)), evidence_answer.answer(s26, evidence_answer.study_33(edited))
+    assert "(0.762, 0.757)" in before and "(0.771, 0.757)" in after
+    assert "0.17-10.09 ×" in before and "0.15-10.09 ×" in after
+
+
+def test_the_answer_refuses_more_than_one_screen():
+    s26 = evidence_answer.study_26(evidence_answer.STUDY_26.read_text())
+    s33 = evidence_answer.study_33(evidence_answer.STUDY_33.read_text())
+    lines = evidence_answer.answer(s26, s33).split("\n")
+    assert len(lines) <= evidence_answer.MAX_LINES
+    original, evidence_answer.MAX_LINES = evidence_answer.MAX_LINES, len(lines) - 1
+    try:
+        with pytest.raises(ValueError, match=f"the answer has {len(lines)} lines: allowed: at most {len(lines) - 1}"):
+            evidence_answer.answer(s26, s33)
+    finally:
+        evidence_answer.MAX_LINES = original
+
+
+def test_the_readme_links_the_answer_near_its_top():
+    readme = (ROOT / "README.md").read_text().split("\n")
+    assert any("](docs/evidence.md)" in line for line in readme[:15])
+
+
+def test_a_controller_that_beat_the_best_fixed_beta_would_change_the_headline():
+    text = evidence_answer.STUDY_26.read_text()
+    s33 = evidence_answer.study_33(evidence_answer.STUDY_33.read_text())
+    edited = text.replace("| `target` | 0.1 | -0.008 [-0.072, 0.055] |", "| `target` | 0.1 | 0.108 [0.072, 0.155] |")
+    assert edited != text
+    assert "no controller has been shown to beat it" in evidence_answer.answer(evidence_answer.study_26(text), s33)
+    assert "beaten by target from β 0.1" in evidence_answer.answer(evidence_answer.study_26(edited), s33)
