@@ -3,8 +3,8 @@
 (``kl_monitor=True, kl_monitor_every=1``), on the CPU, logging the KL of every step; the monitor does not change
 training, so keeping every N-th of those values is what the sampled monitor would have logged in the same run.
 
-    python research/monitor/beta0_run.py --seeds 0 1 2 --steps 200 --out research/monitor/data
-    python research/monitor/beta0_run.py --table research/monitor/data   # the table of docs/metrics-tail.md
+    python research/monitor/beta0_run.py --seeds 0 1 2 --steps 200 --out research/data/monitor-beta0
+    python research/monitor/beta0_run.py --table research/data/monitor-beta0   # the table of docs/metrics-tail.md
 
 Printed: for N in 4, 8, 16, 32, the logged value over the mean KL of its N steps as quantiles of |ratio - 1| over
 every cycle of every phase (research/monitor/sampled_kl.py's measure, applied to these beta = 0 runs), and the mean
@@ -24,6 +24,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from sampled_kl import errors, quantile  # noqa: E402
@@ -35,7 +36,8 @@ def train(seed: int, steps: int, out: str) -> str:
 
     import unsloth_adaptive_kl  # noqa: F401
     from trl import GRPOConfig, GRPOTrainer
-    from unsloth_adaptive_kl import RAW_KL, toy
+    import toy  # examples/toy.py
+    from unsloth_adaptive_kl import RAW_KL
 
     set_seed(seed)
     work = tempfile.mkdtemp(prefix=f"beta0-monitor-{seed}-")
@@ -98,7 +100,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="*", default=[])
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--out", default=os.path.join(ROOT, "research/monitor/data"))
+    parser.add_argument("--out", default=os.path.join(ROOT, "research/data/monitor-beta0"))
     parser.add_argument("--table", default=None, help="print the table of the runs in this directory")
     args = parser.parse_args(argv)
     for seed in args.seeds:

@@ -1,11 +1,11 @@
 """Study 49's pre-registered analysis (docs/evidence/study49-target.md): the new ``target`` and ``ziegler`` (study 33's
 ``target``) at kl_target 0.04, 0.099 and 0.0062, against study 33's phase-1 fixed-β runs paired by seed.
 
-    python research/study49/report.py docs/evidence-data/study49-seed*-?      # the page's tables and criteria
+    python research/study49/report.py research/data/study49-seed*-?      # the page's tables and criteria
 
 Each argument is a directory a ``study33:study49-seedS-X`` call wrote (its ``*-stream.jsonl[.gz]`` and
 ``*-runs.tar.gz``, whose ``runs/<run>/log.txt`` holds the controller's warnings); the fixed-β comparators are read
-from ``docs/evidence-data/study33-p1-*`` (``--phase1`` to change). Every number is computed with study 33's own
+from ``research/data/study33-p1-*`` (``--phase1`` to change). Every number is computed with study 33's own
 functions (``blackwell/demo/analysis.py``: final window, seed values over copies, runaway rule, TOST); nothing here
 defines a statistic the page does not.
 """
@@ -198,9 +198,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("directories", nargs="+", help="the study49-seedS-X directories a call wrote")
     parser.add_argument("--phase1", nargs="*", default=None,
-                        help="study 33's phase-1 streams (default: docs/evidence-data/study33-p1-*/*-stream.jsonl.gz)")
+                        help="study 33's phase-1 streams (default: research/data/study33-p1-*/*-stream.jsonl.gz)")
     args = parser.parse_args(argv)
-    phase1 = args.phase1 if args.phase1 is not None else sorted(glob.glob(os.path.join(ROOT, "docs/evidence-data/study33-p1-*/*-stream.jsonl*")))
+    phase1 = args.phase1 if args.phase1 is not None else sorted(glob.glob(os.path.join(ROOT, "research/data/study33-p1-*/*-stream.jsonl*")))
     print(report(args.directories, phase1), end="")
 
 

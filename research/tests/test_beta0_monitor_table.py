@@ -6,7 +6,7 @@ every 3rd step gives the ratios of its three phases, computed here."""
 import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "research", "monitor"))
 import beta0_run  # noqa: E402
 
