@@ -13,7 +13,9 @@ from trl import GRPOConfig, GRPOTrainer
 
 import reference
 import unsloth_adaptive_kl
-from unsloth_adaptive_kl import metrics, toy
+from unsloth_adaptive_kl import metrics
+
+import toy  # examples/toy.py (tests/conftest.py puts examples/ on the path)
 from unsloth_adaptive_kl._source_patch import PatchError, Rewrite
 from unsloth_adaptive_kl.backends import _generation, reward_placement
 from unsloth_adaptive_kl.backends import trl as trl_backend
