@@ -78,80 +78,79 @@ def _gate(indent: str) -> Rewrite:
     )
 
 
+# 2026.10's rewrites, each named: the older lines below reuse them by these names.
+_KL = Rewrite(
+    "grpo_compute_loss",
+    "unsloth_zoo",
+    "        kl_i = torch.expm1(kl_log_ratio) - kl_log_ratio\n",
+    "        kl_i = torch.expm1(kl_log_ratio) - kl_log_ratio\n"
+    '        kl_i, adaptive_kl_estimator_faults = kwargs["adaptive_kl"].estimate(kl_i, kl_new, ref, kl_log_ratio, mask)\n',
+    "the configured estimator, on Unsloth's clamped log-ratio",
+)
+_MONITOR_NEW = Rewrite(
+    "grpo_compute_loss",
+    "unsloth_zoo",
+    "        kl_log_ratio = torch.clamp(ref - new, min = -20.0, max = 20.0)\n",
+    '        kl_new, kl_coef_1 = kwargs["adaptive_kl"].kl_inputs(new, coef_1)\n'
+    "        kl_log_ratio = torch.clamp(ref - kl_new, min = -20.0, max = 20.0)\n",
+    "kl_monitor: while β is 0 the KL reads new and coef_1 detached, so no gradient goes through it",
+)
+_MONITOR_COEF = Rewrite(
+    "grpo_compute_loss",
+    "unsloth_zoo",
+    "        if use_bias_correction_kl:\n            kl_i = kl_i * coef_1\n",
+    "        if use_bias_correction_kl:\n            kl_i = kl_i * kl_coef_1\n",
+    "kl_monitor: the bias correction's ratio, detached while β is 0",
+)
+_SHAPE = Rewrite(
+    "grpo_compute_loss",
+    "unsloth_zoo",
+    "        kl_i = torch.clamp(kl_i, min = -10.0, max = 10.0)\n",
+    "        kl_i = torch.clamp(kl_i, min = -10.0, max = 10.0)\n"
+    '        adaptive_kl_i = kwargs["adaptive_kl"].term.shape(kl_i)\n' + _EXCLUDE,
+    "the shaping, after Unsloth's bias correction and clamp; no KL at kl_exclude_token_ids",
+)
+_ADD = Rewrite(
+    "grpo_compute_loss",
+    "unsloth_zoo",
+    "    if beta != 0.0:\n        loss_i = loss_i + beta * kl_i\n",
+    '    if beta != 0.0 and not kwargs["adaptive_kl"].term.length_normalized:\n'
+    '        loss_i = loss_i + kwargs["adaptive_kl"].loss_term(adaptive_kl_i)\n',
+    "β (a tensor) times the adapted KL (none while kl_monitor watches β = 0); length_normalized adds its term in finish",
+)
+_FINISH = Rewrite(
+    "grpo_compute_loss",
+    "unsloth_zoo",
+    "    completion_length, mean_kl = masked_batch_mean(kl_metric)\n",
+    "    completion_length, mean_kl = masked_batch_mean(kl_metric)\n"
+    '    loss, mean_kl = kwargs["adaptive_kl"].finish(\n'
+    "        loss, mean_kl, kl_metric, adaptive_kl_i if beta != 0.0 else None, mask, rs_keep, current_gradient_accumulation_steps,\n"
+    "        input_ids, adaptive_kl_estimator_faults if beta != 0.0 else None,\n"
+    "    )\n",
+    "the length-normalised term, and the local metric sums in the mean_kl slot",
+)
+_FORWARD = Rewrite(
+    "UnslothEfficientGRPO.forward",
+    "unsloth_zoo",
+    "        accumulated_mean_kl           = torch.zeros(1, device = device)[0]\n",
+    f"        accumulated_mean_kl           = torch.zeros({STATS_SIZE}, dtype = torch.float64, device = device)\n"
+    "        torch._dynamo.mark_static(accumulated_mean_kl)\n",
+    "the mean_kl accumulator holds Unsloth's kl and the metric sums; static: under Unsloth's dynamic=True its "
+    f"length would get a symbol that duck sizing shares with a sequence length of {STATS_SIZE}, specialising it",
+)
+_GATE = _gate(" " * 16)
+_TRAINER_KL = Rewrite(
+    "UnslothGRPOTrainer.compute_loss",
+    "unsloth",
+    '            self._metrics[mode]["kl"].append(mean_kl.item())\n',
+    '            self._metrics[mode]["kl"].append(self._adaptive_kl.record_fused(mean_kl, mode))\n',
+    "the adaptive_kl/* metrics, reduced across processes; Unsloth's own kl unchanged",
+)
 UNSLOTH_2026_10 = AnchorSet(
     family="unsloth 2026.10",
     versions={"unsloth_zoo": ">=2026.10,<2026.11"},
-    rewrites=(
-        Rewrite(
-            "grpo_compute_loss",
-            "unsloth_zoo",
-            "        kl_i = torch.expm1(kl_log_ratio) - kl_log_ratio\n",
-            "        kl_i = torch.expm1(kl_log_ratio) - kl_log_ratio\n"
-            '        kl_i, adaptive_kl_estimator_faults = kwargs["adaptive_kl"].estimate(kl_i, kl_new, ref, kl_log_ratio, mask)\n',
-            "the configured estimator, on Unsloth's clamped log-ratio",
-        ),
-        Rewrite(
-            "grpo_compute_loss",
-            "unsloth_zoo",
-            "        kl_log_ratio = torch.clamp(ref - new, min = -20.0, max = 20.0)\n",
-            '        kl_new, kl_coef_1 = kwargs["adaptive_kl"].kl_inputs(new, coef_1)\n'
-            "        kl_log_ratio = torch.clamp(ref - kl_new, min = -20.0, max = 20.0)\n",
-            "kl_monitor: while β is 0 the KL reads new and coef_1 detached, so no gradient goes through it",
-        ),
-        Rewrite(
-            "grpo_compute_loss",
-            "unsloth_zoo",
-            "        if use_bias_correction_kl:\n            kl_i = kl_i * coef_1\n",
-            "        if use_bias_correction_kl:\n            kl_i = kl_i * kl_coef_1\n",
-            "kl_monitor: the bias correction's ratio, detached while β is 0",
-        ),
-        Rewrite(
-            "grpo_compute_loss",
-            "unsloth_zoo",
-            "        kl_i = torch.clamp(kl_i, min = -10.0, max = 10.0)\n",
-            "        kl_i = torch.clamp(kl_i, min = -10.0, max = 10.0)\n"
-            '        adaptive_kl_i = kwargs["adaptive_kl"].term.shape(kl_i)\n' + _EXCLUDE,
-            "the shaping, after Unsloth's bias correction and clamp; no KL at kl_exclude_token_ids",
-        ),
-        Rewrite(
-            "grpo_compute_loss",
-            "unsloth_zoo",
-            "    if beta != 0.0:\n        loss_i = loss_i + beta * kl_i\n",
-            '    if beta != 0.0 and not kwargs["adaptive_kl"].term.length_normalized:\n'
-            '        loss_i = loss_i + kwargs["adaptive_kl"].loss_term(adaptive_kl_i)\n',
-            "β (a tensor) times the adapted KL (none while kl_monitor watches β = 0); length_normalized adds its term in finish",
-        ),
-        Rewrite(
-            "grpo_compute_loss",
-            "unsloth_zoo",
-            "    completion_length, mean_kl = masked_batch_mean(kl_metric)\n",
-            "    completion_length, mean_kl = masked_batch_mean(kl_metric)\n"
-            '    loss, mean_kl = kwargs["adaptive_kl"].finish(\n'
-            "        loss, mean_kl, kl_metric, adaptive_kl_i if beta != 0.0 else None, mask, rs_keep, current_gradient_accumulation_steps,\n"
-            "        input_ids, adaptive_kl_estimator_faults if beta != 0.0 else None,\n"
-            "    )\n",
-            "the length-normalised term, and the local metric sums in the mean_kl slot",
-        ),
-        Rewrite(
-            "UnslothEfficientGRPO.forward",
-            "unsloth_zoo",
-            "        accumulated_mean_kl           = torch.zeros(1, device = device)[0]\n",
-            f"        accumulated_mean_kl           = torch.zeros({STATS_SIZE}, dtype = torch.float64, device = device)\n"
-            "        torch._dynamo.mark_static(accumulated_mean_kl)\n",
-            "the mean_kl accumulator holds Unsloth's kl and the metric sums; static: under Unsloth's dynamic=True its "
-            f"length would get a symbol that duck sizing shares with a sequence length of {STATS_SIZE}, specialising it",
-        ),
-        _gate(" " * 16),
-        Rewrite(
-            "UnslothGRPOTrainer.compute_loss",
-            "unsloth",
-            '            self._metrics[mode]["kl"].append(mean_kl.item())\n',
-            '            self._metrics[mode]["kl"].append(self._adaptive_kl.record_fused(mean_kl, mode))\n',
-            "the adaptive_kl/* metrics, reduced across processes; Unsloth's own kl unchanged",
-        ),
-    ),
+    rewrites=(_KL, _MONITOR_NEW, _MONITOR_COEF, _SHAPE, _ADD, _FINISH, _FORWARD, _GATE, _TRAINER_KL),
 )
-_KL, _MONITOR_NEW, _MONITOR_COEF, _SHAPE, _ADD, _FINISH, _FORWARD, _GATE, _TRAINER_KL = UNSLOTH_2026_10.rewrites
 # Older unsloth_zoo lines (docs/compatibility.md): 2026.9 clamps k3 in one line, before the bias
 # correction; 2026.8 neither clamps nor corrects. Neither has kl_metric or rollout rejection (rs_keep).
 _FINISH_BEFORE_2026_10 = Rewrite(
