@@ -68,6 +68,11 @@ def betas(rows: list[dict]) -> list[float]:
     return [r[metrics.CURRENT_BETA] for r in rows if r.get(metrics.CURRENT_BETA) is not None]
 
 
+def runaways(cell: dict[int, list[list[dict]]], steps: int, threshold: float) -> int:
+    """How many copies of a cell ({seed: copies}) ran away by section 7's rule (every copy a draw)."""
+    return sum(A.copy_numbers(rows, steps, threshold)["runaway_step"] is not None for copies in cell.values() for rows in copies)
+
+
 def held(kl: float | None, kl_target: float) -> bool:
     return kl is not None and kl > 0 and abs(math.log(kl / kl_target)) <= A.KL_RATIO_MARGIN
 
@@ -99,8 +104,7 @@ def report(directories: list[str], phase1: list[str]) -> str:
         declared = {s: [declared_step(rows) for rows in c] for s, c in by_seed.items()}
         every_beta = [b for rows in copies for b in betas(rows)]
         n_held = sum(held(v, key.kl_target) for v in kls.values())
-        summary[key] = dict(held=n_held, seeds=len(by_seed), tost=hold, runaways=sum(n["runaway_step"] is not None for n in numbers),
-                            declared=declared, by_seed=by_seed, copies=copies)
+        summary[key] = dict(held=n_held, seeds=len(by_seed), tost=hold, runaways=runaways(by_seed, steps, threshold), by_seed=by_seed)
         ratio = f"{math.exp(hold.mean):.2f}" if logs else "—"
         ci = f"[{math.exp(hold.low90):.2f}, {math.exp(hold.high90):.2f}]" if hold.n >= 2 else "—"
         dec = ", ".join(f"s{s}: {'/'.join('—' if d is None else str(d) for d in ds)}" for s, ds in sorted(declared.items()))
@@ -112,9 +116,8 @@ def report(directories: list[str], phase1: list[str]) -> str:
     out += ["", "## Comparators (study 33 phase 1, fixed β, paired by seed)", "",
             "| fixed β | seeds | final reward | final KL | runaways |", "|---|---|---|---|---|"]
     for beta in sorted(fixed):
-        numbers = [A.copy_numbers(rows, steps, threshold) for c in fixed[beta].values() for rows in c]
         out.append(f"| {beta:g} | {len(fixed[beta])} | {A.cell_mean(fixed[beta], steps, 'reward'):.3f} | "
-                   f"{A.cell_mean(fixed[beta], steps, 'kl'):.4f} | {sum(n['runaway_step'] is not None for n in numbers)} |")
+                   f"{A.cell_mean(fixed[beta], steps, 'kl'):.4f} | {runaways(fixed[beta], steps, threshold)} |")
     out += ["", "## Criteria", ""] + criteria(summary, fixed, steps, threshold, warned)
     return "\n".join(out) + "\n"
 
@@ -147,8 +150,7 @@ def criteria(summary: dict, fixed: dict, steps: int, threshold: float, warned: d
         cells = _cells(summary, "target", kt)
         if not cells:
             continue
-        comparator = fixed.get(runaway_beta, {})
-        limit = sum(A.copy_numbers(rows, steps, threshold)["runaway_step"] is not None for c in comparator.values() for rows in c)
+        limit = runaways(fixed.get(runaway_beta, {}), steps, threshold)
         worst = max(v["runaways"] for v in cells.values())
         partial = "" if len(cells) == 3 and all(v["seeds"] == 5 for v in cells.values()) else " (incomplete: not all 3 × 5 runs yet)"
         out.append(f"- **H2, runaways at {kt:g}**: `target` per β0 "
