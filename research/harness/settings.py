@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
-import toy  # examples/toy.py: demo/__init__.py puts examples/ on sys.path
+import toy  # examples/toy.py: harness/__init__.py puts examples/ on sys.path
 from unsloth_adaptive_kl import smollm2
 from unsloth_adaptive_kl.method import method_names
 
@@ -153,7 +153,7 @@ def method_fields(settings: Settings, *, completions_per_step: int) -> dict:
     """The adaptive-KL fields given to every run; each method reads only the ones it uses.
 
     ``completions_per_step``: what an optimizer step of the run's trainer trains (all processes), read
-    from the backend's config (:class:`~demo.batch.StepBatch`), never from the settings alone.
+    from the backend's config (:class:`~harness.batch.StepBatch`), never from the settings alone.
     Package defaults, except two that are tied to this run's length: the reward window (10 of
     120 steps is most of the run) and the target controller's horizon, ``kl_horizon_steps`` steps of
     completions, so that it can move β by up to 0.2 / kl_horizon_steps a step (2 % by default; with the
