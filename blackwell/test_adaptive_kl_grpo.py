@@ -256,7 +256,7 @@ def main(argv=None) -> None:
         f.write(summary + "\n")
     print(f"\nmodel {args.model!r}, {args.steps} steps, seed {args.seed}; the last step of each method:\n")
     print(summary)
-    print("\nWhat each trainer trained (read back from it):")
+    print("\nWhat each trainer trained (read back from it; beta is the one it started from):")
     for method, (_, trained) in results.items():
         print(f"  {method}: " + ", ".join(f"{k}={v!r}" for k, v in trained.items()))
     print("\nbeta over the run:")

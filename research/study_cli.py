@@ -22,7 +22,7 @@ table), curves.png (reward, completion length, KL, β against step), runs/*/log.
 Backend: Unsloth's GRPO trainer when unsloth is installed and CUDA is available, TRL's
 otherwise (--backend overrides). On a GPU it first checks that the torch build supports the
 card (Blackwell: sm_100 / sm_120 need a build for CUDA >= 12.8) and that bf16 works.
-See docs/demo.md#the-research-harness.
+See docs/demo.md (its second part, "The research harness").
 """
 
 # The harness's code is in research/harness/, a module per part:

@@ -8,6 +8,8 @@
 # beta over 32 steps), liger (bench), liger-conformance (Liger's upstream GRPO tests against the
 # drop-in, and GRPOTrainer(loss_class=) against TRL's loss), unsloth-bench (bench_unsloth.py, LoRA, 16 completions,
 # budget 520 s), demo-check (a short run of the study harness, research/study_cli.py), demo-3seeds,
+# user-demo (the user's demo, blackwell/test_adaptive_kl_grpo.py: the tiny model with TRL, then SmolLM2 through
+# Unsloth's FastLanguageModel where unsloth is installed; not yet run on a GPU),
 # evidence:NAME (the demo invocations listed in research/runlists/NAME.txt, all at once; see
 # docs/evidence/). An evidence stage writes to $OUT: NAME-stream.jsonl (every run's steps, as they
 # come), NAME-analysis.md (the slope table), NAME.log and NAME-runs.tar.gz (logs, summaries, plots); a list with
@@ -202,6 +204,10 @@ for stage in "$@"; do
       wait; grep -vE "Loading|it/s|^\{|Warning|warn" "$OUT/liger-loss-class.log" | tail -14 ;;
     demo-check)
       timeout 170 python research/study_cli.py --steps 4 --methods none,dynamic --output-dir "$OUT/demo-check" 2>&1 | tee "$OUT/demo-check.log" | tail -30 ;;
+    user-demo)
+      timeout 200 python blackwell/test_adaptive_kl_grpo.py --steps 12 --output-dir "$OUT/user-demo-tiny" 2>&1 | tee "$OUT/user-demo-tiny.log" | tail -20
+      timeout 380 python blackwell/test_adaptive_kl_grpo.py --model smollm2 --methods none,target --steps 12 \
+        --output-dir "$OUT/user-demo-smollm2" 2>&1 | tee "$OUT/user-demo-smollm2.log" | tail -20 ;;
     demo-beta03)
       timeout 420 python research/study_cli.py --seeds 3 --beta 0.3 --steps 150 --methods none,length_normalized,dynamic,clip --jobs 12 --output-dir "$OUT/demo-beta03" 2>&1 | tee "$OUT/demo-beta03.log" | grep -v "^\[" | tail -25 ;;
     perf2)  # issue 22 (one GPU, <= 540 s): Liger GPU tests (realistic loop subset, fused head vs kernel in bf16), the
