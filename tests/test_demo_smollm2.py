@@ -66,8 +66,8 @@ def test_one_step_of_smollm2_trains_through_the_demo(one_step):
     assert 0.0 <= row["reward"] <= 1.0 and row["reward"] == row["rewards/sum_reward/mean"]
     # a LoRA adapter starts at zero: the first step's policy is the reference, its KL 0
     assert abs(row["adaptive_kl/raw_kl"]) < 1e-6 and row["adaptive_kl/current_beta"] == 0.04
-    # one prompt x 4 completions of at most 32 tokens; generation stops at <|im_end|>, so some end before the cap
-    assert len(row["lengths"]) == 4 and min(row["lengths"]) < 32 and max(row["lengths"]) <= 32
+    # one prompt x 4 completions of at most 32 tokens (whether they end at <|im_end|> is tests/test_smollm2.py's)
+    assert len(row["lengths"]) == 4 and max(row["lengths"]) <= 32
     assert sum(row["lengths"]) / 4 == pytest.approx(row["completions/mean_length"])
     assert f"== training 'target': 1 steps from {smollm2.smollm2_dir()}" in stdout
     assert "target: trainer='GRPOTrainer', beta=0.04, kl_adaptation_method='target', loss_type='dapo', " \

@@ -144,7 +144,7 @@ SMOLLM2 = dict(model=SMOLLM2_MODEL, task="addition", addition_low=1, addition_hi
                hidden_size=None, layers=None, heads=None, warm_start_steps=0, warm_start_lr=None)
 # Positions a SmolLM2 prompt may take: the chat template's default system turn and the question, 55 tokens in the
 # explain style for one-digit operands and 2 more per digit (SmolLM2 writes a digit a token; 63 at 5 digits);
-# 128 leaves room for operands of up to SMOLLM2_MAX_DIGITS digits (tests/test_demo_smollm2.py measures it).
+# 128 leaves room for operands of up to SMOLLM2_MAX_DIGITS digits (research/tests/test_harness_smollm2.py measures it).
 SMOLLM2_PROMPT_TOKENS = 128
 SMOLLM2_MAX_DIGITS = 12
 

@@ -222,6 +222,7 @@ def test_the_generation_clock_times_each_generate_call_and_sums_unsloths_decode_
     assert clock.decode_graphs() == {"decode_graph_captures": 3, "decode_graph_replays": 135,
                                      "decode_graph_eager_steps": 4, "decode_graph_disabled": "model type"}
 
+
 # -- the summary's token-KL column (from tests/test_tail.py) ---------------------------------------------
 def test_the_demo_summary_shows_the_last_logged_token_kl_max_beside_the_mean_kl():
     from harness import summary
