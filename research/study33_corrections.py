@@ -3,7 +3,7 @@
 
     python research/study33_corrections.py            # prints every number the correction states
 
-It reads the streams with the study's own analysis (blackwell/demo/analysis.py: the copies, the final window, the
+It reads the streams with the study's own analysis (research/harness/analysis.py: the copies, the final window, the
 pre-registered runaway rule, a seed's value as the mean over its copies, the t interval with the table's
 quantiles) and adds what that analysis lacks: a Student-t p-value, Bonferroni and Holm over a family, and the
 exact sign-flip test. research/tests/test_study33_corrections.py checks these against textbook values and the
@@ -24,7 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from blackwell.demo import analysis  # noqa: E402
+from research.harness import analysis  # noqa: E402
 
 STREAMS = os.path.join(ROOT, "research", "data", "study33-p[12]-*", "*-stream.jsonl.gz")
 PLANNED_STEPS = 200

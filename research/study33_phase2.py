@@ -30,9 +30,9 @@ import re
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "blackwell"))
+sys.path.insert(0, os.path.join(ROOT, "research"))
 
-from demo import analysis  # noqa: E402
+from harness import analysis  # noqa: E402
 
 SEEDS = range(5)
 PHASE1 = [("none", 0.0), ("none", 0.001), ("none", 0.01), ("none", 0.04), ("none", 0.1), ("none", 0.3),

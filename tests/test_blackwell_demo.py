@@ -1,10 +1,12 @@
-"""The Blackwell demo (blackwell/test_adaptive_kl_grpo.py): its --smoke run end to end on the CPU,
-and the pure parts (GPU check, backend choice, summary) on made-up values."""
+"""The user's demo, blackwell/test_adaptive_kl_grpo.py: run as a user runs it (a subprocess, the tiny model on the
+CPU, 3 steps of `none` and `ziegler`), its table, its report of what trained and its plot checked against what it
+recorded and against Ziegler's update recomputed here. (The study harness it fronted until issue 54 is
+research/study_cli.py; its tests are research/tests/test_harness_demo.py.)"""
 
 import importlib.util
 import json
-import math
 import os
+import statistics
 import subprocess
 import sys
 
@@ -12,214 +14,109 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "blackwell", "test_adaptive_kl_grpo.py")
-spec = importlib.util.spec_from_file_location("adaptive_kl_demo", SCRIPT)
-demo = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = demo  # dataclasses look their module up by name
-spec.loader.exec_module(demo)
-
-CUDA_124_ARCHS = ["sm_50", "sm_60", "sm_70", "sm_75", "sm_80", "sm_86", "sm_90"]
-CUDA_128_ARCHS = CUDA_124_ARCHS + ["sm_100", "sm_120"]
+BETA, STEPS, METHODS = 0.04, 3, ("none", "ziegler")
+RAW_KL, BETA_KEY = "adaptive_kl/raw_kl", "adaptive_kl/current_beta"
 
 
-# -- the GPU check -------------------------------------------------------------------------------
-def test_blackwell_with_a_cuda_128_build_passes():
-    check = demo.check_gpu("NVIDIA B200", (10, 0), CUDA_128_ARCHS, None)
-    assert check.ok and check.blackwell
-    assert "sm_100" in check.report and "Blackwell check passed" in check.report
-
-
-def test_blackwell_with_a_build_that_lacks_its_arch_stops_with_the_fix():
-    check = demo.check_gpu("NVIDIA GeForce RTX 5090", (12, 0), CUDA_124_ARCHS, None)
-    assert not check.ok and check.blackwell
-    assert "no kernels for sm_120" in check.report
-    assert "CUDA >= 12.8" in check.fix and "uv pip install unsloth --torch-backend=auto" in check.fix
-
-
-def test_a_later_minor_version_runs_on_the_same_major_arch():
-    check = demo.check_gpu("NVIDIA GB10", (12, 1), CUDA_128_ARCHS, None)
-    assert check.ok and check.blackwell and "sm_121" in check.report
-
-
-def test_a_newer_major_is_not_covered_by_an_older_one():
-    assert not demo.check_gpu("NVIDIA B200", (10, 0), ["sm_90", "compute_90"], None).ok
-
-
-def test_a_failing_bf16_matmul_stops_the_run():
-    check = demo.check_gpu("NVIDIA RTX PRO 6000", (12, 0), CUDA_128_ARCHS, "RuntimeError: no kernel image is available")
-    assert not check.ok and "bf16" in check.report and "CUDA >= 12.8" in check.fix
-
-
-def test_hopper_runs_and_says_it_is_not_blackwell():
-    check = demo.check_gpu("NVIDIA H100 80GB HBM3", (9, 0), CUDA_124_ARCHS, None)
-    assert check.ok and not check.blackwell
-    assert "not a Blackwell GPU" in check.report
-
-
-def test_no_gpu_runs_on_the_cpu():
-    check = demo.check_gpu(None, None, [], None)
-    assert check.ok and not check.blackwell and "CPU" in check.report
-
-
-# -- backend choice -------------------------------------------------------------------------------
-@pytest.mark.parametrize(
-    "requested, installed, cuda, expected",
-    [("auto", True, True, "unsloth"), ("auto", True, False, "trl"), ("auto", False, True, "trl"),
-     ("trl", True, True, "trl"), ("unsloth", True, False, "unsloth")],
-)
-def test_backend_choice(requested, installed, cuda, expected):
-    assert demo.choose_backend(requested, unsloth_installed=installed, cuda=cuda) == expected
-
-
-def test_asking_for_unsloth_without_it_says_how_to_install():
-    with pytest.raises(SystemExit, match="unsloth is not installed"):
-        demo.choose_backend("unsloth", unsloth_installed=False, cuda=True)
-
-
-# -- the summary ----------------------------------------------------------------------------------
-def _rows(rewards, lengths, betas, raw_kl=0.01):
-    return [
-        {"step": i + 1, "reward": r, "completions/mean_length": n, "adaptive_kl/current_beta": b,
-         "adaptive_kl/raw_kl": raw_kl if b > 0 else None, "adaptive_kl/adapted_kl": raw_kl if b > 0 else None,
-         "step_time": 0.5 + i}
-        for i, (r, n, b) in enumerate(zip(rewards, lengths, betas))
-    ]
-
-
-def test_summary_uses_the_first_and_last_tenth_of_the_steps():
-    rows = _rows([0.1 * i for i in range(20)], [10] * 2 + [15] * 16 + [30] * 2, [0.1] * 20)
-    s = demo.summarize_run(rows, window=0.1)
-    assert s["length_start"] == 10 and s["length_end"] == 30
-    assert s["final_reward"] == pytest.approx((1.8 + 1.9) / 2) and s["peak_reward"] == pytest.approx(1.9)
-    assert s["median_step_s"] == pytest.approx(10.0)
-
-
-def test_kl_is_missing_once_beta_reached_zero():
-    s = demo.summarize_run(_rows([1.0] * 10, [5] * 10, [0.1] * 5 + [0.0] * 5), window=0.1)
-    assert math.isnan(s["raw_kl_end"]) and s["final_beta"] == 0.0
-    assert demo.cell([s["raw_kl_end"]], ".4f") == "—"
-
-
-def test_cells_show_mean_and_sample_std_across_seeds():
-    assert demo.cell([1.0, 2.0, 3.0], ".2f") == "2.00 ± 1.00"
-    assert demo.cell([0.5], ".3f") == "0.500"
-
-
-# -- the smoke run ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def smoke(tmp_path_factory):
+def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo")
     env = dict(os.environ, TRITON_INTERPRET="1", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run([sys.executable, SCRIPT, "--smoke", "--output-dir", str(out)], capture_output=True,
-                          text=True, env=env, timeout=900, cwd=ROOT)
+    proc = subprocess.run([sys.executable, SCRIPT, "--methods", ",".join(METHODS), "--steps", str(STEPS), "--beta", str(BETA),
+                           "--output-dir", str(out)], capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return out, proc.stdout
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    by_method = {m: [r for r in rows if r["method"] == m] for m in METHODS}
+    return out, proc.stdout, by_method
 
 
-def test_smoke_reports_the_backend_and_the_gpu_check(smoke):
-    _, stdout = smoke
-    assert "backend: trl (TRL GRPOTrainer)" in stdout
-    assert "GPU: no CUDA GPU: running on the CPU, not on Blackwell" in stdout
-    # the backends' environment switches the run trained with (here the interpreted Triton kernel)
-    assert "environment (the backends' switches): " in stdout and "TRITON_INTERPRET=1" in stdout
+def table_rows(text: str) -> dict:
+    """{method: {column: cell}} from the markdown table in ``text``."""
+    lines = [line for line in text.splitlines() if line.startswith("|")]
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
+    return {row[0].strip("`"): dict(zip(header, row)) for row in cells}
 
 
-def test_smoke_writes_every_step_of_every_method(smoke):
-    out, _ = smoke
-    with open(out / "metrics.jsonl") as f:
-        rows = [json.loads(line) for line in f]
-    steps = demo.SMOKE["steps"]
-    for method in demo.ALL_METHODS:
-        mine = [r for r in rows if r["method"] == method]
-        assert [r["step"] for r in mine] == list(range(1, steps + 1)), method
-        for r in mine:
-            assert 0.0 <= r["reward"] <= 1.0 and r["completions/mean_length"] > 0 and r["step_time"] > 0
-            assert r["adaptive_kl/current_beta"] > 0 and r["adaptive_kl/raw_kl"] >= 0
-            # the rollouts are timed inside the step: one generate call per optimizer step (steps_per_generation 1)
-            assert r["generate_calls"] == 1 and 0 < r["generation_time"] < r["step_time"]
-    betas = {r["method"]: r["adaptive_kl/current_beta"] for r in rows if r["step"] == steps}
-    # Ziegler's controller moved β (the new target does not lower β in its 20-update warm-up, longer than the smoke)
-    assert betas["none"] == 0.1 and betas["ziegler"] != 0.1
-    # every row records what its trainer trained: 2 prompts x 4 completions, one micro-batch, kl_horizon 10 steps
-    assert {(r["completions_per_step"], r["gradient_accumulation_steps"], r["kl_horizon"]) for r in rows} == {(8, 1, 80.0)}
+def test_every_method_logged_every_step_from_the_same_start(run):
+    _, _, by_method = run
+    for method, rows in by_method.items():
+        assert [r["step"] for r in rows] == list(range(1, STEPS + 1)), method
+        assert all(0.0 <= r["reward"] <= 1.0 for r in rows)
+    # the same weights, data and seed: the first step generates the same completions under every method, and the
+    # policy is still the reference, so its KL is 0
+    first = [rows[0] for rows in by_method.values()]
+    assert len({(r["reward"], tuple(r["lengths"])) for r in first}) == 1
+    assert all(r[RAW_KL] == 0 for r in first)
 
 
-def test_smoke_prints_the_batch_each_run_trained(smoke):
-    out, stdout = smoke
-    assert "per optimizer step: 2 prompts x 4 = 8 completions in 1 micro-batch(es) of 8" in stdout
-    assert "Trained (read from each run's trainer): 8 completions per optimizer step" in stdout
-    assert "DIFFERENCE" not in stdout
-    log = (out / "runs" / "target-seed0" / "log.txt").read_text()
-    assert "trained: 8 completions per optimizer step (2 prompts x 4)" in log and "kl_horizon 80" in log
-    trained = json.loads((out / "runs" / "target-seed0" / "trained.json").read_text())
-    assert trained["completions_per_step"] == 8 and trained["kl_horizon"] == 80.0
-    assert trained["args"]["optim"] == "adamw_torch" and trained["args"]["mask_truncated_completions"] is False
+def test_the_table_shows_each_methods_logged_last_step(run):
+    out, stdout, by_method = run
+    table = table_rows((out / "summary.md").read_text())
+    assert table == table_rows(stdout.split("the last step of each method:")[1].split("What each trainer")[0])
+    assert sorted(table) == sorted(METHODS)
+    for method, rows in by_method.items():
+        cells, last = table[method], rows[-1]
+        assert float(cells["KL (raw)"]) == pytest.approx(last[RAW_KL], rel=1e-3)
+        assert float(cells["KL (adapted)"]) == pytest.approx(last["adaptive_kl/adapted_kl"], rel=1e-3)
+        assert float(cells["beta final"]) == pytest.approx(last[BETA_KEY], rel=1e-3)
+        assert float(cells["beta start"]) == pytest.approx(rows[0][BETA_KEY], rel=1e-3) == BETA
+        assert float(cells["final reward"]) == pytest.approx(last["reward"], rel=1e-3)
+        assert float(cells["mean length"]) == pytest.approx(last["completions/mean_length"], rel=1e-3)
+        assert float(cells["median length"]) == statistics.median(last["lengths"])
 
 
-def test_smoke_writes_the_table_with_every_method(smoke):
-    out, stdout = smoke
-    table = (out / "summary.md").read_text()
-    assert "backend: trl" in table and "command: python" in table
-    for method in demo.ALL_METHODS:
-        assert f"| `{method}` |" in table and f"| `{method}` |" in stdout
+def test_beta_is_fixed_under_none_and_follows_zieglers_update_under_ziegler(run):
+    _, stdout, by_method = run
+    assert [r[BETA_KEY] for r in by_method["none"]] == [BETA] * STEPS
+    assert f"none: beta stayed {BETA:.4g} for {STEPS} steps" in stdout
+    # Ziegler et al.: beta *= 1 + clip(KL / kl_target - 1, -0.2, 0.2) * n / kl_horizon, after each step, with the
+    # demo's kl_target 0.01 and kl_horizon 10 steps of n = 16 completions
+    rows, n = by_method["ziegler"], 16
+    beta = BETA
+    for row, following in zip(rows, rows[1:]):
+        error = min(max(row[RAW_KL] / 0.01 - 1, -0.2), 0.2)
+        beta *= 1 + error * n / (10 * n)
+        assert following[BETA_KEY] == pytest.approx(beta, rel=1e-6)
+    assert rows[-1][BETA_KEY] != BETA
+    assert f"ziegler: beta {BETA:.4g} -> {rows[-1][BETA_KEY]:.4g}, moved at steps 2, 3" in stdout
 
 
-def test_smoke_writes_the_plot_or_says_why_not(smoke):
-    out, stdout = smoke
+def test_the_median_length_is_of_the_completions_the_trainer_counted(run):
+    _, _, by_method = run
+    for rows in by_method.values():
+        for row in rows:
+            lengths = row["lengths"]
+            assert len(lengths) == 16  # every completion of the step: 4 prompts x 4
+            assert row["median_length"] == statistics.median(lengths)
+            # TRL's own mean, counted on its side: the recorded lengths are the same completions
+            assert statistics.fmean(lengths) == pytest.approx(row["completions/mean_length"], rel=1e-6)
+            assert min(lengths) == row["completions/min_length"] and max(lengths) == row["completions/max_length"]
+
+
+def test_it_reports_what_each_trainer_trained(run):
+    _, stdout, by_method = run
+    report = stdout.split("What each trainer trained (read back from it")[1]
+    for method, rows in by_method.items():
+        line = next(line for line in report.splitlines() if line.strip().startswith(f"{method}:"))
+        assert f"beta={BETA}" in line and f"kl_adaptation_method='{method}'" in line and "loss_type='dapo'" in line
+        assert f"completions_per_step={len(rows[0]['lengths'])}" in line and "trainer='GRPOTrainer'" in line
+
+
+def test_it_draws_the_curves_or_says_why_not(run):
+    out, stdout, _ = run
     if importlib.util.find_spec("matplotlib") is None:
-        assert "PNG skipped: matplotlib is not installed" in stdout
+        assert "no plot: matplotlib is not installed" in stdout
     else:
         png = (out / "curves.png").read_bytes()
         assert png.startswith(b"\x89PNG") and len(png) > 10_000
+        assert f"plot: {out / 'curves.png'}" in stdout
 
 
-# -- the warm start's learning rate ------------------------------------------------------------------
-@pytest.mark.parametrize("task", ["easy", "hard"])
-def test_warm_start_lr_reaches_the_optimizer_and_names_the_setting(task, tmp_path, monkeypatch):
-    from demo import settings as demo_settings
-    from demo import tasks as demo_tasks
-
-    import toy
-
-    seen = []
-    monkeypatch.setattr(toy, "supervised_warm_start", lambda *a, lr, **k: seen.append(lr) or 1.0)
-    args = demo.parse_args(["--task", task, "--warm-start-lr", "1e-3", "--hidden-size", "16", "--layers", "1",
-                            "--warm-start-steps", "1", "--output-dir", str(tmp_path)])
-    settings = demo_settings.settings_from(args)
-    demo_tasks.starting_model(args, settings, seed=0, device="cpu")
-    assert seen == [1e-3]
-    assert demo_settings.default_tag(settings).endswith("-wlr0.001")
-    default = demo_settings.settings_from(demo.parse_args(["--task", task]))
-    assert default.warm_start_lr == 3e-3 and "wlr" not in demo_settings.default_tag(default)
-
-
-# -- the generation clock -----------------------------------------------------------------------------
-def test_the_generation_clock_times_each_generate_call_and_sums_unsloths_decode_graph_counters():
-    import time
-    from types import SimpleNamespace
-
-    import torch
-
-    from demo.worker import GenerationClock
-
-    class Policy(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.inner = torch.nn.Linear(1, 1)
-
-        def generate(self, seconds):
-            time.sleep(seconds)
-            return seconds
-
-    policy = Policy()
-    clock = GenerationClock(policy, cuda=False)
-    assert clock.decode_graphs() == {}  # no Unsloth decode state: nothing reported
-    assert policy.generate(0.05) == 0.05 and policy.generate(0.02) == 0.02  # the wrapper returns what generate did
-    seconds, calls = clock.take()
-    assert calls == 2 and 0.07 <= seconds < 1.0
-    assert clock.take() == (0.0, 0)  # read once: the next step starts from zero
-    # Unsloth keeps its counters on the CausalLM under any wrapper: summed over the modules that hold them
-    policy.__dict__["_unsloth_decode_graphs"] = SimpleNamespace(captures=1, replays=130, eager_steps=1, disabled=None)
-    policy.inner.__dict__["_unsloth_decode_graphs"] = SimpleNamespace(captures=2, replays=5, eager_steps=3,
-                                                                       disabled="model type")
-    assert clock.decode_graphs() == {"decode_graph_captures": 3, "decode_graph_replays": 135,
-                                     "decode_graph_eager_steps": 4, "decode_graph_disabled": "model type"}
+def test_a_misspelt_method_stops_before_anything_trains(tmp_path):
+    spec = importlib.util.spec_from_file_location("user_demo", SCRIPT)
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    with pytest.raises(ValueError, match="kl_adaptation_method='dynamc' has unknown part"):
+        demo.main(["--methods", "none,dynamc", "--output-dir", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()

@@ -1,22 +1,17 @@
 """The GPU-support rule (unsloth_adaptive_kl.gpu_support) on a table of (capability, arch list) cases,
-and its two users: ``doctor.gpus`` and the demo's ``check_gpu``.
+and its user ``doctor.gpus`` (the study harness's ``check_gpu``, the other user, is
+research/tests/test_harness_demo.py's; it reads CASES from here).
 
 Expected values come from CUDA's compatibility model (the module docstring cites the sources), not
 from the code: a cubin sm_XY runs on X.Z for Z >= Y; ``a`` code only on exactly X.Y; ``f`` code on
 its family's later minors; PTX compute_XY on any capability >= X.Y; integrated GPUs (8.7 ...) only
 run cubins built for them."""
 
-import importlib
-import importlib.util
-import os
-import sys
-
 import pytest
 
 from unsloth_adaptive_kl import doctor
 from unsloth_adaptive_kl.gpu_support import kernel_support, parse_target
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CU128 = ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120", "compute_120"]  # PyTorch's cu128 wheels
 CU124 = ["sm_50", "sm_60", "sm_70", "sm_75", "sm_80", "sm_86", "sm_90"]
 
@@ -80,23 +75,3 @@ def test_doctor_reports_each_case_by_the_rule(fake_gpu, capability, arch_list, c
     assert kernel_support(capability, arch_list).reason in finding.detail
     if not cubin:
         assert f"sm_{capability[0]}{capability[1]}" in finding.detail.split("Install")[1]
-
-
-# -- the demo: it trains only where a cubin runs ----------------------------------------------------
-@pytest.fixture(scope="module")
-def demo_gpu():
-    sys.path.insert(0, os.path.join(ROOT, "blackwell"))
-    try:
-        return importlib.import_module("demo.gpu")
-    finally:
-        sys.path.remove(os.path.join(ROOT, "blackwell"))
-
-
-@pytest.mark.parametrize("capability, arch_list, cubin, ptx", CASES)
-def test_demo_gpu_check_runs_where_a_cubin_runs(demo_gpu, capability, arch_list, cubin, ptx):
-    check = demo_gpu.check_gpu("Test GPU", capability, arch_list, None)
-    assert check.ok == bool(cubin), check.report
-    assert check.blackwell == (capability[0] in (10, 11, 12))
-    assert kernel_support(capability, arch_list).reason in check.report
-    if ptx and not cubin:
-        assert "the demo needs machine code" in check.report

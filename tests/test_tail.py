@@ -135,17 +135,3 @@ def test_adaptive_kl_pools_the_window_until_restarted_and_logs_max_p99_share():
     third = runtime.record(b, b, torch.ones_like(b), training=True, beta=0.1)
     assert third[metrics.TOKEN_KL_MAX] == pytest.approx(0.3)
     assert runtime.end_step(1) == pytest.approx(0.1)  # the controller's step sums are the 5 KL sums, as before
-
-
-def test_the_demo_summary_shows_the_last_logged_token_kl_max_beside_the_mean_kl():
-    from blackwell.demo import summary
-
-    rows = [
-        {"reward": 0.0, "completions/mean_length": 5, "adaptive_kl/current_beta": 0.1, "step_time": 1.0,
-         "adaptive_kl/raw_kl": kl, "adaptive_kl/adapted_kl": kl, "adaptive_kl/token_kl_max": peak}
-        for kl, peak in ((0.01, 0.5), (0.02, 3.0), (0.03, None))
-    ]  # fmt: skip
-    s = summary.summarize_run(rows, window=0.5)
-    assert s["token_kl_max_final"] == 3.0 and s["raw_kl_end"] == pytest.approx(0.025)
-    headers = [h for h, _, _ in summary.COLUMNS]
-    assert headers.index("token KL max final") == headers.index("raw KL end") + 1

@@ -29,7 +29,7 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "blackwell"))
+sys.path.insert(0, os.path.join(ROOT, "research"))
 
 STEPS = 8
 DEMO = ["--task", "long", "--loss-type", "dapo", "--seeds", "1", "--keep-going"]
@@ -46,7 +46,7 @@ TINY_PHASES = (("g1", ["--betas", "0.04", "--methods", "none"], {}, 600),
 
 
 def demo_args(extra: list[str], folder: str, steps: int, tiny: bool, lr: float):
-    from demo import cli
+    from harness import cli
 
     return cli.parse_args([*DEMO, "--steps", str(steps), "--output-dir", folder, "--warm-start-lr", repr(lr), *extra,
                            *(TINY if tiny else [])])
@@ -55,7 +55,7 @@ def demo_args(extra: list[str], folder: str, steps: int, tiny: bool, lr: float):
 def run_phase(name: str, extra: list[str], env: dict, limit: float, checkpoint: str, work: str, stream: str,
               steps: int, tiny: bool, lr: float, cuda: bool) -> dict:
     """The demo's runs of one phase, all at once, from ``checkpoint``; their rows, tagged with the phase."""
-    from demo import scheduler, settings as demo_settings
+    from harness import scheduler, settings as demo_settings
 
     folder = os.path.join(work, name)
     args = demo_args(extra, folder, steps, tiny, lr)
@@ -148,7 +148,7 @@ def main(argv=None) -> int:
     if not cuda:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # the demo's deterministic warm start
-    from demo import settings as demo_settings, tasks
+    from harness import settings as demo_settings, tasks
 
     warm_args = demo_args([], os.path.join(args.work, "warm"), STEPS, args.tiny, args.warm_start_lr)
     os.makedirs(warm_args.output_dir, exist_ok=True)

@@ -1,6 +1,6 @@
 """Issue 33's first GPU call: what the long task and its GRPO steps cost, before any run of the study.
 
-Two demo invocations on the long task (blackwell/test_adaptive_kl_grpo.py --task long), one after the other,
+Two demo invocations on the long task (research/study_cli.py --task long), one after the other,
 each warm-starting seed 0 inside the call (nothing is kept between calls):
   k1: one run alone (`none` at β 0.04), for the step time of a run that has the GPU to itself;
   k8: eight runs at once (`none` and `target` at four initial β), for the throughput of a shared GPU.
@@ -31,8 +31,8 @@ import tarfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-DEMO = os.path.join(ROOT, "blackwell", "test_adaptive_kl_grpo.py")
-sys.path.insert(0, os.path.join(ROOT, "blackwell"))
+DEMO = os.path.join(ROOT, "research", "study_cli.py")
+sys.path.insert(0, os.path.join(ROOT, "research"))
 
 # The study's run list (docs/evidence/study33-long-task.md), in run-steps, for the projection; kept equal to the
 # list there by research/tests/test_study33_probe.py.
@@ -141,7 +141,7 @@ def main(argv=None) -> int:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     import torch
 
-    from demo.settings import TASK_DEFAULTS
+    from harness.settings import TASK_DEFAULTS
     from study33_warmscan import loss_by_role, settings_for, write_record
 
     machine = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"

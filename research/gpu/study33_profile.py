@@ -31,7 +31,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-import study33_genspeed as genspeed  # noqa: E402  (ROOT/blackwell on sys.path, the demo's arguments)
+import study33_genspeed as genspeed  # noqa: E402  (ROOT/research on sys.path, the harness's arguments)
 
 TIMED = ("_generate_and_score_completions", "compute_loss", "training_step", "_compute_loss")
 
@@ -41,7 +41,7 @@ def timed_methods(trainer, cuda: bool, totals: dict) -> None:
     call too, so no earlier work is counted), summed into ``totals``."""
     import torch
 
-    from demo.worker import synchronised_timer
+    from harness.worker import synchronised_timer
 
     for name in TIMED:
         inner = getattr(trainer, name, None)
@@ -66,7 +66,7 @@ def profile_worker(spec_path: str, mode: str, dump: str) -> None:
     import torch
     from transformers import TrainerCallback
 
-    from demo import worker
+    from harness import worker
 
     cuda = torch.cuda.is_available()
     spec = json.load(open(spec_path))
@@ -131,7 +131,7 @@ def main(argv=None) -> int:
         return 0
     import torch
 
-    from demo import scheduler, settings as demo_settings, tasks
+    from harness import scheduler, settings as demo_settings, tasks
 
     cuda = torch.cuda.is_available()
     os.makedirs(args.out, exist_ok=True)

@@ -31,7 +31,7 @@ import time
 from dataclasses import replace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "blackwell"))
+sys.path.insert(0, os.path.join(ROOT, "research"))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "examples"))  # toy.py
 
@@ -42,7 +42,7 @@ ENTRY = {"median_length_min": 100, "accuracy": (0.1, 0.8)}  # section 7's entry 
 
 
 def settings_for(lr: float, tiny: bool):
-    from demo.settings import TASK_DEFAULTS, Settings
+    from harness.settings import TASK_DEFAULTS, Settings
 
     settings = replace(Settings(), task="long", **TASK_DEFAULTS["long"])
     return replace(settings, warm_start_lr=lr, **(TINY if tiny else {}))
@@ -97,7 +97,7 @@ def loss_levels(rows: list[dict], styles: list[int], parts: tuple) -> dict:
 
 def warm_start_texts(settings, seed: int, n: int | None = None) -> tuple[list[dict], list[int]]:
     """The rows and styles of the warm start's texts, drawn as ``demo.tasks.build_task_checkpoint`` draws them."""
-    from demo.settings import SOLUTIONS, TASKS
+    from harness.settings import SOLUTIONS, TASKS
     import toy
 
     rng = random.Random(seed + 1)
@@ -108,7 +108,7 @@ def warm_start_texts(settings, seed: int, n: int | None = None) -> tuple[list[di
 
 def held_out(settings, seed: int, n: int = 256) -> tuple[list[dict], list[int]]:
     """``evaluate_start``'s held-out prompts (``sum_problems`` seed + 2) with styles in the warm start's parts."""
-    from demo.settings import SOLUTIONS, TASKS
+    from harness.settings import SOLUTIONS, TASKS
     import toy
 
     rows = toy.sum_problems(n, seed=seed + 2, **TASKS[settings.task])
@@ -123,7 +123,7 @@ def loss_by_role(path: str, settings, seed: int, device: str) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from demo.settings import SOLUTIONS
+    from harness.settings import SOLUTIONS
     import toy
 
     rows, styles = held_out(settings, seed)
@@ -158,7 +158,7 @@ def one_candidate(lr: float, out: str, work: str, tiny: bool) -> dict:
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # as the demo sets it for a deterministic warm start
     import torch
 
-    from demo.tasks import build_task_checkpoint, evaluate_start
+    from harness.tasks import build_task_checkpoint, evaluate_start
 
     device = "cuda" if torch.cuda.is_available() and not tiny else "cpu"
     if device == "cpu":
@@ -254,7 +254,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.levels:
         settings = settings_for(1e-3, tiny=False)
-        from demo.settings import SOLUTIONS
+        from harness.settings import SOLUTIONS
 
         print(json.dumps({"warm_start_texts": loss_levels(*warm_start_texts(settings, SEED), SOLUTIONS["long"][1]),
                           "column_total_entropy": {n: column_total_entropy(n) for n in (4, 5)}}, indent=1))

@@ -24,7 +24,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-from blackwell.demo import analysis
+from research.harness import analysis
 from unsloth_adaptive_kl import metrics
 
 STREAMS = "research/data/study33-p[12]-*/*-stream.jsonl.gz"

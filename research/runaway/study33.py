@@ -35,7 +35,7 @@ from dataclasses import dataclass
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-from blackwell.demo import analysis
+from research.harness import analysis
 from unsloth_adaptive_kl import metrics
 from unsloth_adaptive_kl.runaway import RunawayAlarm, RunawayRule
 

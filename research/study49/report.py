@@ -6,7 +6,7 @@
 Each argument is a directory a ``study33:study49-seedS-X`` call wrote (its ``*-stream.jsonl[.gz]`` and
 ``*-runs.tar.gz``, whose ``runs/<run>/log.txt`` holds the controller's warnings); the fixed-β comparators are read
 from ``research/data/study33-p1-*`` (``--phase1`` to change). Every number is computed with study 33's own
-functions (``blackwell/demo/analysis.py``: final window, seed values over copies, runaway rule, TOST); nothing here
+functions (``research/harness/analysis.py``: final window, seed values over copies, runaway rule, TOST); nothing here
 defines a statistic the page does not.
 """
 
@@ -24,7 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from blackwell.demo import analysis as A  # noqa: E402
+from research.harness import analysis as A  # noqa: E402
 from unsloth_adaptive_kl import metrics  # noqa: E402
 
 REACHABLE_TARGET, HIGH_TARGET, UNREACHABLE_TARGET = 0.04, 0.099, 0.0062

@@ -11,10 +11,10 @@ import sys
 from dataclasses import asdict, replace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "blackwell"))
+sys.path.insert(0, os.path.join(ROOT, "research"))
 
-from demo import worker  # noqa: E402
-from demo.settings import SMOKE, Settings  # noqa: E402
+from harness import worker  # noqa: E402
+from harness.settings import SMOKE, Settings  # noqa: E402
 
 import toy  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""The demo script blackwell/test_adaptive_kl_grpo.py loaded as a module (``demo``), and its ``--smoke`` run with extra
+"""The demo script research/study_cli.py loaded as a module (``demo``), and its ``--smoke`` run with extra
 options (``run_smoke``), for the research tests that drive the demo's study options."""
 
 import importlib.util
@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SCRIPT = os.path.join(ROOT, "blackwell", "test_adaptive_kl_grpo.py")
+SCRIPT = os.path.join(ROOT, "research", "study_cli.py")
 _spec = importlib.util.spec_from_file_location("adaptive_kl_demo", SCRIPT)
 demo = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = demo  # dataclasses look their module up by name

@@ -1,4 +1,4 @@
-"""The demo's research side (blackwell/test_adaptive_kl_grpo.py's --analyze, --betas and --grid, and the GPU run
+"""The demo's research side (research/study_cli.py's --analyze, --betas and --grid, and the GPU run
 lists): the drift analysis, the β grid and its smoke run, reading a run from several streams, and every list of
 research/runlists/ parsed as the demo parses it. Moved out of tests/test_blackwell_demo.py (issue 54), whose user-facing
 parts (GPU check, backend choice, summary, the --smoke run) stay in the product suite."""
@@ -90,7 +90,7 @@ def _grid_stream(path, kl_target=0.2):
 
 
 def test_grid_final_values_are_the_means_of_the_last_50_steps(tmp_path):
-    from demo import grid
+    from harness import grid
 
     runs = grid.read_grid([_grid_stream(tmp_path / "g.jsonl")])
     (base, g), = runs.items()
@@ -101,7 +101,7 @@ def test_grid_final_values_are_the_means_of_the_last_50_steps(tmp_path):
 
 
 def test_grid_spread_target_tracking_and_best_fixed_beta(tmp_path):
-    from demo import grid
+    from harness import grid
 
     g = grid.read_grid([_grid_stream(tmp_path / "g.jsonl")])["medium-dapo-b*-h128x4-L48-s60-kt0.2"]
     none = grid.spread(grid._by(g["runs"], "none"))
@@ -124,7 +124,7 @@ def test_grid_spread_target_tracking_and_best_fixed_beta(tmp_path):
 
 
 def test_grid_names_a_run_cut_before_its_step_count_and_a_rerun_completes_it(tmp_path):
-    from demo import grid
+    from harness import grid
 
     path = tmp_path / "g.jsonl"
     _grid_stream(path)
@@ -147,7 +147,7 @@ def test_grid_names_a_run_cut_before_its_step_count_and_a_rerun_completes_it(tmp
 
 
 def test_grid_needs_the_initial_beta_in_the_tag():
-    from demo import grid
+    from harness import grid
 
     assert grid.split_tag("medium-dapo-b1e-05-h128x4-L48-s300") == ("medium-dapo-b*-h128x4-L48-s300", 1e-05)
     assert grid.split_tag("mine-b0.3") == ("mine-b*", 0.3)
@@ -156,7 +156,7 @@ def test_grid_needs_the_initial_beta_in_the_tag():
 
 
 def test_betas_replace_beta_and_must_be_positive():
-    from demo import settings as demo_settings
+    from harness import settings as demo_settings
 
     args = demo.parse_args(["--betas", "0.01,1", "--kl-target", "0.2", "--tag", "mine"])
     settings = demo_settings.settings_from(args)
@@ -190,7 +190,7 @@ def test_smoke_betas_warm_start_once_and_tag_each_beta(smoke_betas):
     assert '"kl_target": 0.3' in stdout and (out / "runs" / "ziegler-seed0-b0.2" / "log.txt").exists()
     summary = (out / "summary.md").read_text()
     assert "(initial β 0.05)" in summary and "(initial β 0.2)" in summary
-    from demo import grid  # the grid analysis of the smoke stream separates the two β
+    from harness import grid  # the grid analysis of the smoke stream separates the two β
 
     runs = grid.read_grid([str(out / "stream.jsonl")])[f"easy-dapo-b*-h32x2-L24-s{steps}-kt0.3"]["runs"]
     assert sorted(runs) == [(m, b, 0) for m in ("none", "ziegler") for b in (0.05, 0.2)]
@@ -199,7 +199,7 @@ def test_smoke_betas_warm_start_once_and_tag_each_beta(smoke_betas):
 def test_every_gpu_evidence_list_parses_and_names_known_methods():
     """research/runlists/*.txt feed `verify.sh evidence:NAME` on the GPU, one demo invocation a line: a typo
     there costs a GPU call, so each line must parse here, with methods the demo knows and a loss type given."""
-    from demo.settings import ALL_METHODS
+    from harness.settings import ALL_METHODS
 
     folder = os.path.join(ROOT, "research", "runlists")
     names = sorted(n for n in os.listdir(folder) if n.endswith(".txt"))
@@ -218,7 +218,7 @@ def test_every_gpu_evidence_list_parses_and_names_known_methods():
 def test_a_run_in_several_files_counts_whole_from_its_longest_copy(tmp_path):
     """A cut run and its rerun: the copy that went furthest counts, whole; a rerun that diverged is never
     spliced into the cut run step by step, whichever file comes first."""
-    from demo import grid
+    from harness import grid
 
     def stream(path, steps, kl):
         path.write_text("".join(json.dumps({"tag": "medium-dapo-b0.1-h128x4-L48-s60-kt0.2", "method": "none", "seed": 0,

@@ -14,11 +14,11 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-sys.path.insert(0, os.path.join(ROOT, "blackwell"))
+sys.path.insert(0, os.path.join(ROOT, "research"))
 
-from demo.batch import StepBatch  # noqa: E402
-from demo.settings import Settings, method_fields  # noqa: E402
-from demo.summary import trained_batch_lines  # noqa: E402
+from harness.batch import StepBatch  # noqa: E402
+from harness.settings import Settings, method_fields  # noqa: E402
+from harness.summary import trained_batch_lines  # noqa: E402
 
 WORKER = os.path.join(HERE, "demo_batch_worker.py")
 needs_unsloth = pytest.mark.skipif(importlib.util.find_spec("unsloth") is None, reason="unsloth is not installed")
@@ -149,7 +149,7 @@ class _FakeTrainer:
 
 
 def test_the_median_counts_every_process_and_only_the_models_tokens_under_a_tool_mask():
-    from demo.worker import CompletionLengths
+    from harness.worker import CompletionLengths
 
     trainer = _FakeTrainer([[5, 6, 2], [7, 2], [3, 4, 5, 6, 2]], other_processes=[10, 1])
     lengths = CompletionLengths(trainer)
@@ -166,7 +166,7 @@ def test_the_median_counts_every_process_and_only_the_models_tokens_under_a_tool
 
 
 def test_a_trainer_without_generate_is_refused_by_name():
-    from demo.worker import CompletionLengths
+    from harness.worker import CompletionLengths
 
     class Other:
         pass

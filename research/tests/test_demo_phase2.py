@@ -12,10 +12,10 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "blackwell"))
+sys.path.insert(0, os.path.join(ROOT, "research"))
 
-from demo import analysis, scheduler, settings  # noqa: E402
-from demo.cli import parse_args  # noqa: E402
+from harness import analysis, scheduler, settings  # noqa: E402
+from harness.cli import parse_args  # noqa: E402
 
 from unsloth_adaptive_kl.estimators import estimator_names  # noqa: E402
 
@@ -238,7 +238,7 @@ def test_without_a_loss_placement_baseline_there_is_no_d_row(tmp_path):
 
 def test_the_study_figure_draws_d_runs_only_in_the_d_panel_not_as_a_fixed_beta_or_c_method(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
-    from demo import study_plot
+    from harness import study_plot
 
     drawn = []
     line = study_plot._line

@@ -10,10 +10,10 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "blackwell"))
+sys.path.insert(0, os.path.join(ROOT, "research"))
 
-from demo import analysis, grid, scheduler, settings  # noqa: E402
-from demo.cli import parse_args  # noqa: E402
+from harness import analysis, grid, scheduler, settings  # noqa: E402
+from harness.cli import parse_args  # noqa: E402
 
 PHASE1 = [("none", 0.0), ("none", 0.001), ("none", 0.01), ("none", 0.04), ("none", 0.1), ("none", 0.3),
           ("clip", 0.04), ("soft_clip", 0.04), ("length_normalized", 0.04)]  # section 7's run list, phase 1

@@ -1,4 +1,4 @@
-"""The pre-registered analysis of docs/evidence/study33-long-task.md (blackwell/demo/analysis.py): TOST, the runaway
+"""The pre-registered analysis of docs/evidence/study33-long-task.md (research/harness/analysis.py): TOST, the runaway
 criterion, the final window, the drift after saturation, every copy a draw, and the report, against values
 computed by hand (t quantiles from the standard table: t(0.95; 2) = 2.920, t(0.975; 2) = 4.303)."""
 
@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "blackwell"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "research"))
 
-from demo import analysis  # noqa: E402
+from harness import analysis  # noqa: E402
 
 
 # -- TOST ----------------------------------------------------------------------------------------------
@@ -186,7 +186,7 @@ def test_column_solutions_add_up_column_by_column_and_earn_the_full_reward():
     import random
     import statistics
 
-    from demo.settings import SOLUTIONS, TASKS
+    from harness.settings import SOLUTIONS, TASKS
 
     import toy
 

@@ -10,10 +10,10 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "blackwell"))
+sys.path.insert(0, os.path.join(ROOT, "research"))
 
-from demo.cli import parse_args  # noqa: E402
-from demo.settings import RunSpec  # noqa: E402
+from harness.cli import parse_args  # noqa: E402
+from harness.settings import RunSpec  # noqa: E402
 
 spec = importlib.util.spec_from_file_location("study33_phase2", os.path.join(ROOT, "research", "study33_phase2.py"))
 phase2 = importlib.util.module_from_spec(spec)

@@ -76,7 +76,7 @@ def test_the_projected_run_list_is_section_7s():
 
 def test_the_study_analysis_reads_the_probe_streams(tiny):
     out, _ = tiny
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "blackwell", "test_adaptive_kl_grpo.py"), "--analyze",
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "research", "study_cli.py"), "--analyze",
                            str(out / "study33-probe-k8-stream.jsonl"), "--study"], capture_output=True, text=True, cwd=ROOT,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -10,7 +10,7 @@ k1, against in the loss, k3), (b) at the low and at the high target (the final K
 seeds, TOST on its log; Δ reward against the best fixed β), and every number of (b)'s prose at both targets (β_need,
 the steps at which β and the KL crossed, the full-rate updates, the step of target's warning included); K_nat, the
 best fixed β, the targets (checked against phase 2's committed run lists) and the runs come from the data and the
-lists. Independent of the project's analysis: nothing from blackwell/ is imported; Student-t quantiles come from
+lists. Independent of the project's analysis: nothing from the harness (research/harness/) is imported; Student-t quantiles come from
 bisection on the t CDF (the regularized incomplete beta function by its continued fraction), checked against
 textbook values; the thresholds on the reward (a mean of 64 rewards in {0, 0.5, 1}, so a multiple of 1/128) are
 compared exactly, in rationals, so a tie with 0.02 or 0.1 is decided by the definition and not by rounding (the

@@ -1,4 +1,4 @@
-"""The figure of the pre-registered study (blackwell/demo/study_plot.py, ``--analyze ... --study --plot``): the
+"""The figure of the pre-registered study (research/harness/study_plot.py, ``--analyze ... --study --plot``): the
 streams grouped into cells as the study's report groups them, the per-step curve it draws (each seed's copies
 averaged first, then the seeds; a seed without a value at a step adds nothing) against values computed by hand,
 the PNG, and the command line."""
@@ -13,10 +13,10 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "blackwell"))
+sys.path.insert(0, os.path.join(ROOT, "research"))
 
-from demo import analysis, study_plot  # noqa: E402
-from demo.cli import parse_args  # noqa: E402
+from harness import analysis, study_plot  # noqa: E402
+from harness.cli import parse_args  # noqa: E402
 
 FAMILY = "long-dapo-b*-h768x6-L192-s10"
 KL = "adaptive_kl/raw_kl"
@@ -129,7 +129,7 @@ def test_plot_study_needs_rows(tmp_path):
 
 def test_the_command_line_prints_the_study_and_writes_its_figure(tmp_path):
     paths, png = _streams(tmp_path), tmp_path / "fig.png"
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "blackwell", "test_adaptive_kl_grpo.py"), "--analyze",
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "research", "study_cli.py"), "--analyze",
                            *paths, "--study", "--plot", str(png)], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"## {FAMILY} (10 planned steps; final window: steps 9-10)" in proc.stdout

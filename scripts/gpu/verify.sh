@@ -7,7 +7,9 @@
 # gpu-report-STACK.json, gpu-tests-STACK.log and the table unsloth-lines.md), tests (Unsloth backend, every method as 16-bit LoRA and 4-bit QLoRA; dynamic
 # beta over 32 steps), liger (bench), liger-conformance (Liger's upstream GRPO tests against the
 # drop-in, and GRPOTrainer(loss_class=) against TRL's loss), unsloth-bench (bench_unsloth.py, LoRA, 16 completions,
-# budget 520 s), demo-check (a short demo run), demo-3seeds,
+# budget 520 s), demo-check (a short run of the study harness, research/study_cli.py), demo-3seeds,
+# user-demo (the user's demo, blackwell/test_adaptive_kl_grpo.py: the tiny model with TRL, then SmolLM2 through
+# Unsloth's FastLanguageModel where unsloth is installed; not yet run on a GPU),
 # evidence:NAME (the demo invocations listed in research/runlists/NAME.txt, all at once; see
 # docs/evidence/). An evidence stage writes to $OUT: NAME-stream.jsonl (every run's steps, as they
 # come), NAME-analysis.md (the slope table), NAME.log and NAME-runs.tar.gz (logs, summaries, plots); a list with
@@ -81,15 +83,15 @@ evidence() {  # $1: NAME; the stream goes to $EVIDENCE_STREAM_DIR (default $OUT)
     i=$((i + 1))
     echo "[$name.$i] $line"
     # shellcheck disable=SC2086
-    timeout "$EVIDENCE_TIMEOUT" python blackwell/test_adaptive_kl_grpo.py $line --keep-going \
+    timeout "$EVIDENCE_TIMEOUT" python research/study_cli.py $line --keep-going \
       --stream "$stream" --output-dir "$work/$i" > "$work/$i.log" 2>&1 &
     pids+=($!)
   done < "research/runlists/$name.txt"
   for pid in "${pids[@]}"; do wait "$pid"; done
   for f in "$work"/*.log; do echo "== $f"; grep -v "^\[\|  started \|^step" "$f" | tail -25; done > "$OUT/$name.log"
-  python blackwell/test_adaptive_kl_grpo.py --analyze "$stream" | tee "$OUT/$name-analysis.md"
+  python research/study_cli.py --analyze "$stream" | tee "$OUT/$name-analysis.md"
   if grep -q -- "--betas" "research/runlists/$name.txt"; then  # a beta grid: its own analysis and figure
-    python blackwell/test_adaptive_kl_grpo.py --analyze "$stream" --grid --plot "$OUT/$name-grid.png" \
+    python research/study_cli.py --analyze "$stream" --grid --plot "$OUT/$name-grid.png" \
       | tee "$OUT/$name-grid.md"
   fi
   (cd "$work" && tar czf "$OUT/$name-runs.tar.gz" --exclude=checkpoints --exclude=unsloth_compiled_cache --exclude='*.safetensors' .)
@@ -201,9 +203,13 @@ for stage in "$@"; do
       tar czf "$OUT/liger-conformance.tgz" -C /tmp liger-conformance
       wait; grep -vE "Loading|it/s|^\{|Warning|warn" "$OUT/liger-loss-class.log" | tail -14 ;;
     demo-check)
-      timeout 170 python blackwell/test_adaptive_kl_grpo.py --steps 4 --methods none,dynamic --output-dir "$OUT/demo-check" 2>&1 | tee "$OUT/demo-check.log" | tail -30 ;;
+      timeout 170 python research/study_cli.py --steps 4 --methods none,dynamic --output-dir "$OUT/demo-check" 2>&1 | tee "$OUT/demo-check.log" | tail -30 ;;
+    user-demo)
+      timeout 200 python blackwell/test_adaptive_kl_grpo.py --steps 12 --output-dir "$OUT/user-demo-tiny" 2>&1 | tee "$OUT/user-demo-tiny.log" | tail -20
+      timeout 380 python blackwell/test_adaptive_kl_grpo.py --model smollm2 --methods none,target --steps 12 \
+        --output-dir "$OUT/user-demo-smollm2" 2>&1 | tee "$OUT/user-demo-smollm2.log" | tail -20 ;;
     demo-beta03)
-      timeout 420 python blackwell/test_adaptive_kl_grpo.py --seeds 3 --beta 0.3 --steps 150 --methods none,length_normalized,dynamic,clip --jobs 12 --output-dir "$OUT/demo-beta03" 2>&1 | tee "$OUT/demo-beta03.log" | grep -v "^\[" | tail -25 ;;
+      timeout 420 python research/study_cli.py --seeds 3 --beta 0.3 --steps 150 --methods none,length_normalized,dynamic,clip --jobs 12 --output-dir "$OUT/demo-beta03" 2>&1 | tee "$OUT/demo-beta03.log" | grep -v "^\[" | tail -25 ;;
     perf2)  # issue 22 (one GPU, <= 540 s): Liger GPU tests (realistic loop subset, fused head vs kernel in bf16), the
       # realistic loop for every loss type x method x head, the fused head's chunk schedules, loss_class= vs TRL end to end
       timeout 200 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_liger_gpu.py 2>&1 | tee "$OUT/gpu-liger-tests.log" \
@@ -243,7 +249,7 @@ for stage in "$@"; do
       # own analysis of the stream (--analyze --study) into NAME-study.md
       name=${stage#study33:}
       UNSLOTH_GRPO_SEQ_PACKING=0 EVIDENCE_TIMEOUT=560 evidence "$name"
-      python blackwell/test_adaptive_kl_grpo.py --analyze "${EVIDENCE_STREAM_DIR:-$OUT}/$name-stream.jsonl" --study \
+      python research/study_cli.py --analyze "${EVIDENCE_STREAM_DIR:-$OUT}/$name-stream.jsonl" --study \
         > "$OUT/$name-study.md" 2>&1
       echo "study analysis exit status $?"; head -40 "$OUT/$name-study.md" ;;
     study33-pair:*)  # study33-pair:A,B (a 2-GPU machine): study33:A on GPU 0 and study33:B on GPU 1 at once; writes
@@ -262,6 +268,6 @@ for stage in "$@"; do
     study33-warmscan:*)
       timeout 470 python research/gpu/study33_warmscan.py --out "$OUT" --lrs "${stage#study33-warmscan:}" 2>&1 | tail -40 ;;
     demo-3seeds)
-      timeout 570 python blackwell/test_adaptive_kl_grpo.py --seeds 3 --jobs 21 --output-dir "$OUT/demo-3seeds" 2>&1 | tee "$OUT/demo-3seeds.log" | tail -40 ;;
+      timeout 570 python research/study_cli.py --seeds 3 --jobs 21 --output-dir "$OUT/demo-3seeds" 2>&1 | tee "$OUT/demo-3seeds.log" | tail -40 ;;
   esac
 done

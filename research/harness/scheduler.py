@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 
 from .settings import SMOLLM2_MODEL, Settings, run_pairs, setting_labels
 
-ENTRY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "test_adaptive_kl_grpo.py")
+ENTRY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "study_cli.py")
 
 
 @dataclass
@@ -33,10 +33,10 @@ class Run:
 
 
 def make_runs(args, settings_list: list[tuple[Settings, str]], backend: str, checkpoints: dict[int, str]) -> list[Run]:
-    """A run per seed and (initial β, method) pair (:func:`~demo.settings.run_pairs`: ``--runs``'s pairs, or
+    """A run per seed and (initial β, method) pair (:func:`~harness.settings.run_pairs`: ``--runs``'s pairs, or
     ``--methods`` x ``--betas``): ``settings_list`` holds (settings, tag) per β
-    (:func:`~demo.settings.beta_settings`); with several, each run's directory and name carry its setting's label
-    (its β, and its kl_target, placement and estimator where those differ: :func:`~demo.settings.setting_labels`)."""
+    (:func:`~harness.settings.beta_settings`); with several, each run's directory and name carry its setting's label
+    (its β, and its kl_target, placement and estimator where those differ: :func:`~harness.settings.setting_labels`)."""
     runs = []
     several = len(settings_list) > 1
     labels = setting_labels(settings_list)

@@ -1,4 +1,4 @@
-"""The adaptive-KL GRPO demo's parts; blackwell/test_adaptive_kl_grpo.py is its entry (see its docstring
+"""The study harness's parts (the demo's before issue 54); research/study_cli.py is its entry (see its docstring
 and docs/demo.md)."""
 
 import os

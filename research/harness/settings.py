@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
-import toy  # examples/toy.py: demo/__init__.py puts examples/ on sys.path
+import toy  # examples/toy.py: harness/__init__.py puts examples/ on sys.path
 from unsloth_adaptive_kl import smollm2
 from unsloth_adaptive_kl.method import method_names
 
@@ -144,7 +144,7 @@ SMOLLM2 = dict(model=SMOLLM2_MODEL, task="addition", addition_low=1, addition_hi
                hidden_size=None, layers=None, heads=None, warm_start_steps=0, warm_start_lr=None)
 # Positions a SmolLM2 prompt may take: the chat template's default system turn and the question, 55 tokens in the
 # explain style for one-digit operands and 2 more per digit (SmolLM2 writes a digit a token; 63 at 5 digits);
-# 128 leaves room for operands of up to SMOLLM2_MAX_DIGITS digits (tests/test_demo_smollm2.py measures it).
+# 128 leaves room for operands of up to SMOLLM2_MAX_DIGITS digits (research/tests/test_harness_smollm2.py measures it).
 SMOLLM2_PROMPT_TOKENS = 128
 SMOLLM2_MAX_DIGITS = 12
 
@@ -153,7 +153,7 @@ def method_fields(settings: Settings, *, completions_per_step: int) -> dict:
     """The adaptive-KL fields given to every run; each method reads only the ones it uses.
 
     ``completions_per_step``: what an optimizer step of the run's trainer trains (all processes), read
-    from the backend's config (:class:`~demo.batch.StepBatch`), never from the settings alone.
+    from the backend's config (:class:`~harness.batch.StepBatch`), never from the settings alone.
     Package defaults, except two that are tied to this run's length: the reward window (10 of
     120 steps is most of the run) and the target controller's horizon, ``kl_horizon_steps`` steps of
     completions, so that it can move β by up to 0.2 / kl_horizon_steps a step (2 % by default; with the
