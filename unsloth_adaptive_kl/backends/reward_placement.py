@@ -36,6 +36,7 @@ import logging
 import torch
 
 from .. import metrics
+from ..kl_pipeline import scoring_kl
 from ..kl_term import REWARD_KL_BOUND, kl_dominated_groups
 from .._source_patch import AnchorSet, PatchError, Plan, Rewrite, version_of
 from . import _generation
@@ -263,9 +264,10 @@ class RewardPlacement:
         maximum)`` when its log-probs are on its left-packed layout (see ``completion_columns``). ``completion_ids``:
         the sampled tokens, ``(B, L)`` as ``mask``; the tokens of ``kl_exclude_token_ids`` get no penalty and are not
         counted in the controller's sums (:meth:`KLTerm.kl_mask`, as in the loss)."""
-        beta = float(self.trainer.beta)
         observed = mode == "train" and not getattr(self.trainer, "_adaptive_kl_regenerated_batch", False)
-        if ref_logps is None or (beta == 0.0 and not (self.monitor and observed)):  # β = 0: only kl_monitor's sums to take
+        # at β = 0 only a batch kl_monitor watches computes the KL, and only for the controller's sums
+        plan = self.plan(ref_logps if observed else None)
+        if ref_logps is None or not plan.computes_kl:
             return None
         logps = old_logps if old_logps is not None else policy_logps()
         if left_pad is not None:
@@ -278,23 +280,19 @@ class RewardPlacement:
                 f"have shape {tuple(logps.shape)} and the reference's {tuple(ref_logps.shape)}, the completion mask "
                 f"{tuple(mask.shape)}; kl_placement='reward' cannot match them"
             )
-        if self.term.exclude_token_ids:
-            if completion_ids is None or tuple(completion_ids.shape) != tuple(mask.shape):
-                raise PatchError(
-                    f"{self.libraries()}: kl_exclude_token_ids needs the sampled token ids at scoring time; got "
-                    f"{None if completion_ids is None else tuple(completion_ids.shape)} for a completion mask of shape "
-                    f"{tuple(mask.shape)}; kl_placement='reward' cannot leave the excluded tokens out"
-                )
-            mask = self.term.kl_mask(mask, completion_ids.to(mask.device))
-        with torch.no_grad():
-            raw, adapted = self.term.per_token(logps, ref_logps, mask, None, self.term.batch_statistic(ref_logps, mask))
-            if observed:
-                faults = bool(self.term.user_shaping_steps)  # a user method's NaN on a finite KL: refused by name, as in the loss
-                self.observe_scoring_sums(metrics.local_kl_sums(raw, adapted, mask, count_shaping_faults=faults))
-            if beta == 0.0:  # kl_monitor: the KL is watched, the rewards stay the library's (no 0 * KL: a NaN stays out)
-                return None
-            self.warn_clamped_tokens(adapted, mask)
-            return self.term.reward_penalty(adapted, mask, beta=beta)
+        if self.term.exclude_token_ids and (completion_ids is None or tuple(completion_ids.shape) != tuple(mask.shape)):
+            raise PatchError(
+                f"{self.libraries()}: kl_exclude_token_ids needs the sampled token ids at scoring time; got "
+                f"{None if completion_ids is None else tuple(completion_ids.shape)} for a completion mask of shape "
+                f"{tuple(mask.shape)}; kl_placement='reward' cannot leave the excluded tokens out"
+            )
+        token_ids = None if completion_ids is None else completion_ids.to(mask.device)
+        scored = scoring_kl(self.term, plan, logps, ref_logps, mask, token_ids, observed=observed)
+        if scored.sums is not None:
+            self.observe_scoring_sums(scored.sums)
+        if scored.penalty is not None:
+            self.warn_clamped_tokens(scored.adapted, scored.kl_mask)
+        return scored.penalty
 
     def warn_clamped_tokens(self, adapted: torch.Tensor, mask: torch.Tensor) -> None:
         """Say once that :data:`~unsloth_adaptive_kl.kl_term.REWARD_KL_BOUND` clamped a token's KL in a penalty."""

@@ -51,6 +51,7 @@ import torch
 from .. import metrics, tail
 from .._source_patch import AnchorSet, PatchError, Plan, Rewrite, check_version, set_attribute, split_target, version_of
 from ..config import FIELD_NAMES
+from ..kl_pipeline import after_aggregation_term, is_after_aggregation
 from ..kl_term import KLTerm
 from ..versions import SUPPORTED
 from . import _generation, _trainer
@@ -107,14 +108,14 @@ _SHAPE = Rewrite(
     "unsloth_zoo",
     "        kl_i = torch.clamp(kl_i, min = -10.0, max = 10.0)\n",
     "        kl_i = torch.clamp(kl_i, min = -10.0, max = 10.0)\n"
-    '        adaptive_kl_i = kwargs["adaptive_kl"].term.shape(kl_i)\n' + _EXCLUDE,
+    '        adaptive_kl_i = kwargs["adaptive_kl"].shape(kl_i)\n' + _EXCLUDE,
     "the shaping, after Unsloth's bias correction and clamp; no KL at kl_exclude_token_ids",
 )
 _ADD = Rewrite(
     "grpo_compute_loss",
     "unsloth_zoo",
     "    if beta != 0.0:\n        loss_i = loss_i + beta * kl_i\n",
-    '    if beta != 0.0 and not kwargs["adaptive_kl"].term.length_normalized:\n'
+    '    if beta != 0.0 and kwargs["adaptive_kl"].per_token():\n'
     '        loss_i = loss_i + kwargs["adaptive_kl"].loss_term(adaptive_kl_i)\n',
     "β (a tensor) times the adapted KL (none while kl_monitor watches β = 0); length_normalized adds its term in finish",
 )
@@ -181,7 +182,7 @@ UNSLOTH_2026_9 = AnchorSet(
             "unsloth_zoo",
             "        if use_bias_correction_kl:\n            kl_i = kl_i * coef_1\n",
             "        if use_bias_correction_kl:\n            kl_i = kl_i * coef_1\n"
-            '        adaptive_kl_i = kwargs["adaptive_kl"].term.shape(kl_i)\n' + _EXCLUDE,
+            '        adaptive_kl_i = kwargs["adaptive_kl"].shape(kl_i)\n' + _EXCLUDE,
             "the shaping, after Unsloth's bias correction; no KL at kl_exclude_token_ids",
         ),
         _ADD, _FINISH_BEFORE_2026_10, _FORWARD, _GATE, _TRAINER_KL,
@@ -197,7 +198,7 @@ UNSLOTH_2026_8 = AnchorSet(
             "        kl_i = torch.exp(ref - new) - (ref - new) - 1.0\n",
             "        kl_i = torch.exp(ref - new) - (ref - new) - 1.0\n"
             '        kl_i, adaptive_kl_estimator_faults = kwargs["adaptive_kl"].estimate(kl_i, new, ref, ref - new, mask)\n'
-            '        adaptive_kl_i = kwargs["adaptive_kl"].term.shape(kl_i)\n' + _EXCLUDE,
+            '        adaptive_kl_i = kwargs["adaptive_kl"].shape(kl_i)\n' + _EXCLUDE,
             "the configured estimator (this Unsloth's k3 is unclamped, with no bias correction), the shaping, the exclusions",
         ),
         _ADD, _FINISH_BEFORE_2026_10, _FORWARD, _gate(" " * 12), _TRAINER_KL,
@@ -261,6 +262,15 @@ class FusedKLInputs(NamedTuple):
         """A KL term as it enters the loss: ``term``, or under kl_monitor 0 while β is 0 (exactly: a select)."""
         return term if self.kl_enters_loss is None else torch.where(self.kl_enters_loss, term, 0.0)
 
+    def per_token(self) -> bool:
+        """Whether the KL term enters the per-token loss (else :meth:`finish` adds it after aggregation): the KL
+        pipeline's decision, a constant of the term (the compiled loss guards on it once)."""
+        return not is_after_aggregation(self.term)
+
+    def shape(self, kl):
+        """The per-token shaping of the KL term, after Unsloth's own clamps."""
+        return self.term.shape(kl)
+
     def loss_term(self, adapted):
         """β times the adapted per-token KL, as it enters Unsloth's per-token loss."""
         return self.in_loss(self.beta * adapted)
@@ -294,12 +304,9 @@ class FusedKLInputs(NamedTuple):
                 adapted = torch.where(rs_keep, adapted, 0.0)
             # the valid tokens that are not excluded (token_ids: the loss's input_ids, None from a direct caller)
             kl_mask = mask if token_ids is None else self.term.kl_mask(mask, token_ids.reshape(mask.shape))
-            if self.term.length_normalized:
-                loss = loss + self.in_loss(
-                    self.term.length_normalized_loss(
-                        adapted, kl_mask, beta=self.beta, num_completions=self.num_completions, accumulation=accumulation
-                    )
-                )
+            after = after_aggregation_term(self.term, adapted, kl_mask, beta=self.beta, num_completions=self.num_completions, accumulation=accumulation)
+            if after is not None:
+                loss = loss + self.in_loss(after)
             # One chunk (the rewritten call passes n_chunks=1): the chunk's max and min are the micro-batch's.
             sums = metrics.local_metric_sums(
                 raw, adapted, kl_mask, self.tail_edges, count_shaping_faults=bool(self.term.user_shaping_steps),
@@ -375,14 +382,14 @@ class UnslothAdaptiveKL(_trainer.TrainerAdaptiveKL):
     def fused_beta_gate(self, kwargs: dict, ref_logps, completion_mask) -> float:
         """Put this step's :class:`FusedKLInputs` in the loss kwargs; return the constant gate the
         compiled loss sees as its ``beta`` (1.0 while β != 0, else 0.0; module docstring)."""
-        beta = float(self.trainer.beta)
         # At β = 0 the KL is computed only for a batch kl_monitor watched (the generation checks that it has reference
         # log-probs): the others take Unsloth's own β = 0 loss, gate 0.0 (a second graph, compiled once).
-        self.fused_computes_kl = self.computes_kl_with(ref_logps)
-        if not self.fused_computes_kl:
+        plan = self.plan(ref_logps)
+        self.fused_computes_kl = plan.computes_kl
+        if not plan.computes_kl:
             kwargs["adaptive_kl"] = FusedKLInputs(self.term, None, None, None)
             return 0.0
-        if beta != 0.0 and self.length_normalized and kwargs.get("sample_weight") is not None:
+        if plan.with_grad and not plan.per_token and kwargs.get("sample_weight") is not None:
             raise ValueError(
                 "kl_adaptation_method with length_normalized cannot be combined with Unsloth's per-completion "
                 "sample weights (sample_weight): both replace the loss normaliser"
@@ -393,12 +400,12 @@ class UnslothAdaptiveKL(_trainer.TrainerAdaptiveKL):
         kwargs["adaptive_kl"] = FusedKLInputs(
             term=self.term,
             # kl_placement='reward': the KL is still computed (for the metrics) but weighs 0 in the loss
-            beta=torch.tensor(beta if self.kl_in_loss else 0.0, dtype=torch.float32, device=device),
+            beta=torch.tensor(plan.loss_beta, dtype=torch.float32, device=device),
             num_completions=torch.tensor(float(completion_mask.shape[0]), dtype=torch.float32, device=device),
             statistic=None if ref_logps is None else self.batch_statistic(ref_logps, completion_mask),
             tail_edges=tail_edges,
             # kl_monitor: a flag the graph reads, so β reaching 0 recompiles nothing (the gate stays 1.0)
-            kl_enters_loss=torch.tensor(beta != 0.0, device=device) if self.monitor else None,
+            kl_enters_loss=torch.tensor(plan.with_grad, device=device) if plan.grad_switch else None,
         )
         return 1.0
 
