@@ -17,7 +17,7 @@ from .config import build
 from .controllers import BetaController, ControllerMismatchError, check_controller_beta, make_controller
 from .declarations import checked_beta
 from .estimators import nonfinite_estimator_error
-from .kl_pipeline import KLPlan, TokenKL, plan_kl
+from .kl_pipeline import KLPlan, TokenKL, generation_edits, plan_kl, scores_reference
 from .kl_term import KLTerm
 from .method import format_method
 from .runaway import RunawayAlarm
@@ -100,6 +100,18 @@ class AdaptiveKL:
         """What this batch does with the KL (:func:`~unsloth_adaptive_kl.kl_pipeline.plan_kl`), from the controller's β
         and what its generation batch carries (``ref_logps``: the reference's log-probs, or None)."""
         return plan_kl(self.term, beta=self.beta, monitor=self.monitor, reference_scored=ref_logps is not None)
+
+    @property
+    def generation_edits(self) -> frozenset[str]:
+        """The features that edit the library's generation for this run (:func:`~unsloth_adaptive_kl.kl_pipeline.generation_edits`)."""
+        return generation_edits(self.term, monitor=self.monitor)
+
+    def scores_reference(self, batch_index: Callable[[], int], *, training: bool) -> bool:
+        """Whether the generation batch being made scores the reference: while β != 0, and at β = 0 under ``kl_monitor``
+        on the batches :meth:`monitors_batch` selects (``batch_index()``: its index, read only then)."""
+        return scores_reference(
+            self.beta, monitor=self.monitor, monitored_batch=lambda: self.monitors_batch(batch_index() if training else 0, training=training)
+        )
 
     def computes_kl_with(self, ref_logps) -> bool:
         """Whether this micro-batch computes the KL, from what its generation batch carries: while β != 0; at β = 0

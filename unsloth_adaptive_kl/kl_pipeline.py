@@ -92,6 +92,24 @@ def plan_kl(term: KLTerm, *, beta: float, monitor: bool, reference_scored: bool)
     )
 
 
+#: The features that edit the library's generation (``_generate_and_score_completions``), by the names errors use:
+#: kl_monitor's reference forward at β = 0, and the reward placement's penalty at scoring time.
+KL_MONITOR = "kl_monitor"
+REWARD_PENALTY = "kl_placement='reward'"
+
+
+def generation_edits(term: KLTerm, *, monitor: bool) -> frozenset[str]:
+    """Which features of the generation a run needs (:data:`KL_MONITOR`, :data:`REWARD_PENALTY`): decided here, once,
+    from ``kl_monitor`` and the placement; the backends install, check and run the edits these name."""
+    return frozenset(name for name, on in ((KL_MONITOR, monitor), (REWARD_PENALTY, term.placement == "reward")) if on)
+
+
+def scores_reference(plan_beta: float, *, monitor: bool, monitored_batch: Callable[[], bool]) -> bool:
+    """Whether a generation batch scores the reference (its log-probs feed the KL): while β != 0, and at β = 0 under
+    ``kl_monitor`` on the batches ``monitored_batch()`` selects (called only then)."""
+    return plan_beta != 0.0 or (monitor and monitored_batch())
+
+
 @dataclass(frozen=True)
 class TokenKL:
     """The per-token KL of one micro-batch and what it adds to an eager loss (:func:`token_kl` makes it).
@@ -180,6 +198,6 @@ def scoring_kl(term: KLTerm, plan: KLPlan, logp, ref_logp, mask, token_ids, *, o
 
 
 __all__ = [
-    "KLPlan", "ScoringKL", "TokenKL", "after_aggregation_term", "is_after_aggregation", "loss_term", "plan_kl", "scoring_kl",
+    "KL_MONITOR", "REWARD_PENALTY", "generation_edits", "scores_reference", "KLPlan", "ScoringKL", "TokenKL", "after_aggregation_term", "is_after_aggregation", "loss_term", "plan_kl", "scoring_kl",
     "token_kl",
 ]  # fmt: skip

@@ -22,6 +22,7 @@ from .. import metrics
 from .._source_patch import PatchError, set_attribute, version_of
 from ..adaptation import AdaptiveKL
 from ..config import FIELDS, validate
+from ..kl_pipeline import KL_MONITOR
 from ..versions import ALL_LOSS_TYPES, offered_loss_types
 from . import _callback
 from ._resume import observe_generated_reward, resume_generation_schedule
@@ -70,8 +71,8 @@ class TrainerAdaptiveKL(RewardPlacement, AdaptiveKL):
             process_index=accelerator.process_index, num_processes=accelerator.num_processes,
         )  # fmt: skip
         self.trainer = trainer
-        if self.monitor:
-            trainer.__dict__["beta"] = float(trainer.args.beta)  # the library's __init__ stored the β it was shown (building)
+        if KL_MONITOR in self.generation_edits:  # the library's __init__ stored the β it was shown (building)
+            trainer.__dict__["beta"] = float(trainer.args.beta)
         #: Micro-batches whose loss went through the patched loss (each reports its metrics once):
         #: how a subclass's override of the loss is seen to reach it (:func:`_guard_loss_path`).
         self.losses_reported = 0
@@ -104,12 +105,7 @@ class TrainerAdaptiveKL(RewardPlacement, AdaptiveKL):
     def runs_reference(self) -> bool:
         """Whether the generation now running scores the reference (the rewritten generation asks): while β != 0, and
         at β = 0 under ``kl_monitor`` on the batches :meth:`AdaptiveKL.monitors_batch` selects."""
-        if self.beta != 0.0:
-            return True
-        if not self.monitor:
-            return False
-        training = self.trainer.model.training
-        return self.monitors_batch(self.generation_index() if training else 0, training=training)
+        return self.scores_reference(self.generation_index, training=self.trainer.model.training)
 
     @classmethod
     @contextlib.contextmanager
@@ -341,7 +337,7 @@ def _wrap_generate(original, runtime_cls):
         rewards = self._metrics[mode]["reward"]
         before = len(rewards)
         runtime = self._adaptive_kl
-        monitored = runtime.monitor and runtime.beta == 0.0 and runtime.runs_reference()
+        monitored = runtime.beta == 0.0 and runtime.runs_reference()  # at β = 0 only kl_monitor's batches score it
         output = original(self, *args, **kwargs)
         if monitored and (not isinstance(output, dict) or output.get("ref_per_token_logps") is None):
             raise PatchError(

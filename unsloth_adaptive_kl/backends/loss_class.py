@@ -24,6 +24,7 @@ from torch import nn
 
 from .. import metrics
 from ..config import fused_head_setting
+from ..kl_pipeline import KL_MONITOR
 from ._liger_interface import LIGER_PARAMETER_NAMES, LIGER_PARAMETERS, LossTerms, check_liger_version
 from .liger import AdaptiveFusedLinearGRPOLoss
 
@@ -85,7 +86,7 @@ def make_loss_module(trainer, loss_class):
             "allowed: kl_adaptation_method='none' with kl_estimator='k3', or loss_class=AdaptiveFusedLinearGRPOLoss (or a subclass)"
         )
     _check_trainer_supported(trainer)
-    if trainer._adaptive_kl.monitor:
+    if KL_MONITOR in trainer._adaptive_kl.generation_edits:
         raise ValueError(
             "GRPOTrainer(loss_class=...) does not support kl_monitor=True (the module computes no KL at beta = 0); "
             "allowed: kl_monitor=False, or the TRL backend (no loss_class)"

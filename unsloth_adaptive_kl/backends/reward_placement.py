@@ -36,7 +36,7 @@ import logging
 import torch
 
 from .. import metrics
-from ..kl_pipeline import scoring_kl
+from ..kl_pipeline import KL_MONITOR, REWARD_PENALTY, scoring_kl
 from ..kl_term import REWARD_KL_BOUND, kl_dominated_groups
 from .._source_patch import AnchorSet, PatchError, Plan, Rewrite, version_of
 from . import _generation
@@ -87,14 +87,14 @@ def _rewrites(target: str, library: str) -> tuple[Rewrite, ...]:
             """            else:
                 ref_per_token_logps = None
             adaptive_kl_penalty = self._adaptive_kl.scoring_penalty(
-                ref_per_token_logps,
-                old_per_token_logps,
-                completion_mask if tool_mask is None else completion_mask * tool_mask,
-                lambda: self._get_per_token_logps_and_entropies(
+                ref_logps=ref_per_token_logps,
+                old_logps=old_per_token_logps,
+                mask=completion_mask if tool_mask is None else completion_mask * tool_mask,
+                policy_logps=lambda: self._get_per_token_logps_and_entropies(
                     self.model, prompt_completion_ids, attention_mask, logits_to_keep, batch_size=batch_size,
                     num_images=num_images, num_tiles=num_tiles, **forward_kwargs,
                 )[0],
-                mode,
+                mode=mode,
 """ + _LEFT_PAD[library] + """                completion_ids=completion_ids,
             )
 """,
@@ -106,7 +106,9 @@ def _rewrites(target: str, library: str) -> tuple[Rewrite, ...]:
             "            rewards[unscorable_mask] = torch.nan\n"
             "            mean_grouped_rewards = torch.nanmean(rewards.view(-1, num_generations), dim=1)\n",
             "            rewards[unscorable_mask] = torch.nan\n"
-            "            rewards = self._adaptive_kl.penalized_rewards(rewards, adaptive_kl_penalty, mode, num_generations)\n"
+            "            rewards = self._adaptive_kl.penalized_rewards(\n"
+            "                rewards, local_penalty=adaptive_kl_penalty, mode=mode, num_generations=num_generations\n"
+            "            )\n"
             "            mean_grouped_rewards = torch.nanmean(rewards.view(-1, num_generations), dim=1)\n",
             "the penalty is subtracted before the group mean and std make the advantages",
         ),
@@ -133,7 +135,7 @@ _UNAVAILABLE: dict[type, str] = {}
 
 
 #: The name of the reward placement as a feature that rewrites the generation (``_generation.Feature``).
-FEATURE_NAME = "kl_placement='reward'"
+FEATURE_NAME = REWARD_PENALTY
 #: Trainer class -> why kl_monitor cannot be applied together with the reward placement (both available alone).
 _UNAVAILABLE_WITH_MONITOR: dict[type, str] = {}
 
@@ -153,7 +155,7 @@ def _start_scoring(runtime) -> None:
 def feature(plan: Plan) -> _generation.Feature:
     """The reward placement as a feature of the generation (``plan``: :data:`TRL_PLAN` or :data:`UNSLOTH_PLAN`): on for a
     trainer with ``kl_placement="reward"``, and a call that did not reach the penalised rewards is refused."""
-    return _generation.Feature(FEATURE_NAME, plan, enabled=lambda runtime: not runtime.kl_in_loss, before=_start_scoring, after=_check_penalized)
+    return _generation.Feature(FEATURE_NAME, plan, enabled=lambda runtime: REWARD_PENALTY in runtime.generation_edits, before=_start_scoring, after=_check_penalized)
 
 
 def install(trainer_cls, plan: Plan, owners, wrap=None, *, also: tuple[_generation.Feature, ...] = ()) -> dict:
@@ -226,13 +228,14 @@ class RewardPlacement:
 
     def check_placement(self) -> None:
         """Refuse, when the trainer is created, a reward placement this trainer cannot apply."""
-        if self.kl_in_loss:
+        edits = self.generation_edits
+        if REWARD_PENALTY not in edits:
             return
         trainer, cls = self.trainer, type(self.trainer)
         reason = unavailable_reason(cls)
         if reason is not None:
             raise PatchError(f"kl_placement='reward' cannot be applied to {cls.__module__}.{cls.__qualname__}: {reason}")
-        reason = unavailable_reason(cls, _UNAVAILABLE_WITH_MONITOR) if self.monitor else None
+        reason = unavailable_reason(cls, _UNAVAILABLE_WITH_MONITOR) if KL_MONITOR in edits else None
         if reason is not None:
             raise PatchError(f"kl_monitor=True with kl_placement='reward' cannot be applied to {cls.__module__}.{cls.__qualname__}: {reason}")
         aggregation = getattr(trainer, "multi_objective_aggregation", "sum_then_normalize")

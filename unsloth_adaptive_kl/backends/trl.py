@@ -23,7 +23,7 @@ import sys
 import torch
 
 from .._source_patch import AnchorSet, Plan, Rewrite, check_version, is_patched, original, rewrite_function, set_attribute, version_of  # noqa: F401
-from ..kl_pipeline import TokenKL, token_kl
+from ..kl_pipeline import KL_MONITOR, TokenKL, token_kl
 from ..versions import SUPPORTED, offered_loss_types
 from . import _generation, _trainer
 from . import loss_class as loss_class_path
@@ -147,7 +147,7 @@ def _trl_supported(version: str) -> bool:
 
 _MONITORED: set[str] = set()  # the patched targets kl_monitor needs that this TRL's family has (patch() fills it)
 #: kl_monitor as a feature of the generation: PLAN's rewrites of ``_generate_and_score_completions`` (TRL >= 1.8).
-MONITOR = _generation.Feature("kl_monitor", PLAN, enabled=lambda runtime: runtime.monitor)
+MONITOR = _generation.Feature(KL_MONITOR, PLAN, enabled=lambda runtime: KL_MONITOR in runtime.generation_edits)
 
 
 class TRLAdaptiveKL(_trainer.TrainerAdaptiveKL):
@@ -190,7 +190,7 @@ class TRLAdaptiveKL(_trainer.TrainerAdaptiveKL):
             allowed = ", ".join(name for name, why in offered.items() if why is None)
             why = offered.get(loss_type) or "a newer TRL has it"
             raise ValueError(f"loss_type={loss_type!r} is not offered with the installed trl {version} ({why}); allowed: {allowed}")
-        if self.monitor and GENERATE not in _MONITORED:
+        if KL_MONITOR in self.generation_edits and GENERATE not in _MONITORED:
             raise ValueError(
                 f"kl_monitor=True is not valid with the installed trl {version}: the reference forward at beta = 0 is "
                 "patched into TRL >= 1.8 only; allowed: kl_monitor=False, or trl >= 1.8"

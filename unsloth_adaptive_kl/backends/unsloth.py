@@ -51,7 +51,7 @@ import torch
 from .. import metrics, tail
 from .._source_patch import AnchorSet, PatchError, Plan, Rewrite, check_version, set_attribute, split_target, version_of
 from ..config import FIELD_NAMES
-from ..kl_pipeline import after_aggregation_term, is_after_aggregation
+from ..kl_pipeline import KL_MONITOR, after_aggregation_term, is_after_aggregation
 from ..kl_term import KLTerm
 from ..versions import SUPPORTED
 from . import _generation, _trainer
@@ -73,7 +73,7 @@ def _gate(indent: str) -> Rewrite:
         "grpo_accumulated_loss",
         "unsloth_zoo",
         f"{indent}trainer.beta,\n{indent}trainer.accelerator.scaler,\n{indent}1,\n",
-        f"{indent}trainer._adaptive_kl.fused_beta_gate(kwargs, ref_logps, completion_mask),\n"
+        f"{indent}trainer._adaptive_kl.fused_beta_gate(kwargs, ref_logps=ref_logps, completion_mask=completion_mask),\n"
         f"{indent}trainer.accelerator.scaler,\n{indent}1,\n",
         "β goes in kwargs['adaptive_kl'] as a tensor; the compiled loss sees a constant gate",
     )
@@ -85,7 +85,7 @@ _KL = Rewrite(
     "unsloth_zoo",
     "        kl_i = torch.expm1(kl_log_ratio) - kl_log_ratio\n",
     "        kl_i = torch.expm1(kl_log_ratio) - kl_log_ratio\n"
-    '        kl_i, adaptive_kl_estimator_faults = kwargs["adaptive_kl"].estimate(kl_i, kl_new, ref, kl_log_ratio, mask)\n',
+    '        kl_i, adaptive_kl_estimator_faults = kwargs["adaptive_kl"].estimate(kl_i, new=kl_new, ref=ref, clamped_log_ratio=kl_log_ratio, mask=mask)\n',
     "the configured estimator, on Unsloth's clamped log-ratio",
 )
 _MONITOR_NEW = Rewrite(
@@ -125,8 +125,9 @@ _FINISH = Rewrite(
     "    completion_length, mean_kl = masked_batch_mean(kl_metric)\n",
     "    completion_length, mean_kl = masked_batch_mean(kl_metric)\n"
     '    loss, mean_kl = kwargs["adaptive_kl"].finish(\n'
-    "        loss, mean_kl, kl_metric, adaptive_kl_i if beta != 0.0 else None, mask, rs_keep, current_gradient_accumulation_steps,\n"
-    "        input_ids, adaptive_kl_estimator_faults if beta != 0.0 else None,\n"
+    "        loss=loss, unsloth_mean_kl=mean_kl, raw=kl_metric, adapted=adaptive_kl_i if beta != 0.0 else None, mask=mask,\n"
+    "        rs_keep=rs_keep, accumulation=current_gradient_accumulation_steps, token_ids=input_ids,\n"
+    "        estimator_faults=adaptive_kl_estimator_faults if beta != 0.0 else None,\n"
     "    )\n",
     "the length-normalised term, and the local metric sums in the mean_kl slot",
 )
@@ -144,7 +145,7 @@ _TRAINER_KL = Rewrite(
     "UnslothGRPOTrainer.compute_loss",
     "unsloth",
     '            self._metrics[mode]["kl"].append(mean_kl.item())\n',
-    '            self._metrics[mode]["kl"].append(self._adaptive_kl.record_fused(mean_kl, mode))\n',
+    '            self._metrics[mode]["kl"].append(self._adaptive_kl.record_fused(mean_kl, mode=mode))\n',
     "the adaptive_kl/* metrics, reduced across processes; Unsloth's own kl unchanged",
 )
 UNSLOTH_2026_10 = AnchorSet(
@@ -160,8 +161,9 @@ _FINISH_BEFORE_2026_10 = Rewrite(
     "    completion_length, mean_kl = masked_batch_mean(kl_i)\n",
     "    completion_length, mean_kl = masked_batch_mean(kl_i)\n"
     '    loss, mean_kl = kwargs["adaptive_kl"].finish(\n'
-    "        loss, mean_kl, kl_i, adaptive_kl_i if beta != 0.0 else None, mask, None, current_gradient_accumulation_steps, input_ids,\n"
-    "        adaptive_kl_estimator_faults if beta != 0.0 else None,\n"
+    "        loss=loss, unsloth_mean_kl=mean_kl, raw=kl_i, adapted=adaptive_kl_i if beta != 0.0 else None, mask=mask,\n"
+    "        rs_keep=None, accumulation=current_gradient_accumulation_steps, token_ids=input_ids,\n"
+    "        estimator_faults=adaptive_kl_estimator_faults if beta != 0.0 else None,\n"
     "    )\n",
     _FINISH.why,
 )
@@ -174,7 +176,7 @@ UNSLOTH_2026_9 = AnchorSet(
             "unsloth_zoo",
             "        kl_i = torch.clamp(torch.expm1(kl_log_ratio) - kl_log_ratio, min = -10.0, max = 10.0)\n",
             "        kl_i = torch.clamp(torch.expm1(kl_log_ratio) - kl_log_ratio, min = -10.0, max = 10.0)\n"
-            '        kl_i, adaptive_kl_estimator_faults = kwargs["adaptive_kl"].estimate(kl_i, new, ref, kl_log_ratio, mask)\n',
+            '        kl_i, adaptive_kl_estimator_faults = kwargs["adaptive_kl"].estimate(kl_i, new=new, ref=ref, clamped_log_ratio=kl_log_ratio, mask=mask)\n',
             _KL.why + " (the [-10, 10] clamp is Unsloth's k3's own here)",
         ),
         Rewrite(
@@ -197,7 +199,7 @@ UNSLOTH_2026_8 = AnchorSet(
             "unsloth_zoo",
             "        kl_i = torch.exp(ref - new) - (ref - new) - 1.0\n",
             "        kl_i = torch.exp(ref - new) - (ref - new) - 1.0\n"
-            '        kl_i, adaptive_kl_estimator_faults = kwargs["adaptive_kl"].estimate(kl_i, new, ref, ref - new, mask)\n'
+            '        kl_i, adaptive_kl_estimator_faults = kwargs["adaptive_kl"].estimate(kl_i, new=new, ref=ref, clamped_log_ratio=ref - new, mask=mask)\n'
             '        adaptive_kl_i = kwargs["adaptive_kl"].shape(kl_i)\n' + _EXCLUDE,
             "the configured estimator (this Unsloth's k3 is unclamped, with no bias correction), the shaping, the exclusions",
         ),
@@ -237,7 +239,7 @@ MONITOR_PLAN = Plan(
 #: Trainer class -> why kl_monitor cannot be applied to it (MONITOR_PLAN does not match its generation).
 _MONITOR_UNAVAILABLE: dict[type, str] = {}
 #: kl_monitor as a feature of the generation (``_generation.Feature``), composed with the reward placement's.
-MONITOR = _generation.Feature("kl_monitor", MONITOR_PLAN, enabled=lambda runtime: runtime.monitor)
+MONITOR = _generation.Feature(KL_MONITOR, MONITOR_PLAN, enabled=lambda runtime: KL_MONITOR in runtime.generation_edits)
 
 
 class FusedKLInputs(NamedTuple):
@@ -323,7 +325,7 @@ class UnslothAdaptiveKL(_trainer.TrainerAdaptiveKL):
 
     def __init__(self, trainer):
         super().__init__(trainer)
-        if self.monitor:
+        if KL_MONITOR in self.generation_edits:
             self.check_monitor()
 
     def check_monitor(self) -> None:
