@@ -25,6 +25,7 @@ from torch import nn
 from .. import metrics
 from ..config import fused_head_setting
 from ..kl_pipeline import KL_MONITOR
+from . import _trainer
 from ._liger_interface import LIGER_PARAMETER_NAMES, LIGER_PARAMETERS, LossTerms, check_liger_version
 from .liger import AdaptiveFusedLinearGRPOLoss
 
@@ -190,6 +191,9 @@ def _log_clip_ratio(trainer, mode, clip_ratio, mask) -> None:
         return
     name = "cispo_clip_ratio" if loss_type == "cispo" else "clip_ratio/region_mean"
     trainer._metrics[mode][name].append(metrics.global_token_mean(clip_ratio, mask, trainer._adaptive_kl.reduce))
+
+
+_trainer.register_loss_module_maker(make_loss_module)  # GRPOTrainer(loss_class=...) builds its module here
 
 
 __all__ = ["check_loss_class", "compute_loss", "make_loss_module", "module_arguments"]

@@ -141,7 +141,7 @@ _UNAVAILABLE_WITH_MONITOR: dict[type, str] = {}
 
 
 def _check_penalized(trainer, runtime) -> None:
-    if not runtime.rewards_penalized:  # the sum_then_normalize branch did not run: the penalty was not applied
+    if not runtime.reward_placement.rewards_penalized:  # the sum_then_normalize branch did not run: the penalty was not applied
         raise PatchError(
             f"kl_placement='reward': {type(trainer).__qualname__}._generate_and_score_completions did not reach the "
             "rewards' group normalisation (multi_objective_aggregation='sum_then_normalize'); the KL penalty was not applied"
@@ -149,7 +149,7 @@ def _check_penalized(trainer, runtime) -> None:
 
 
 def _start_scoring(runtime) -> None:
-    runtime.rewards_penalized = False
+    runtime.reward_placement.rewards_penalized = False
 
 
 def feature(plan: Plan) -> _generation.Feature:
@@ -221,14 +221,22 @@ def completion_columns(logps: torch.Tensor, left_pads: torch.Tensor, max_left_pa
 
 
 class RewardPlacement:
-    """What a trainer's adaptive-KL runtime (``backends/_trainer.TrainerAdaptiveKL``) does under
-    ``kl_placement="reward"``; the rewritten ``_generate_and_score_completions`` calls these."""
+    """The reward placement of one trainer: a component its runtime (``backends/_runtime.TrainerAdaptiveKL``) has and
+    hands the rewritten ``_generate_and_score_completions``'s calls to (``scoring_penalty``, ``penalized_rewards``).
+    It reads the runtime's KL term, plan and β, and feeds its controller the scoring-time sums."""
 
-    rewards_penalized = False
+    def __init__(self, runtime):
+        self.runtime = runtime
+        #: Whether the last scoring reached the rewards' group normalisation (the penalty was applied).
+        self.rewards_penalized = False
+
+    @property
+    def trainer(self):
+        return self.runtime.trainer
 
     def check_placement(self) -> None:
         """Refuse, when the trainer is created, a reward placement this trainer cannot apply."""
-        edits = self.generation_edits
+        edits = self.runtime.generation_edits
         if REWARD_PENALTY not in edits:
             return
         trainer, cls = self.trainer, type(self.trainer)
@@ -253,7 +261,7 @@ class RewardPlacement:
                 "the trainer's placement, or kl_placement='loss'"
             )
         num_iterations = getattr(trainer, "num_iterations", 1)
-        self.check_step_size(completions_per_update(trainer.args, trainer.accelerator.num_processes, num_iterations))
+        self.runtime.check_step_size(completions_per_update(trainer.args, trainer.accelerator.num_processes, num_iterations))
 
     def scoring_penalty(self, ref_logps, old_logps, mask, policy_logps, mode: str, left_pad=None, *, completion_ids=None) -> torch.Tensor | None:
         """Each local completion's penalty, ``(B,)`` float64; None while β is 0 (the rewards are left as they are).
@@ -269,7 +277,7 @@ class RewardPlacement:
         counted in the controller's sums (:meth:`KLTerm.kl_mask`, as in the loss)."""
         observed = mode == "train" and not getattr(self.trainer, "_adaptive_kl_regenerated_batch", False)
         # at β = 0 only a batch kl_monitor watches computes the KL, and only for the controller's sums
-        plan = self.plan(ref_logps if observed else None)
+        plan = self.runtime.plan(ref_logps if observed else None)
         if ref_logps is None or not plan.computes_kl:
             return None
         logps = old_logps if old_logps is not None else policy_logps()
@@ -283,16 +291,16 @@ class RewardPlacement:
                 f"have shape {tuple(logps.shape)} and the reference's {tuple(ref_logps.shape)}, the completion mask "
                 f"{tuple(mask.shape)}; kl_placement='reward' cannot match them"
             )
-        if self.term.exclude_token_ids and (completion_ids is None or tuple(completion_ids.shape) != tuple(mask.shape)):
+        if self.runtime.term.exclude_token_ids and (completion_ids is None or tuple(completion_ids.shape) != tuple(mask.shape)):
             raise PatchError(
                 f"{self.libraries()}: kl_exclude_token_ids needs the sampled token ids at scoring time; got "
                 f"{None if completion_ids is None else tuple(completion_ids.shape)} for a completion mask of shape "
                 f"{tuple(mask.shape)}; kl_placement='reward' cannot leave the excluded tokens out"
             )
         token_ids = None if completion_ids is None else completion_ids.to(mask.device)
-        scored = scoring_kl(self.term, plan, logps, ref_logps, mask, token_ids, observed=observed)
+        scored = scoring_kl(self.runtime.term, plan, logps, ref_logps, mask, token_ids, observed=observed)
         if scored.sums is not None:
-            self.observe_scoring_sums(scored.sums)
+            self.runtime.observe_scoring_sums(scored.sums)
         if scored.penalty is not None:
             self.warn_clamped_tokens(scored.adapted, scored.kl_mask)
         return scored.penalty
@@ -349,7 +357,7 @@ class RewardPlacement:
             values[metrics.KL_DOMINATED_GROUPS] = float(dominated)
             if dominated:
                 self.warn_kl_dominated(dominated, rewards.numel() // num_generations, worst)
-        self.log_metrics(values, mode)
+        self.runtime.log_metrics(values, mode)
         penalized = rewards.double() - penalty
         return torch.where(nonfinite, torch.nan, penalized).to(rewards.dtype)
 

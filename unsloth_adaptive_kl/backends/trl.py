@@ -25,7 +25,7 @@ import torch
 from .._source_patch import AnchorSet, Plan, Rewrite, check_version, is_patched, original, rewrite_function, set_attribute, version_of  # noqa: F401
 from ..kl_pipeline import KL_MONITOR, TokenKL, token_kl
 from ..versions import SUPPORTED, offered_loss_types
-from . import _generation, _trainer
+from . import _config_class, _generation, _runtime, _trainer
 from . import loss_class as loss_class_path
 from . import reward_placement
 
@@ -150,7 +150,7 @@ _MONITORED: set[str] = set()  # the patched targets kl_monitor needs that this T
 MONITOR = _generation.Feature(KL_MONITOR, PLAN, enabled=lambda runtime: KL_MONITOR in runtime.generation_edits)
 
 
-class TRLAdaptiveKL(_trainer.TrainerAdaptiveKL):
+class TRLAdaptiveKL(_runtime.TrainerAdaptiveKL):
     """The :class:`AdaptiveKL` of one TRL ``GRPOTrainer``; the rewritten loss calls into it."""
 
     def reference_logps(self, inputs) -> torch.Tensor:
@@ -196,7 +196,7 @@ class TRLAdaptiveKL(_trainer.TrainerAdaptiveKL):
                 "patched into TRL >= 1.8 only; allowed: kl_monitor=False, or trl >= 1.8"
             )
         if "unsloth" in sys.modules and loss_class is None:
-            _trainer.logger.warning(
+            _runtime.logger.warning(
                 "unsloth_adaptive_kl: unsloth is imported, but this trainer is TRL's own %s (Unsloth did not patch TRL's "
                 "GRPO trainer here, e.g. no GPU): it trains on TRL's eager loss, not Unsloth's fused one",
                 type(self.trainer).__qualname__,
@@ -247,7 +247,7 @@ def patch(after_config_created=None) -> None:
     classes = owners()
     eager_trl = not is_unsloth_generated(grpo_trainer.GRPOTrainer)
     built = PLAN.build(classes) if eager_trl else {}
-    _trainer.patch_config_class(classes["GRPOConfig"], after_post_init=after_config_created)
+    _config_class.patch_config_class(classes["GRPOConfig"], after_post_init=after_config_created)
     if eager_trl:
         trainer_cls = classes["GRPOTrainer"]
         set_attribute(trainer_cls, "_compute_loss", _dispatch_compute_loss(built[_COMPUTE_LOSS], trainer_cls._compute_loss))
