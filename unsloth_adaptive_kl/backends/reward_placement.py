@@ -254,7 +254,7 @@ class RewardPlacement:
                 "multi_objective_aggregation='sum_then_normalize', or kl_placement='loss'"
             )
         module = getattr(trainer, "_adaptive_loss_module", None)
-        if module is not None and getattr(module, "adaptive_kl", None) is not self:
+        if module is not None and getattr(module, "adaptive_kl", None) is not self.runtime:
             raise ValueError(
                 f"kl_placement='reward' is not valid with loss_class={type(module).__name__}: that module adds β·KL to its "
                 "loss from a β of its own; allowed: loss_class=AdaptiveFusedLinearGRPOLoss (or a subclass), which shares "
