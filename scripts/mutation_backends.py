@@ -74,7 +74,7 @@ TARGETS = (
         900,
     ),
     Target(
-        "unsloth", "unsloth_adaptive_kl/backends/unsloth.py", ("_gate", "UNSLOTH_2026_10"), "strings",
+        "unsloth", "unsloth_adaptive_kl/backends/unsloth_plan.py", ("_gate", "UNSLOTH_2026_10"), "strings",
         ("tests/backends/test_unsloth_lines.py", "tests/backends/test_unsloth.py", "-k",
          "test_unsloth_lines or kl_part_of_the_fused or metrics_are_exact or sums_hold"),
         1200,

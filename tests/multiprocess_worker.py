@@ -104,8 +104,8 @@ def record_penalties(runtime, penalties, untouched):
         penalties.append({"local_sums": local_sums.tolist(), "total_sums": totals.tolist()})
         return totals
 
-    def penalized(rewards, local_penalty, mode, *group_size):
-        out = penalized_rewards(rewards, local_penalty, mode, *group_size)
+    def penalized(rewards, local_penalty, mode, num_generations=None):  # the rewritten scoring names its arguments
+        out = penalized_rewards(rewards, local_penalty, mode, num_generations)
         if local_penalty is None:
             untouched.append(out is rewards)
             return out

@@ -93,7 +93,7 @@ def test_the_package_has_no_import_cycle():
 def test_the_cycle_check_sees_relative_and_lazy_imports_and_finds_a_cycle():
     edges = graph()
     assert f"{NAME}.backends._trainer" in edges[f"{NAME}.backends.trl"]  # `from . import _trainer`
-    assert f"{NAME}.backends.loss_class" in edges[f"{NAME}.backends._trainer"]  # imported inside attach()
+    assert f"{NAME}.backends._config_class" in edges[f"{NAME}.doctor"]  # imported inside a function of doctor.py
     # The circle this package had: trl.py imported unsloth.py lazily, and unsloth.py imported trl.py.
     old = {**edges, f"{NAME}.backends.trl": edges[f"{NAME}.backends.trl"] | {f"{NAME}.backends.unsloth"}}
     old[f"{NAME}.backends.unsloth"] = old[f"{NAME}.backends.unsloth"] | {f"{NAME}.backends.trl"}
@@ -261,7 +261,7 @@ def test_the_layer_check_finds_an_upward_import_lazy_ones_included():
     assert upward_imports(old, layers()) == [f"{NAME}.kl_term (layer 3) imports {NAME}.config (layer 4)"]
     tree = ast.parse("def f():\n    from .config import validate\n")
     assert any(isinstance(node, ast.ImportFrom) and node.module == "config" for node in ast.walk(tree))  # what imports() walks
-    assert f"{NAME}.backends.loss_class" in edges[f"{NAME}.backends._trainer"]  # a lazy import (inside attach()) is an edge
+    assert f"{NAME}.backends._config_class" in edges[f"{NAME}.doctor"]  # a lazy import (inside a function) is an edge
 
 
 def test_the_cycle_check_finds_the_registration_cycle_that_config_py_worked_around():
@@ -274,8 +274,10 @@ def test_the_cycle_check_finds_the_registration_cycle_that_config_py_worked_arou
     assert find_cycle(cyclic) is not None
 
 
-def test_no_core_module_is_over_400_lines():
-    long = {name: n for name, path in MODULES.items() if not name.startswith(f"{NAME}.backends") and (n := len(path.read_text().splitlines())) > 400}
+def test_no_package_module_is_over_400_lines():
+    """Every module of the package, backends included (before issue 54 the backends were exempt: _trainer.py had 537
+    lines, unsloth.py 515)."""
+    long = {name: n for name, path in MODULES.items() if (n := len(path.read_text().splitlines())) > 400}
     assert long == {}, long
 
 

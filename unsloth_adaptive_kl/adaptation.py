@@ -17,6 +17,7 @@ from .config import build
 from .controllers import BetaController, ControllerMismatchError, check_controller_beta, make_controller
 from .declarations import checked_beta
 from .estimators import nonfinite_estimator_error
+from .kl_pipeline import KLPlan, TokenKL, generation_edits, plan_kl, scores_reference
 from .kl_term import KLTerm
 from .method import format_method
 from .runaway import RunawayAlarm
@@ -95,10 +96,27 @@ class AdaptiveKL:
         alone, which every process computes from the same counters, so all ranks take the same decision."""
         return self.monitor and (not training or index % self.monitor_every == 0)
 
+    def plan(self, ref_logps) -> KLPlan:
+        """What this batch does with the KL (:func:`~unsloth_adaptive_kl.kl_pipeline.plan_kl`), from the controller's β
+        and what its generation batch carries (``ref_logps``: the reference's log-probs, or None)."""
+        return plan_kl(self.term, beta=self.beta, monitor=self.monitor, reference_scored=ref_logps is not None)
+
+    @property
+    def generation_edits(self) -> frozenset[str]:
+        """The features that edit the library's generation for this run (:func:`~unsloth_adaptive_kl.kl_pipeline.generation_edits`)."""
+        return generation_edits(self.term, monitor=self.monitor)
+
+    def scores_reference(self, batch_index: Callable[[], int], *, training: bool) -> bool:
+        """Whether the generation batch being made scores the reference: while β != 0, and at β = 0 under ``kl_monitor``
+        on the batches :meth:`monitors_batch` selects (``batch_index()``: its index, read only then)."""
+        return scores_reference(
+            self.beta, monitor=self.monitor, monitored_batch=lambda: self.monitors_batch(batch_index() if training else 0, training=training)
+        )
+
     def computes_kl_with(self, ref_logps) -> bool:
         """Whether this micro-batch computes the KL, from what its generation batch carries: while β != 0; at β = 0
         under ``kl_monitor`` when the reference forward ran for its generation batch (``ref_logps`` is not None)."""
-        return self.beta != 0.0 or (self.monitor and ref_logps is not None)
+        return self.plan(ref_logps).computes_kl
 
     def per_token(self, logp, ref_logp, mask, coef=None, statistic=None, estimator=None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(raw, adapted)`` per-token KL: :meth:`KLTerm.per_token`. No branch on β here: compiled callers
@@ -115,6 +133,12 @@ class AdaptiveKL:
         """
         sums = None if raw is None else metrics.local_metric_sums(raw, adapted, mask, count_shaping_faults=bool(self.term.user_shaping_steps))
         return self.record_sums(sums, training=training, beta=beta)
+
+    def record_kl(self, kl: TokenKL | None, *, training: bool) -> dict[str, float]:
+        """:meth:`record` of a :class:`~unsloth_adaptive_kl.kl_pipeline.TokenKL` (over its ``kl_mask``), or of no KL."""
+        if kl is None:
+            return self.record_sums(None, training=training, beta=self.beta)
+        return self.record(kl.raw, kl.adapted, kl.kl_mask, training=training, beta=kl.plan.beta)
 
     def record_sums(self, local_sums: torch.Tensor | None, *, training: bool, beta: float) -> dict[str, float]:
         """As :meth:`record`, from :func:`metrics.local_metric_sums` computed elsewhere (e.g. in a fused loss).

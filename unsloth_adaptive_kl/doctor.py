@@ -197,11 +197,11 @@ def trl_backend_findings() -> list[Finding]:
     findings = [version_finding("trl"), version_finding("transformers")]
     if findings[0].status == INFO:
         return [Finding("trl", FAIL, f"not installed; pip install '{requirement('trl')}'")]
-    from .backends import _trainer, reward_placement
+    from .backends import _config_class, _trainer, reward_placement
     from .backends import trl as trl_backend
 
     owners = trl_backend.owners()  # TRL's own classes, also where Unsloth rebound the names
-    findings.append(targets_exist(owners["GRPOConfig"], _trainer.CONFIG_ATTRIBUTES, "trl GRPOConfig"))
+    findings.append(targets_exist(owners["GRPOConfig"], _config_class.CONFIG_ATTRIBUTES, "trl GRPOConfig"))
     findings.append(targets_exist(owners["GRPOTrainer"], _trainer.WRAPPED_TRAINER_METHODS, "trl GRPOTrainer"))
     if findings[-1].status == OK:
         findings.extend(plan_findings(trl_backend.PLAN, owners))

@@ -119,9 +119,11 @@ def test_the_unsloth_rewrite_hands_over_the_left_padding_only_where_unsloth_meas
     if text_only:
         names.update(left_pad_tokens_per_prompt="pads", max_left_pad=2)
     exec(compile(_unsloth_scoring_call(), "<rewrite>", "exec"), {}, names)  # noqa: S102 -- the package's own replacement text
-    ((args, kwargs),) = names["self"]._adaptive_kl.calls
-    assert args[:2] == ("ref", "old") and args[4] == "train"
-    assert kwargs == {"left_pad": ("pads", 2, "ids", 7) if text_only else None, "completion_ids": "ids"}
+    ((args, kwargs),) = names["self"]._adaptive_kl.calls  # a keyword call (backends/hooks.py)
+    assert args == () and (kwargs["ref_logps"], kwargs["old_logps"], kwargs["mode"]) == ("ref", "old", "train")
+    assert {name: kwargs[name] for name in ("left_pad", "completion_ids")} == {
+        "left_pad": ("pads", 2, "ids", 7) if text_only else None, "completion_ids": "ids",
+    }  # fmt: skip
 
 
 def _installed_with(wrap, monkeypatch):
@@ -137,7 +139,8 @@ def _installed_with(wrap, monkeypatch):
     monkeypatch.setattr(_source_patch, "_ORIGINALS", list(_source_patch._ORIGINALS))  # this throwaway class stays out of unpatch()
     cls = type("Installed", (GRPOTrainer,), {})
     reward_placement.install(cls, reward_placement.TRL_PLAN, trl_backend.owners(), wrap=wrap)
-    return cls, SimpleNamespace(_adaptive_kl=SimpleNamespace(kl_in_loss=False, rewards_penalized=False))
+    runtime = SimpleNamespace(generation_edits=frozenset({reward_placement.FEATURE_NAME}), reward_placement=SimpleNamespace(rewards_penalized=False))
+    return cls, SimpleNamespace(_adaptive_kl=runtime)
 
 
 def test_install_runs_the_rewritten_scoring_inside_the_wrapper_it_is_given(monkeypatch):
@@ -149,7 +152,7 @@ def test_install_runs_the_rewritten_scoring_inside_the_wrapper_it_is_given(monke
     def wrap(rewritten):
         def around(self, *args, **kwargs):
             wrapped.append(rewritten)
-            self._adaptive_kl.rewards_penalized = True  # as the rewritten function's sum_then_normalize branch does
+            self._adaptive_kl.reward_placement.rewards_penalized = True  # as the rewritten function's sum_then_normalize branch does
             return "scored inside the wrapper"
 
         return around
@@ -171,7 +174,7 @@ def test_a_scoring_that_does_not_reach_the_group_normalisation_is_refused_every_
     def wrap(rewritten):
         def scoring(self, *args, **kwargs):
             if reaches.pop(0):
-                self._adaptive_kl.rewards_penalized = True
+                self._adaptive_kl.reward_placement.rewards_penalized = True
             return "scored"
 
         return scoring

@@ -116,13 +116,13 @@ def test_method_none_with_k3_is_bit_identical_to_unpatched_trl(trainer, loss_typ
 
 def _capture_logps(trainer, monkeypatch):
     seen = {}
-    original = trainer._adaptive_kl.per_token
+    original = trainer._adaptive_kl.loss_kl  # the runtime hook the rewritten loss hands its log-probs to
 
-    def spy(logp, ref, mask, coef=None, statistic=None):
+    def spy(logp, inputs, **kwargs):
         seen["logp"] = logp.detach().clone()
-        return original(logp, ref, mask, coef, statistic)
+        return original(logp, inputs, **kwargs)
 
-    monkeypatch.setattr(trainer._adaptive_kl, "per_token", spy)
+    monkeypatch.setattr(trainer._adaptive_kl, "loss_kl", spy)
     return seen
 
 

@@ -74,10 +74,10 @@ def patch() -> None:
 
 def unpatch() -> None:
     """Restore every patched attribute exactly (identity)."""
-    from . import _trainer, unsloth
+    from . import _patched_classes, unsloth
 
     if _WATCH in sys.meta_path:
         sys.meta_path.remove(_WATCH)
-    _trainer.forget()
+    _patched_classes.forget()
     _source_patch.undo_all()
     unsloth.forget()  # last: it may raise, and the classes must be restored all the same

@@ -1,257 +1,38 @@
-"""The trainer side every backend shares: the adaptive-KL state of a trainer, the wrappers every
-GRPO trainer class gets (``__init__``, ``_generate_and_score_completions``, ``_load_callback_state``),
-the config fields grafted onto a config class, the β callback that carries the controller in
-checkpoints, and how metrics reach the trainer's logs.
-
-A backend (``trl.py``, ``unsloth.py``) adds only what is its own: its rewrites (its ``PLAN``) and a
-subclass of :class:`TrainerAdaptiveKL` that its rewritten loss calls into. Every attribute set here
-goes through the ledger of :mod:`unsloth_adaptive_kl._source_patch`.
+"""The wrappers every GRPO trainer class gets, whichever backend computes its loss (``__init__``,
+``_generate_and_score_completions``, ``_load_callback_state``, ``trainer.beta``), and :func:`attach`, which gives a
+trainer its runtime (``_runtime.TrainerAdaptiveKL``) and β callback. ``GRPOTrainer(loss_class=...)`` builds its loss
+module through the maker that ``loss_class.py`` registers here (:func:`register_loss_module_maker`): this layer does
+not import the Liger stack. Every attribute set here goes through the ledger of :mod:`unsloth_adaptive_kl._source_patch`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import difflib
 import functools
 import inspect
-import logging
-import sys
+from typing import Callable
 
 from .. import metrics
 from .._source_patch import PatchError, set_attribute, version_of
-from ..adaptation import AdaptiveKL
-from ..config import FIELDS, validate
-from ..versions import ALL_LOSS_TYPES, offered_loss_types
 from . import _callback
+from ._config_class import check_loss_type, fill_missing_fields, logger
+from ._patched_classes import LOSS_PATHS, trainer_is_patched
 from ._resume import observe_generated_reward, resume_generation_schedule
-from .reward_placement import RewardPlacement
+from ._runtime import TrainerAdaptiveKL
 
-logger = logging.getLogger("unsloth_adaptive_kl")
-
-
-class _WhenNothingElseLogs(logging.Filter):
-    """Let the package's own stderr handler print a record only while the root logger has no handler
-    (an application that configured logging, or pytest, gets the record there, exactly once)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not logging.getLogger().handlers
+#: How ``GRPOTrainer(loss_class=...)`` builds its loss module: ``maker(trainer, loss_class)``, registered by
+#: ``loss_class.py`` (imported by the TRL backend).
+_LOSS_MODULE_MAKERS: list[Callable] = []
 
 
-def _default_handler() -> None:
-    """The one line per trainer that names its backend is INFO: show it by default, as transformers
-    shows its own messages. Silence it with ``logging.getLogger("unsloth_adaptive_kl").setLevel("WARNING")``."""
-    if any(getattr(h, "_unsloth_adaptive_kl", False) for h in logger.handlers):
-        return
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(message)s"))
-    handler.addFilter(_WhenNothingElseLogs())
-    handler._unsloth_adaptive_kl = True
-    logger.addHandler(handler)
-    if logger.level == logging.NOTSET:
-        logger.setLevel(logging.INFO)
+def register_loss_module_maker(maker: Callable) -> None:
+    """Register how a trainer's ``loss_class=`` becomes its loss module (``loss_class.make_loss_module``)."""
+    _LOSS_MODULE_MAKERS[:] = [maker]
 
 
-_default_handler()
-
-
-class TrainerAdaptiveKL(RewardPlacement, AdaptiveKL):
-    """The :class:`AdaptiveKL` of one GRPO trainer: its KL term and β controller, reduced across the
-    trainer's processes, with the trainer's metrics as the sink. A backend subclasses it."""
-
-    #: A trainer created before ``import unsloth_adaptive_kl`` runs the library's own functions
-    #: (True), or gets this runtime for method ``none`` (False: its loss is rewritten in place).
-    stock_when_unattached = True
-
-    def __init__(self, trainer):
-        accelerator = trainer.accelerator
-        super().__init__(
-            trainer.args, reduce=lambda t: accelerator.reduce(t, reduction="sum"),
-            process_index=accelerator.process_index, num_processes=accelerator.num_processes,
-        )  # fmt: skip
-        self.trainer = trainer
-        if self.monitor:
-            trainer.__dict__["beta"] = float(trainer.args.beta)  # the library's __init__ stored the β it was shown (building)
-        #: Micro-batches whose loss went through the patched loss (each reports its metrics once):
-        #: how a subclass's override of the loss is seen to reach it (:func:`_guard_loss_path`).
-        self.losses_reported = 0
-
-    def record_sums(self, local_sums, *, training: bool, beta: float) -> dict[str, float]:
-        # The trainer's log() empties its metrics: no tail metric there means the last window was logged
-        # (Unsloth pools its rollout metrics over the window the same way).
-        if metrics.TOKEN_KL_MAX not in self.trainer._metrics["train" if training else "eval"]:
-            self.restart_tail_window(training)
-        return super().record_sums(local_sums, training=training, beta=beta)
-
-    def describe(self) -> str:
-        """Which loss computes this trainer's KL, in words (logged once when the trainer is created)."""
-        raise NotImplementedError
-
-    def generation_index(self) -> int:
-        """The index (0, 1, ...) of the training generation batch being generated: the micro-step over TRL's generation
-        period (``steps_per_generation * num_iterations`` micro-steps). The micro-step is counted from the optimizer step
-        (``state.global_step``, which a checkpoint restores) plus TRL's ``_step`` within it, the same on every process."""
-        trainer = self.trainer
-        if not all(hasattr(trainer, name) for name in ("_step", "num_iterations")):
-            raise PatchError(
-                f"{type(trainer).__qualname__} has no _step or num_iterations: kl_monitor_every cannot count its generation "
-                "batches (an unsupported TRL or Unsloth version)"
-            )
-        accumulation = trainer.args.gradient_accumulation_steps
-        micro_step = trainer.state.global_step * accumulation + trainer._step % accumulation
-        return micro_step // (trainer.args.steps_per_generation * trainer.num_iterations)
-
-    def runs_reference(self) -> bool:
-        """Whether the generation now running scores the reference (the rewritten generation asks): while β != 0, and
-        at β = 0 under ``kl_monitor`` on the batches :meth:`AdaptiveKL.monitors_batch` selects."""
-        if self.beta != 0.0:
-            return True
-        if not self.monitor:
-            return False
-        training = self.trainer.model.training
-        return self.monitors_batch(self.generation_index() if training else 0, training=training)
-
-    @classmethod
-    @contextlib.contextmanager
-    def building(cls, config):
-        """The context the library's ``__init__`` runs in (``config``: its args). kl_monitor with beta = 0: TRL's
-        ``__init__`` (and Unsloth's, generated from it) makes the reference (a model, or under PEFT the frozen "ref"
-        copy of a pretrained adapter) only when ``args.beta != 0``, so it is shown β = 1.0 while it builds the
-        trainer; the config's β is put back before anything trains (and before attach reads it)."""
-        monitored = getattr(config, "kl_monitor", False) is True and getattr(config, "beta", None) == 0
-        if not monitored:
-            yield
-            return
-        configured, config.beta = config.beta, 1.0
-        try:
-            yield
-        finally:
-            config.beta = configured
-
-    def log_library_kl(self, values: dict[str, float], raw, mask, mode: str) -> None:
-        """Log the library's own ``kl`` where it does not (β = 0 under kl_monitor): its global masked mean of the
-        raw KL over ``mask``, which is ``values``' raw_kl unless that is NaN (TRL logs 0 for no token) or tokens
-        are excluded (TRL's mean counts them, at 0)."""
-        kl = values[metrics.RAW_KL]
-        if kl != kl or self.term.exclude_token_ids:
-            kl = metrics.global_masked_mean(raw, mask, self.reduce)
-        self.trainer._metrics[mode]["kl"].append(kl)
-
-    def still_patched(self) -> bool:
-        """Whether the trainer's class is still patched (false after ``unpatch()``)."""
-        return trainer_is_patched(self.trainer)
-
-    def after_attach(self, loss_class) -> None:
-        """A backend's last check once the trainer is set up."""
-
-    def log_metrics(self, values: dict[str, float], mode: str) -> dict[str, float]:
-        """Hand the adaptive_kl/* values to the trainer's metrics, which its ``log()`` averages over the
-        logging window: the KL values are appended (one per micro-batch); ``current_beta`` and
-        ``skipped_updates`` keep only their latest value, so the log shows the β of the window's last
-        step and the running count, never an average of them; ``nonfinite_kl_batches`` is summed over the
-        window. A KL value that was not observed (NaN: β is 0, or no valid token) is not appended: TRL's
-        ``log()`` would turn a window of only NaN into ``None``, which TensorBoard and other loggers refuse
-        with a warning at every logged step. A micro-batch whose raw or adapted KL is NaN or inf appends
-        neither (both means stay over the same micro-batches) and is counted in ``nonfinite_kl_batches``.
-        The tail metrics (``metrics.WINDOW_TAIL_METRICS``) are statistics of the window's tokens pooled so
-        far (NaN tokens left out): each keeps its latest value, so the log shows the whole window's."""
-        self.losses_reported += 1
-        window = self.trainer._metrics[mode]
-        left_out = values.get(metrics.NONFINITE_KL_BATCHES, 0.0) > 0
-        for name, value in values.items():
-            if name in metrics.LATEST_VALUE_METRICS:
-                window[name][:] = [value]
-            elif name in metrics.WINDOW_SUM_METRICS:
-                window[name][:] = [sum(window[name]) + value]
-            elif name in metrics.WINDOW_TAIL_METRICS:
-                if value == value:
-                    window[name][:] = [value]
-            elif not (value != value or left_out):
-                window[name].append(value)
-        return values
-
-
-# -- the trainer classes and the config class ------------------------------------------------------------
-#: For each patched trainer class, the loss methods that must stay ours for the adaptation to act.
-_LOSS_PATH: dict[type, tuple[str, ...]] = {}
-
-
-def forget() -> None:
-    """Called by unpatch(), after the ledger restored the attributes."""
-    _LOSS_PATH.clear()
-
-
-def trainer_is_patched(trainer) -> bool:
-    """Whether ``trainer``'s class is currently patched (false after :func:`unpatch`)."""
-    return any(isinstance(trainer, cls) for cls in _LOSS_PATH)
-
-
-def patch_config_class(config_cls, after_post_init=None) -> None:
-    """Graft the adaptive-KL fields onto a dataclass config class, in place; ``after_post_init()``
-    runs after each config's validation (the moment to patch a trainer Unsloth generated late)."""
-    if "kl_adaptation_method" in config_cls.__dataclass_fields__:
-        return
-    extended = dataclasses.make_dataclass(
-        config_cls.__name__,
-        [(f.name, f.type, dataclasses.field(default=f.default, metadata={"help": f.help})) for f in FIELDS],
-        bases=(config_cls,),
-    )
-    annotations = dict(config_cls.__dict__.get("__annotations__", {}))
-    annotations.update({f.name: f.type for f in FIELDS})
-    original_post_init = config_cls.__post_init__
-
-    @functools.wraps(original_post_init)
-    def __post_init__(self):
-        original_post_init(self)
-        validate(self)
-        if hasattr(self, "loss_type"):
-            check_loss_type(self.loss_type)
-        if after_post_init is not None:
-            after_post_init()
-
-    set_attribute(config_cls, "__init__", extended.__init__)
-    set_attribute(config_cls, "__dataclass_fields__", extended.__dataclass_fields__)
-    set_attribute(config_cls, "__annotations__", annotations)
-    set_attribute(config_cls, "__post_init__", __post_init__)
-
-
-def check_loss_type(value) -> None:
-    """Refuse a ``loss_type`` that no TRL release has (a typo: ``'dapoo'``, ``'DAPO'``, ``'grpo '``; TRL itself
-    checks it only at the first loss), naming the field, the value, the values the installed TRL offers and
-    the closest one. One that some TRL has but the installed one lacks is the backend's to refuse, saying so."""
-    if isinstance(value, str) and value in ALL_LOSS_TYPES:
-        return
-    version = version_of("trl")
-    offered = ALL_LOSS_TYPES if version == "not installed" else [name for name, why in offered_loss_types(version).items() if why is None]
-    hint = ""
-    if isinstance(value, str):
-        close = difflib.get_close_matches(value.strip().lower(), ALL_LOSS_TYPES, n=1, cutoff=0.75)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-    others = [name for name in ALL_LOSS_TYPES if name not in offered]
-    elsewhere = f"; other TRL releases also have {', '.join(others)}" if others else ""
-    raise ValueError(
-        f"loss_type={value!r} is not valid: no TRL release has this loss type{hint}; allowed with the installed trl "
-        f"{version}: {', '.join(offered)}{elsewhere}"
-    )
-
-
-# Every wrapper keeps the original's signature and source (functools.wraps sets __wrapped__):
-# Unsloth generates its trainer from TRL's signatures and sources, and must see TRL's own.
-def fill_missing_fields(config) -> None:
-    """A config made before ``import unsloth_adaptive_kl`` lacks the fields its (now patched) class
-    has: give it their defaults (method ``none``). A config whose class was never patched is left
-    alone, for :func:`validate` to refuse with its hint."""
-    missing = [f for f in FIELDS if not hasattr(config, f.name)]
-    class_fields = getattr(type(config), "__dataclass_fields__", {})
-    if not missing or not all(f.name in class_fields for f in missing):
-        return
-    for f in missing:
-        setattr(config, f.name, f.default)
-    logger.info(
-        "unsloth_adaptive_kl: this %s was created before `import unsloth_adaptive_kl`; its adaptive-KL fields take "
-        "their defaults (kl_adaptation_method='none'). To set them, create the config after the import.",
-        type(config).__name__,
-    )
+def make_loss_module(trainer, loss_class):
+    if not _LOSS_MODULE_MAKERS:
+        raise PatchError(f"GRPOTrainer(loss_class={loss_class!r}): no loss-module maker is registered (the TRL backend registers it)")
+    return _LOSS_MODULE_MAKERS[0](trainer, loss_class)
 
 
 def _config_argument(args, kwargs):
@@ -341,7 +122,7 @@ def _wrap_generate(original, runtime_cls):
         rewards = self._metrics[mode]["reward"]
         before = len(rewards)
         runtime = self._adaptive_kl
-        monitored = runtime.monitor and runtime.beta == 0.0 and runtime.runs_reference()
+        monitored = runtime.beta == 0.0 and runtime.runs_reference()  # at β = 0 only kl_monitor's batches score it
         output = original(self, *args, **kwargs)
         if monitored and (not isinstance(output, dict) or output.get("ref_per_token_logps") is None):
             raise PatchError(
@@ -392,7 +173,7 @@ def _guard_loss_path(trainer) -> None:
     Whether it does is seen at every call: the trainer's ``compute_loss`` becomes a check that the patched
     loss reported this micro-batch, before the loss goes back to the training step, so a bypassed loss is
     refused before its backward pass and before any optimizer step."""
-    for base, names in _LOSS_PATH.items():
+    for base, names in LOSS_PATHS.items():
         if not isinstance(trainer, base):
             continue
         overridden = [name for name in names if getattr(type(trainer), name) is not getattr(base, name)]
@@ -462,9 +243,7 @@ def attach(trainer, runtime_cls, loss_class=None) -> TrainerAdaptiveKL:
     _guard_loss_path(trainer)
     trainer._adaptive_loss_module = None
     if loss_class is not None:
-        from . import loss_class as loss_class_path
-
-        trainer._adaptive_loss_module = loss_class_path.make_loss_module(trainer, loss_class)
+        trainer._adaptive_loss_module = make_loss_module(trainer, loss_class)
     trainer.add_callback(_callback.AdaptiveKLCallback(runtime))
     logger.info(
         "unsloth_adaptive_kl: %s; kl_adaptation_method=%r, kl_estimator=%r, beta=%s (logged as %s)",
@@ -499,9 +278,8 @@ def backend_description(trainer) -> str:
     return trainer._adaptive_kl.describe()
 
 
-#: What :func:`patch_trainer_class` wraps, and :func:`patch_config_class` replaces (doctor checks they exist).
+#: What :func:`patch_trainer_class` wraps (doctor checks they exist).
 WRAPPED_TRAINER_METHODS = ("__init__", "_generate_and_score_completions", "_load_callback_state")
-CONFIG_ATTRIBUTES = ("__init__", "__post_init__", "__dataclass_fields__")
 
 
 def patch_trainer_class(trainer_cls, runtime_cls, loss_path: tuple[str, ...]) -> None:
@@ -511,7 +289,7 @@ def patch_trainer_class(trainer_cls, runtime_cls, loss_path: tuple[str, ...]) ->
     must reach the patched loss from its override (see :func:`_guard_loss_path`).
     """
     _callback.make_callback_class()
-    _LOSS_PATH[trainer_cls] = loss_path
+    LOSS_PATHS[trainer_cls] = loss_path
     for name, wrap in zip(WRAPPED_TRAINER_METHODS, (_wrap_init, _wrap_generate, _wrap_load_callback_state)):
         set_attribute(trainer_cls, name, wrap(getattr(trainer_cls, name), runtime_cls))
     set_attribute(trainer_cls, "beta", trainer_beta)

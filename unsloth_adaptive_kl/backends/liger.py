@@ -54,6 +54,7 @@ from ..adaptation import AdaptiveKL
 from ..config import DEFAULTS, TERM_FIELD_NAMES
 from ..controllers import controller_names
 from ..estimators import get_estimator
+from ..kl_pipeline import loss_term
 from ._fused_head import check_fused_arguments, fallback_reason, fused_loss
 from ._liger_interface import (  # noqa: F401  (LOSS_TYPES: a name of this module's API)
     LIGER_PARAMETER_NAMES,
@@ -272,8 +273,7 @@ class AdaptiveFusedLinearGRPOLoss(nn.Module):
         keep = self._kl_keep(token_ids) if with_kl else None
         statistic = self.adaptive_kl.batch_statistic(ref, mask if keep is None else mask * keep) if with_kl else None
         # kl_placement='reward' (GRPOTrainer(loss_class=...)): the KL is computed for the metrics but weighs 0 in the loss
-        loss_beta = self.beta if self.adaptive_kl.kl_in_loss else 0.0
-        beta = torch.as_tensor(loss_beta, dtype=torch.float32, device=mask.device)
+        beta = torch.as_tensor(self.adaptive_kl.plan(ref).loss_beta, dtype=torch.float32, device=mask.device)
         return mask, advantages, ref, old, vllm_is_ratio, beta, statistic, normaliser_tensor(num_items_in_batch, mask.device), keep
 
     def _kl_keep(self, token_ids) -> torch.Tensor | None:
@@ -348,13 +348,12 @@ class AdaptiveFusedLinearGRPOLoss(nn.Module):
         if keep is not None:  # kl_exclude_token_ids: no KL term there (KLTerm.per_token zeroes what kl_mask leaves out)
             kl_mask = kl_mask * keep
         raw, adapted = self.kl_terms(logps, ref, kl_mask, coef, statistic)
-        if self.adaptive_kl.length_normalized:  # accumulation=1: the caller scales the whole loss
-            kl_tokens = mask if keep is None else mask * keep
-            kl_loss = self.adaptive_kl.term.length_normalized_loss(adapted, kl_tokens, beta=beta, num_completions=mask.shape[0])
-        else:
-            kl_loss = beta * aggregate(
-                adapted, mask, self.loss_type, max_completion_length=self.max_completion_length, num_items_in_batch=num_items_in_batch
-            )
+        # the pipeline's loss term: length-normalised (over the tokens with a KL term; accumulation=1: the caller scales
+        # the whole loss), or β times the loss type's aggregation
+        kl_loss = loss_term(
+            self.adaptive_kl.term, adapted, mask if keep is None else mask * keep, beta=beta, num_completions=mask.shape[0],
+            aggregate=lambda kl: aggregate(kl, mask, self.loss_type, max_completion_length=self.max_completion_length, num_items_in_batch=num_items_in_batch),
+        )  # fmt: skip
         return policy_loss + kl_loss, raw, adapted, clip_ratio
 
     def _check_configuration(self) -> None:

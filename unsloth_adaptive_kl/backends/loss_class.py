@@ -24,6 +24,8 @@ from torch import nn
 
 from .. import metrics
 from ..config import fused_head_setting
+from ..kl_pipeline import KL_MONITOR
+from . import _trainer
 from ._liger_interface import LIGER_PARAMETER_NAMES, LIGER_PARAMETERS, LossTerms, check_liger_version
 from .liger import AdaptiveFusedLinearGRPOLoss
 
@@ -85,7 +87,7 @@ def make_loss_module(trainer, loss_class):
             "allowed: kl_adaptation_method='none' with kl_estimator='k3', or loss_class=AdaptiveFusedLinearGRPOLoss (or a subclass)"
         )
     _check_trainer_supported(trainer)
-    if trainer._adaptive_kl.monitor:
+    if KL_MONITOR in trainer._adaptive_kl.generation_edits:
         raise ValueError(
             "GRPOTrainer(loss_class=...) does not support kl_monitor=True (the module computes no KL at beta = 0); "
             "allowed: kl_monitor=False, or the TRL backend (no loss_class)"
@@ -189,6 +191,9 @@ def _log_clip_ratio(trainer, mode, clip_ratio, mask) -> None:
         return
     name = "cispo_clip_ratio" if loss_type == "cispo" else "clip_ratio/region_mean"
     trainer._metrics[mode][name].append(metrics.global_token_mean(clip_ratio, mask, trainer._adaptive_kl.reduce))
+
+
+_trainer.register_loss_module_maker(make_loss_module)  # GRPOTrainer(loss_class=...) builds its module here
 
 
 __all__ = ["check_loss_class", "compute_loss", "make_loss_module", "module_arguments"]

@@ -36,6 +36,7 @@ import logging
 import torch
 
 from .. import metrics
+from ..kl_pipeline import KL_MONITOR, REWARD_PENALTY, scoring_kl
 from ..kl_term import REWARD_KL_BOUND, kl_dominated_groups
 from .._source_patch import AnchorSet, PatchError, Plan, Rewrite, version_of
 from . import _generation
@@ -86,14 +87,14 @@ def _rewrites(target: str, library: str) -> tuple[Rewrite, ...]:
             """            else:
                 ref_per_token_logps = None
             adaptive_kl_penalty = self._adaptive_kl.scoring_penalty(
-                ref_per_token_logps,
-                old_per_token_logps,
-                completion_mask if tool_mask is None else completion_mask * tool_mask,
-                lambda: self._get_per_token_logps_and_entropies(
+                ref_logps=ref_per_token_logps,
+                old_logps=old_per_token_logps,
+                mask=completion_mask if tool_mask is None else completion_mask * tool_mask,
+                policy_logps=lambda: self._get_per_token_logps_and_entropies(
                     self.model, prompt_completion_ids, attention_mask, logits_to_keep, batch_size=batch_size,
                     num_images=num_images, num_tiles=num_tiles, **forward_kwargs,
                 )[0],
-                mode,
+                mode=mode,
 """ + _LEFT_PAD[library] + """                completion_ids=completion_ids,
             )
 """,
@@ -105,7 +106,9 @@ def _rewrites(target: str, library: str) -> tuple[Rewrite, ...]:
             "            rewards[unscorable_mask] = torch.nan\n"
             "            mean_grouped_rewards = torch.nanmean(rewards.view(-1, num_generations), dim=1)\n",
             "            rewards[unscorable_mask] = torch.nan\n"
-            "            rewards = self._adaptive_kl.penalized_rewards(rewards, adaptive_kl_penalty, mode, num_generations)\n"
+            "            rewards = self._adaptive_kl.penalized_rewards(\n"
+            "                rewards, local_penalty=adaptive_kl_penalty, mode=mode, num_generations=num_generations\n"
+            "            )\n"
             "            mean_grouped_rewards = torch.nanmean(rewards.view(-1, num_generations), dim=1)\n",
             "the penalty is subtracted before the group mean and std make the advantages",
         ),
@@ -132,13 +135,13 @@ _UNAVAILABLE: dict[type, str] = {}
 
 
 #: The name of the reward placement as a feature that rewrites the generation (``_generation.Feature``).
-FEATURE_NAME = "kl_placement='reward'"
+FEATURE_NAME = REWARD_PENALTY
 #: Trainer class -> why kl_monitor cannot be applied together with the reward placement (both available alone).
 _UNAVAILABLE_WITH_MONITOR: dict[type, str] = {}
 
 
 def _check_penalized(trainer, runtime) -> None:
-    if not runtime.rewards_penalized:  # the sum_then_normalize branch did not run: the penalty was not applied
+    if not runtime.reward_placement.rewards_penalized:  # the sum_then_normalize branch did not run: the penalty was not applied
         raise PatchError(
             f"kl_placement='reward': {type(trainer).__qualname__}._generate_and_score_completions did not reach the "
             "rewards' group normalisation (multi_objective_aggregation='sum_then_normalize'); the KL penalty was not applied"
@@ -146,13 +149,13 @@ def _check_penalized(trainer, runtime) -> None:
 
 
 def _start_scoring(runtime) -> None:
-    runtime.rewards_penalized = False
+    runtime.reward_placement.rewards_penalized = False
 
 
 def feature(plan: Plan) -> _generation.Feature:
     """The reward placement as a feature of the generation (``plan``: :data:`TRL_PLAN` or :data:`UNSLOTH_PLAN`): on for a
     trainer with ``kl_placement="reward"``, and a call that did not reach the penalised rewards is refused."""
-    return _generation.Feature(FEATURE_NAME, plan, enabled=lambda runtime: not runtime.kl_in_loss, before=_start_scoring, after=_check_penalized)
+    return _generation.Feature(FEATURE_NAME, plan, enabled=lambda runtime: REWARD_PENALTY in runtime.generation_edits, before=_start_scoring, after=_check_penalized)
 
 
 def install(trainer_cls, plan: Plan, owners, wrap=None, *, also: tuple[_generation.Feature, ...] = ()) -> dict:
@@ -218,20 +221,29 @@ def completion_columns(logps: torch.Tensor, left_pads: torch.Tensor, max_left_pa
 
 
 class RewardPlacement:
-    """What a trainer's adaptive-KL runtime (``backends/_trainer.TrainerAdaptiveKL``) does under
-    ``kl_placement="reward"``; the rewritten ``_generate_and_score_completions`` calls these."""
+    """The reward placement of one trainer: a component its runtime (``backends/_runtime.TrainerAdaptiveKL``) has and
+    hands the rewritten ``_generate_and_score_completions``'s calls to (``scoring_penalty``, ``penalized_rewards``).
+    It reads the runtime's KL term, plan and β, and feeds its controller the scoring-time sums."""
 
-    rewards_penalized = False
+    def __init__(self, runtime):
+        self.runtime = runtime
+        #: Whether the last scoring reached the rewards' group normalisation (the penalty was applied).
+        self.rewards_penalized = False
+
+    @property
+    def trainer(self):
+        return self.runtime.trainer
 
     def check_placement(self) -> None:
         """Refuse, when the trainer is created, a reward placement this trainer cannot apply."""
-        if self.kl_in_loss:
+        edits = self.runtime.generation_edits
+        if REWARD_PENALTY not in edits:
             return
         trainer, cls = self.trainer, type(self.trainer)
         reason = unavailable_reason(cls)
         if reason is not None:
             raise PatchError(f"kl_placement='reward' cannot be applied to {cls.__module__}.{cls.__qualname__}: {reason}")
-        reason = unavailable_reason(cls, _UNAVAILABLE_WITH_MONITOR) if self.monitor else None
+        reason = unavailable_reason(cls, _UNAVAILABLE_WITH_MONITOR) if KL_MONITOR in edits else None
         if reason is not None:
             raise PatchError(f"kl_monitor=True with kl_placement='reward' cannot be applied to {cls.__module__}.{cls.__qualname__}: {reason}")
         aggregation = getattr(trainer, "multi_objective_aggregation", "sum_then_normalize")
@@ -242,14 +254,14 @@ class RewardPlacement:
                 "multi_objective_aggregation='sum_then_normalize', or kl_placement='loss'"
             )
         module = getattr(trainer, "_adaptive_loss_module", None)
-        if module is not None and getattr(module, "adaptive_kl", None) is not self:
+        if module is not None and getattr(module, "adaptive_kl", None) is not self.runtime:
             raise ValueError(
                 f"kl_placement='reward' is not valid with loss_class={type(module).__name__}: that module adds β·KL to its "
                 "loss from a β of its own; allowed: loss_class=AdaptiveFusedLinearGRPOLoss (or a subclass), which shares "
                 "the trainer's placement, or kl_placement='loss'"
             )
         num_iterations = getattr(trainer, "num_iterations", 1)
-        self.check_step_size(completions_per_update(trainer.args, trainer.accelerator.num_processes, num_iterations))
+        self.runtime.check_step_size(completions_per_update(trainer.args, trainer.accelerator.num_processes, num_iterations))
 
     def scoring_penalty(self, ref_logps, old_logps, mask, policy_logps, mode: str, left_pad=None, *, completion_ids=None) -> torch.Tensor | None:
         """Each local completion's penalty, ``(B,)`` float64; None while β is 0 (the rewards are left as they are).
@@ -263,9 +275,10 @@ class RewardPlacement:
         maximum)`` when its log-probs are on its left-packed layout (see ``completion_columns``). ``completion_ids``:
         the sampled tokens, ``(B, L)`` as ``mask``; the tokens of ``kl_exclude_token_ids`` get no penalty and are not
         counted in the controller's sums (:meth:`KLTerm.kl_mask`, as in the loss)."""
-        beta = float(self.trainer.beta)
         observed = mode == "train" and not getattr(self.trainer, "_adaptive_kl_regenerated_batch", False)
-        if ref_logps is None or (beta == 0.0 and not (self.monitor and observed)):  # β = 0: only kl_monitor's sums to take
+        # at β = 0 only a batch kl_monitor watches computes the KL, and only for the controller's sums
+        plan = self.runtime.plan(ref_logps if observed else None)
+        if ref_logps is None or not plan.computes_kl:
             return None
         logps = old_logps if old_logps is not None else policy_logps()
         if left_pad is not None:
@@ -278,23 +291,19 @@ class RewardPlacement:
                 f"have shape {tuple(logps.shape)} and the reference's {tuple(ref_logps.shape)}, the completion mask "
                 f"{tuple(mask.shape)}; kl_placement='reward' cannot match them"
             )
-        if self.term.exclude_token_ids:
-            if completion_ids is None or tuple(completion_ids.shape) != tuple(mask.shape):
-                raise PatchError(
-                    f"{self.libraries()}: kl_exclude_token_ids needs the sampled token ids at scoring time; got "
-                    f"{None if completion_ids is None else tuple(completion_ids.shape)} for a completion mask of shape "
-                    f"{tuple(mask.shape)}; kl_placement='reward' cannot leave the excluded tokens out"
-                )
-            mask = self.term.kl_mask(mask, completion_ids.to(mask.device))
-        with torch.no_grad():
-            raw, adapted = self.term.per_token(logps, ref_logps, mask, None, self.term.batch_statistic(ref_logps, mask))
-            if observed:
-                faults = bool(self.term.user_shaping_steps)  # a user method's NaN on a finite KL: refused by name, as in the loss
-                self.observe_scoring_sums(metrics.local_kl_sums(raw, adapted, mask, count_shaping_faults=faults))
-            if beta == 0.0:  # kl_monitor: the KL is watched, the rewards stay the library's (no 0 * KL: a NaN stays out)
-                return None
-            self.warn_clamped_tokens(adapted, mask)
-            return self.term.reward_penalty(adapted, mask, beta=beta)
+        if self.runtime.term.exclude_token_ids and (completion_ids is None or tuple(completion_ids.shape) != tuple(mask.shape)):
+            raise PatchError(
+                f"{self.libraries()}: kl_exclude_token_ids needs the sampled token ids at scoring time; got "
+                f"{None if completion_ids is None else tuple(completion_ids.shape)} for a completion mask of shape "
+                f"{tuple(mask.shape)}; kl_placement='reward' cannot leave the excluded tokens out"
+            )
+        token_ids = None if completion_ids is None else completion_ids.to(mask.device)
+        scored = scoring_kl(self.runtime.term, plan, logps, ref_logps, mask, token_ids, observed=observed)
+        if scored.sums is not None:
+            self.runtime.observe_scoring_sums(scored.sums)
+        if scored.penalty is not None:
+            self.warn_clamped_tokens(scored.adapted, scored.kl_mask)
+        return scored.penalty
 
     def warn_clamped_tokens(self, adapted: torch.Tensor, mask: torch.Tensor) -> None:
         """Say once that :data:`~unsloth_adaptive_kl.kl_term.REWARD_KL_BOUND` clamped a token's KL in a penalty."""
@@ -348,7 +357,7 @@ class RewardPlacement:
             values[metrics.KL_DOMINATED_GROUPS] = float(dominated)
             if dominated:
                 self.warn_kl_dominated(dominated, rewards.numel() // num_generations, worst)
-        self.log_metrics(values, mode)
+        self.runtime.log_metrics(values, mode)
         penalized = rewards.double() - penalty
         return torch.where(nonfinite, torch.nan, penalized).to(rewards.dtype)
 

@@ -23,8 +23,9 @@ import sys
 import torch
 
 from .._source_patch import AnchorSet, Plan, Rewrite, check_version, is_patched, original, rewrite_function, set_attribute, version_of  # noqa: F401
+from ..kl_pipeline import KL_MONITOR, TokenKL, token_kl
 from ..versions import SUPPORTED, offered_loss_types
-from . import _generation, _trainer
+from . import _config_class, _generation, _runtime, _trainer
 from . import loss_class as loss_class_path
 from . import reward_placement
 
@@ -56,15 +57,11 @@ def _kl(anchor: str, mask: str, coef: str, tail: str = "") -> Rewrite:
         target=_COMPUTE_LOSS,
         library="trl",
         anchor=anchor + tail,
-        replacement=f"""        adaptive_kl_adapted = adaptive_kl_mask = None
-        if self._adaptive_kl.computes_kl_with(inputs.get("ref_per_token_logps")):
-            ref_per_token_logps = self._adaptive_kl.reference_logps(inputs)
-            adaptive_kl_mask = self._adaptive_kl.term.kl_mask({mask}, inputs["completion_ids"])
-            per_token_kl, adaptive_kl_adapted = self._adaptive_kl.per_token(
-                per_token_logps, ref_per_token_logps, adaptive_kl_mask, {coef}
-            )
+        replacement=f"""        adaptive_kl = self._adaptive_kl.loss_kl(per_token_logps, inputs, mask={mask}, coef={coef})
+        if adaptive_kl is not None:
+            per_token_kl = adaptive_kl.raw
 {tail}""",
-        why="the per-token KL (raw, for TRL's kl metric) and its adapted form come from the KL term, without the "
+        why="the per-token KL (raw, for TRL's kl metric) and its adapted form come from the KL pipeline, without the "
         "excluded tokens; also at β = 0 under kl_monitor, on the batches whose reference forward it ran",
     )
 
@@ -75,11 +72,11 @@ _ADD = Rewrite(
     anchor="""        if self.beta != 0.0:
             per_token_loss = per_token_loss + self.beta * per_token_kl
 """,
-    replacement="""        if self.beta != 0.0 and self._adaptive_kl.kl_in_loss and not self._adaptive_kl.length_normalized:
-            per_token_loss = per_token_loss + self.beta * adaptive_kl_adapted
+    replacement="""        if adaptive_kl is not None:
+            per_token_loss = adaptive_kl.per_token_loss(per_token_loss)
 """,
-    why="β times the adapted KL enters the per-token loss (length_normalized adds it after aggregation; "
-    "kl_placement='reward' subtracted it from the reward instead)",
+    why="β times the adapted KL enters the per-token loss where the pipeline's plan puts it there (not under "
+    "length_normalized, which adds it after aggregation, nor under kl_placement='reward')",
 )
 
 
@@ -88,9 +85,7 @@ def _after_aggregation(anchor: str, mask: str, mode: str) -> Rewrite:
         target=_COMPUTE_LOSS,
         library="trl",
         anchor=anchor,
-        replacement=f"""        loss = self._adaptive_kl.after_aggregation(
-            loss, per_token_kl if adaptive_kl_mask is not None else None, adaptive_kl_adapted, {mask}, {mode}, adaptive_kl_mask
-        )
+        replacement=f"""        loss = self._adaptive_kl.after_aggregation(loss, adaptive_kl, mask={mask}, mode={mode})
 """ + anchor,
         why="after aggregation: the length-normalised term, and the adaptive_kl/* metrics",
     )
@@ -152,10 +147,10 @@ def _trl_supported(version: str) -> bool:
 
 _MONITORED: set[str] = set()  # the patched targets kl_monitor needs that this TRL's family has (patch() fills it)
 #: kl_monitor as a feature of the generation: PLAN's rewrites of ``_generate_and_score_completions`` (TRL >= 1.8).
-MONITOR = _generation.Feature("kl_monitor", PLAN, enabled=lambda runtime: runtime.monitor)
+MONITOR = _generation.Feature(KL_MONITOR, PLAN, enabled=lambda runtime: KL_MONITOR in runtime.generation_edits)
 
 
-class TRLAdaptiveKL(_trainer.TrainerAdaptiveKL):
+class TRLAdaptiveKL(_runtime.TrainerAdaptiveKL):
     """The :class:`AdaptiveKL` of one TRL ``GRPOTrainer``; the rewritten loss calls into it."""
 
     def reference_logps(self, inputs) -> torch.Tensor:
@@ -166,26 +161,23 @@ class TRLAdaptiveKL(_trainer.TrainerAdaptiveKL):
             )
         return inputs["ref_per_token_logps"]
 
-    def per_token(self, logp, ref_logp, mask, coef=None, statistic=None, estimator=None):
-        """As :meth:`AdaptiveKL.per_token`; at β = 0 (``kl_monitor``) without an autograd graph: the KL only
-        reaches the metrics then (TRL's loss is eager, so this branch costs no recompilation)."""
-        if self.beta == 0.0:
-            with torch.no_grad():
-                return super().per_token(logp, ref_logp, mask, coef, statistic, estimator)
-        return super().per_token(logp, ref_logp, mask, coef, statistic, estimator)
+    def loss_kl(self, logps, inputs, *, mask, coef=None) -> TokenKL | None:
+        """The micro-batch's per-token KL (:func:`~unsloth_adaptive_kl.kl_pipeline.token_kl`), or None where its plan
+        computes none: TRL's log-probs, the reference's from ``inputs``, TRL's ``mask`` and importance ratio ``coef``."""
+        plan = self.plan(inputs.get("ref_per_token_logps"))
+        if not plan.computes_kl:
+            return None
+        return token_kl(self.term, plan, logps, self.reference_logps(inputs), mask, inputs["completion_ids"], coef)
 
-    def after_aggregation(self, loss, raw, adapted, mask, mode, kl_mask=None):
-        """Add the length-normalised KL term (if any) and log this micro-batch's metrics (over ``kl_mask``:
-        the valid tokens that are not excluded). At β = 0 (``kl_monitor``) the loss is left as it is."""
-        trainer = self.trainer
-        beta = trainer.beta
-        kl_mask = mask if kl_mask is None else kl_mask
-        if raw is not None and self.length_normalized and self.kl_in_loss and beta != 0.0:
-            accumulation = trainer.current_gradient_accumulation_steps if mode == "train" else 1.0
-            loss = loss + self.term.length_normalized_loss(adapted, kl_mask, beta=beta, num_completions=mask.shape[0], accumulation=accumulation)
-        values = self.log_metrics(self.record(raw, adapted, kl_mask, training=mode == "train", beta=beta), mode)
-        if raw is not None and beta == 0.0:  # kl_monitor: TRL logs its own kl only while β != 0
-            self.log_library_kl(values, raw, mask, mode)
+    def after_aggregation(self, loss, kl: TokenKL | None, *, mask, mode: str):
+        """Add what the pipeline adds after aggregation (the length-normalised term) and log this micro-batch's
+        metrics (over ``kl.kl_mask``: the valid tokens that are not excluded)."""
+        training = mode == "train"
+        if kl is not None:
+            loss = kl.after_aggregation(loss, accumulation=lambda: self.trainer.current_gradient_accumulation_steps if training else 1.0)
+        values = self.log_metrics(self.record_kl(kl, training=training), mode)
+        if kl is not None and not kl.plan.with_grad:  # β = 0 (kl_monitor): TRL logs its own kl only while β != 0
+            self.log_library_kl(values, kl.raw, mask, mode)
         return loss
 
     def describe(self) -> str:
@@ -198,13 +190,13 @@ class TRLAdaptiveKL(_trainer.TrainerAdaptiveKL):
             allowed = ", ".join(name for name, why in offered.items() if why is None)
             why = offered.get(loss_type) or "a newer TRL has it"
             raise ValueError(f"loss_type={loss_type!r} is not offered with the installed trl {version} ({why}); allowed: {allowed}")
-        if self.monitor and GENERATE not in _MONITORED:
+        if KL_MONITOR in self.generation_edits and GENERATE not in _MONITORED:
             raise ValueError(
                 f"kl_monitor=True is not valid with the installed trl {version}: the reference forward at beta = 0 is "
                 "patched into TRL >= 1.8 only; allowed: kl_monitor=False, or trl >= 1.8"
             )
         if "unsloth" in sys.modules and loss_class is None:
-            _trainer.logger.warning(
+            _runtime.logger.warning(
                 "unsloth_adaptive_kl: unsloth is imported, but this trainer is TRL's own %s (Unsloth did not patch TRL's "
                 "GRPO trainer here, e.g. no GPU): it trains on TRL's eager loss, not Unsloth's fused one",
                 type(self.trainer).__qualname__,
@@ -255,7 +247,7 @@ def patch(after_config_created=None) -> None:
     classes = owners()
     eager_trl = not is_unsloth_generated(grpo_trainer.GRPOTrainer)
     built = PLAN.build(classes) if eager_trl else {}
-    _trainer.patch_config_class(classes["GRPOConfig"], after_post_init=after_config_created)
+    _config_class.patch_config_class(classes["GRPOConfig"], after_post_init=after_config_created)
     if eager_trl:
         trainer_cls = classes["GRPOTrainer"]
         set_attribute(trainer_cls, "_compute_loss", _dispatch_compute_loss(built[_COMPUTE_LOSS], trainer_cls._compute_loss))

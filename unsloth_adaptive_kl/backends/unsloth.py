@@ -3,23 +3,8 @@
 ``import unsloth`` generates a module, ``UnslothGRPOTrainer``, from TRL's source and rebinds
 ``trl.GRPOTrainer``/``trl.GRPOConfig`` to its classes. Its loss runs
 ``compute_loss -> grpo_accumulated_loss -> UnslothEfficientGRPO -> grpo_compute_loss``, the last
-two inside a ``torch.compile(fullgraph=True)`` region. :data:`PLAN` rewrites them:
-
-=================================  =============================================  ==========================================
-anchor (in the generated module)   replacement                                    why
-=================================  =============================================  ==========================================
-``kl_i = expm1(r) - r``            ``kl_i, faults = adaptive_kl.estimate(..)``    the configured estimator on Unsloth's
-                                                                                  clamped log-ratio (k3 stays Unsloth's);
-                                                                                  a user one's NaN on finite inputs
-``kl_i = clamp(kl_i, -10, 10)``    ``adaptive_kl_i = adaptive_kl.term.shape(..)``  the per-token shaping, after Unsloth's clamps
-``loss_i + beta * kl_i``           ``loss_i + adaptive_kl.beta * adaptive_kl_i``  β from the controller, as a 0-dim tensor
-``masked_batch_mean(kl_metric)``   ``adaptive_kl.finish(...)``                    length-normalised term; the metric sums
-                                                                                  (the faults counted: refused at their read)
-``accumulated_mean_kl = zeros(1)``  ``zeros(STATS_SIZE)``                          room for the sums in the ``mean_kl`` slot
-``trainer.beta,`` (the call)       ``trainer._adaptive_kl.fused_beta_gate(...)``  fills ``kwargs["adaptive_kl"]``; see below
-``_metrics["kl"].append(..)``      ``_adaptive_kl.record_fused(mean_kl, mode)``   logs adaptive_kl/*, and Unsloth's own kl
-``ref - new``, ``kl_i * coef_1``    ``kl_new``, ``kl_coef_1`` (``kl_inputs``)       kl_monitor: detached while β is 0
-=================================  =============================================  ==========================================
+two inside a ``torch.compile(fullgraph=True)`` region. :data:`PLAN` rewrites them; see
+the table at the top of ``backends/unsloth_plan.py`` (the plan and its rewrite strings).
 
 ``adaptive_kl`` is ``kwargs["adaptive_kl"]``, one :class:`FusedKLInputs` (the KL term, β, the
 batch's completion count and the estimator's batch statistic). The ``beta`` argument Unsloth
@@ -49,194 +34,20 @@ from typing import NamedTuple
 import torch
 
 from .. import metrics, tail
-from .._source_patch import AnchorSet, PatchError, Plan, Rewrite, check_version, set_attribute, split_target, version_of
+from .._source_patch import PatchError, check_version, set_attribute, split_target, version_of
 from ..config import FIELD_NAMES
+from ..kl_pipeline import KL_MONITOR, after_aggregation_term, is_after_aggregation
 from ..kl_term import KLTerm
 from ..versions import SUPPORTED
-from . import _generation, _trainer
+from . import _config_class, _generation, _runtime, _trainer
 from . import reward_placement
 from .unsloth_hooks import forget_accepted_config_arguments
+from .unsloth_plan import GENERATED_MODULE, MONITOR_GENERATE, MONITOR_PLAN, PLAN, STATS_SIZE  # noqa: F401  (names of this backend)
 
-GENERATED_MODULE = "UnslothGRPOTrainer"
-STATS_SIZE = 1 + metrics.SUMS_SIZE  # Unsloth's mean_kl, then metrics.local_metric_sums (the KL sums, the tail histogram)
-
-# -- the plan --------------------------------------------------------------------------------------------
-# After the shaping, in every line: the excluded tokens' positions lose their KL (kl_i: Unsloth's kl and our raw).
-_EXCLUDE = '        kl_i, adaptive_kl_i = kwargs["adaptive_kl"].exclude(kl_i, adaptive_kl_i, input_ids)\n'
-
-
-def _gate(indent: str) -> Rewrite:
-    """``trainer.beta`` in the call of ``UnslothEfficientGRPO.apply`` (indented ``indent``, which
-    differs between unsloth_zoo lines) becomes the constant gate, with β put in the kwargs."""
-    return Rewrite(
-        "grpo_accumulated_loss",
-        "unsloth_zoo",
-        f"{indent}trainer.beta,\n{indent}trainer.accelerator.scaler,\n{indent}1,\n",
-        f"{indent}trainer._adaptive_kl.fused_beta_gate(kwargs, ref_logps, completion_mask),\n"
-        f"{indent}trainer.accelerator.scaler,\n{indent}1,\n",
-        "β goes in kwargs['adaptive_kl'] as a tensor; the compiled loss sees a constant gate",
-    )
-
-
-# 2026.10's rewrites, each named: the older lines below reuse them by these names.
-_KL = Rewrite(
-    "grpo_compute_loss",
-    "unsloth_zoo",
-    "        kl_i = torch.expm1(kl_log_ratio) - kl_log_ratio\n",
-    "        kl_i = torch.expm1(kl_log_ratio) - kl_log_ratio\n"
-    '        kl_i, adaptive_kl_estimator_faults = kwargs["adaptive_kl"].estimate(kl_i, kl_new, ref, kl_log_ratio, mask)\n',
-    "the configured estimator, on Unsloth's clamped log-ratio",
-)
-_MONITOR_NEW = Rewrite(
-    "grpo_compute_loss",
-    "unsloth_zoo",
-    "        kl_log_ratio = torch.clamp(ref - new, min = -20.0, max = 20.0)\n",
-    '        kl_new, kl_coef_1 = kwargs["adaptive_kl"].kl_inputs(new, coef_1)\n'
-    "        kl_log_ratio = torch.clamp(ref - kl_new, min = -20.0, max = 20.0)\n",
-    "kl_monitor: while β is 0 the KL reads new and coef_1 detached, so no gradient goes through it",
-)
-_MONITOR_COEF = Rewrite(
-    "grpo_compute_loss",
-    "unsloth_zoo",
-    "        if use_bias_correction_kl:\n            kl_i = kl_i * coef_1\n",
-    "        if use_bias_correction_kl:\n            kl_i = kl_i * kl_coef_1\n",
-    "kl_monitor: the bias correction's ratio, detached while β is 0",
-)
-_SHAPE = Rewrite(
-    "grpo_compute_loss",
-    "unsloth_zoo",
-    "        kl_i = torch.clamp(kl_i, min = -10.0, max = 10.0)\n",
-    "        kl_i = torch.clamp(kl_i, min = -10.0, max = 10.0)\n"
-    '        adaptive_kl_i = kwargs["adaptive_kl"].term.shape(kl_i)\n' + _EXCLUDE,
-    "the shaping, after Unsloth's bias correction and clamp; no KL at kl_exclude_token_ids",
-)
-_ADD = Rewrite(
-    "grpo_compute_loss",
-    "unsloth_zoo",
-    "    if beta != 0.0:\n        loss_i = loss_i + beta * kl_i\n",
-    '    if beta != 0.0 and not kwargs["adaptive_kl"].term.length_normalized:\n'
-    '        loss_i = loss_i + kwargs["adaptive_kl"].loss_term(adaptive_kl_i)\n',
-    "β (a tensor) times the adapted KL (none while kl_monitor watches β = 0); length_normalized adds its term in finish",
-)
-_FINISH = Rewrite(
-    "grpo_compute_loss",
-    "unsloth_zoo",
-    "    completion_length, mean_kl = masked_batch_mean(kl_metric)\n",
-    "    completion_length, mean_kl = masked_batch_mean(kl_metric)\n"
-    '    loss, mean_kl = kwargs["adaptive_kl"].finish(\n'
-    "        loss, mean_kl, kl_metric, adaptive_kl_i if beta != 0.0 else None, mask, rs_keep, current_gradient_accumulation_steps,\n"
-    "        input_ids, adaptive_kl_estimator_faults if beta != 0.0 else None,\n"
-    "    )\n",
-    "the length-normalised term, and the local metric sums in the mean_kl slot",
-)
-_FORWARD = Rewrite(
-    "UnslothEfficientGRPO.forward",
-    "unsloth_zoo",
-    "        accumulated_mean_kl           = torch.zeros(1, device = device)[0]\n",
-    f"        accumulated_mean_kl           = torch.zeros({STATS_SIZE}, dtype = torch.float64, device = device)\n"
-    "        torch._dynamo.mark_static(accumulated_mean_kl)\n",
-    "the mean_kl accumulator holds Unsloth's kl and the metric sums; static: under Unsloth's dynamic=True its "
-    f"length would get a symbol that duck sizing shares with a sequence length of {STATS_SIZE}, specialising it",
-)
-_GATE = _gate(" " * 16)
-_TRAINER_KL = Rewrite(
-    "UnslothGRPOTrainer.compute_loss",
-    "unsloth",
-    '            self._metrics[mode]["kl"].append(mean_kl.item())\n',
-    '            self._metrics[mode]["kl"].append(self._adaptive_kl.record_fused(mean_kl, mode))\n',
-    "the adaptive_kl/* metrics, reduced across processes; Unsloth's own kl unchanged",
-)
-UNSLOTH_2026_10 = AnchorSet(
-    family="unsloth 2026.10",
-    versions={"unsloth_zoo": ">=2026.10,<2026.11"},
-    rewrites=(_KL, _MONITOR_NEW, _MONITOR_COEF, _SHAPE, _ADD, _FINISH, _FORWARD, _GATE, _TRAINER_KL),
-)
-# Older unsloth_zoo lines (docs/compatibility.md): 2026.9 clamps k3 in one line, before the bias
-# correction; 2026.8 neither clamps nor corrects. Neither has kl_metric or rollout rejection (rs_keep).
-_FINISH_BEFORE_2026_10 = Rewrite(
-    "grpo_compute_loss",
-    "unsloth_zoo",
-    "    completion_length, mean_kl = masked_batch_mean(kl_i)\n",
-    "    completion_length, mean_kl = masked_batch_mean(kl_i)\n"
-    '    loss, mean_kl = kwargs["adaptive_kl"].finish(\n'
-    "        loss, mean_kl, kl_i, adaptive_kl_i if beta != 0.0 else None, mask, None, current_gradient_accumulation_steps, input_ids,\n"
-    "        adaptive_kl_estimator_faults if beta != 0.0 else None,\n"
-    "    )\n",
-    _FINISH.why,
-)
-UNSLOTH_2026_9 = AnchorSet(
-    "unsloth 2026.9",
-    {"unsloth_zoo": ">=2026.9,<2026.10"},
-    (
-        Rewrite(
-            "grpo_compute_loss",
-            "unsloth_zoo",
-            "        kl_i = torch.clamp(torch.expm1(kl_log_ratio) - kl_log_ratio, min = -10.0, max = 10.0)\n",
-            "        kl_i = torch.clamp(torch.expm1(kl_log_ratio) - kl_log_ratio, min = -10.0, max = 10.0)\n"
-            '        kl_i, adaptive_kl_estimator_faults = kwargs["adaptive_kl"].estimate(kl_i, new, ref, kl_log_ratio, mask)\n',
-            _KL.why + " (the [-10, 10] clamp is Unsloth's k3's own here)",
-        ),
-        Rewrite(
-            "grpo_compute_loss",
-            "unsloth_zoo",
-            "        if use_bias_correction_kl:\n            kl_i = kl_i * coef_1\n",
-            "        if use_bias_correction_kl:\n            kl_i = kl_i * coef_1\n"
-            '        adaptive_kl_i = kwargs["adaptive_kl"].term.shape(kl_i)\n' + _EXCLUDE,
-            "the shaping, after Unsloth's bias correction; no KL at kl_exclude_token_ids",
-        ),
-        _ADD, _FINISH_BEFORE_2026_10, _FORWARD, _GATE, _TRAINER_KL,
-    ),
-)  # fmt: skip
-UNSLOTH_2026_8 = AnchorSet(
-    "unsloth 2026.8",
-    {"unsloth_zoo": ">=2026.8,<2026.9"},
-    (
-        Rewrite(
-            "grpo_compute_loss",
-            "unsloth_zoo",
-            "        kl_i = torch.exp(ref - new) - (ref - new) - 1.0\n",
-            "        kl_i = torch.exp(ref - new) - (ref - new) - 1.0\n"
-            '        kl_i, adaptive_kl_estimator_faults = kwargs["adaptive_kl"].estimate(kl_i, new, ref, ref - new, mask)\n'
-            '        adaptive_kl_i = kwargs["adaptive_kl"].term.shape(kl_i)\n' + _EXCLUDE,
-            "the configured estimator (this Unsloth's k3 is unclamped, with no bias correction), the shaping, the exclusions",
-        ),
-        _ADD, _FINISH_BEFORE_2026_10, _FORWARD, _gate(" " * 12), _TRAINER_KL,
-    ),
-)  # fmt: skip
-PLAN = Plan(backend="unsloth", anchor_sets=(UNSLOTH_2026_10, UNSLOTH_2026_9, UNSLOTH_2026_8))  # newest first
-
-# kl_monitor's reference forward at β = 0, in the generation of the trainer generated from TRL 1.15's source
-# (``_UnslothGRPOTrainer``'s; ``UnslothGRPOTrainer``'s own is Unsloth's rollout wrapper around it). The 2026.8 and
-# 2026.9 lines generate theirs from TRL 0.24's, where the TRL backend does not offer kl_monitor either: refused there.
-MONITOR_GENERATE = "_UnslothGRPOTrainer._generate_and_score_completions"
-
-
-MONITOR_PLAN = Plan(
-    backend="unsloth (kl_monitor)",
-    anchor_sets=(
-        AnchorSet(
-            "unsloth 2026.10",
-            {"unsloth_zoo": ">=2026.10,<2026.11"},
-            (
-                Rewrite(
-                    MONITOR_GENERATE,
-                    "unsloth",
-                    "            # Compute the per-token log probabilities for the reference model\n            if self.beta != 0.0:\n",
-                    "            # Compute the per-token log probabilities for the reference model\n"
-                    "            if self._adaptive_kl.runs_reference():\n"
-                    "                self._adaptive_kl.before_reference_forward(_unsloth_grpo_autocast_unscored)\n",
-                    "kl_monitor: the reference forward also runs at β = 0 (every kl_monitor_every-th generation batch), with the "
-                    "loss's precision latch of a β = 0 run",
-                ),
-                *(reward_placement.explicit_super(MONITOR_GENERATE, "unsloth", line) for line in reward_placement.SUPER_CALLS),
-            ),
-        ),
-    ),
-)
 #: Trainer class -> why kl_monitor cannot be applied to it (MONITOR_PLAN does not match its generation).
 _MONITOR_UNAVAILABLE: dict[type, str] = {}
 #: kl_monitor as a feature of the generation (``_generation.Feature``), composed with the reward placement's.
-MONITOR = _generation.Feature("kl_monitor", MONITOR_PLAN, enabled=lambda runtime: runtime.monitor)
+MONITOR = _generation.Feature(KL_MONITOR, MONITOR_PLAN, enabled=lambda runtime: KL_MONITOR in runtime.generation_edits)
 
 
 class FusedKLInputs(NamedTuple):
@@ -260,6 +71,15 @@ class FusedKLInputs(NamedTuple):
     def in_loss(self, term):
         """A KL term as it enters the loss: ``term``, or under kl_monitor 0 while β is 0 (exactly: a select)."""
         return term if self.kl_enters_loss is None else torch.where(self.kl_enters_loss, term, 0.0)
+
+    def per_token(self) -> bool:
+        """Whether the KL term enters the per-token loss (else :meth:`finish` adds it after aggregation): the KL
+        pipeline's decision, a constant of the term (the compiled loss guards on it once)."""
+        return not is_after_aggregation(self.term)
+
+    def shape(self, kl):
+        """The per-token shaping of the KL term, after Unsloth's own clamps."""
+        return self.term.shape(kl)
 
     def loss_term(self, adapted):
         """β times the adapted per-token KL, as it enters Unsloth's per-token loss."""
@@ -294,12 +114,9 @@ class FusedKLInputs(NamedTuple):
                 adapted = torch.where(rs_keep, adapted, 0.0)
             # the valid tokens that are not excluded (token_ids: the loss's input_ids, None from a direct caller)
             kl_mask = mask if token_ids is None else self.term.kl_mask(mask, token_ids.reshape(mask.shape))
-            if self.term.length_normalized:
-                loss = loss + self.in_loss(
-                    self.term.length_normalized_loss(
-                        adapted, kl_mask, beta=self.beta, num_completions=self.num_completions, accumulation=accumulation
-                    )
-                )
+            after = after_aggregation_term(self.term, adapted, kl_mask, beta=self.beta, num_completions=self.num_completions, accumulation=accumulation)
+            if after is not None:
+                loss = loss + self.in_loss(after)
             # One chunk (the rewritten call passes n_chunks=1): the chunk's max and min are the micro-batch's.
             sums = metrics.local_metric_sums(
                 raw, adapted, kl_mask, self.tail_edges, count_shaping_faults=bool(self.term.user_shaping_steps),
@@ -308,7 +125,7 @@ class FusedKLInputs(NamedTuple):
         return loss, torch.cat([unsloth_mean_kl.reshape(1).to(torch.float64), sums])
 
 
-class UnslothAdaptiveKL(_trainer.TrainerAdaptiveKL):
+class UnslothAdaptiveKL(_runtime.TrainerAdaptiveKL):
     """The trainer-side state for Unsloth's generated trainer."""
 
     stock_when_unattached = False  # its loss is rewritten in place: method none is stock Unsloth
@@ -316,7 +133,7 @@ class UnslothAdaptiveKL(_trainer.TrainerAdaptiveKL):
 
     def __init__(self, trainer):
         super().__init__(trainer)
-        if self.monitor:
+        if KL_MONITOR in self.generation_edits:
             self.check_monitor()
 
     def check_monitor(self) -> None:
@@ -375,14 +192,14 @@ class UnslothAdaptiveKL(_trainer.TrainerAdaptiveKL):
     def fused_beta_gate(self, kwargs: dict, ref_logps, completion_mask) -> float:
         """Put this step's :class:`FusedKLInputs` in the loss kwargs; return the constant gate the
         compiled loss sees as its ``beta`` (1.0 while β != 0, else 0.0; module docstring)."""
-        beta = float(self.trainer.beta)
         # At β = 0 the KL is computed only for a batch kl_monitor watched (the generation checks that it has reference
         # log-probs): the others take Unsloth's own β = 0 loss, gate 0.0 (a second graph, compiled once).
-        self.fused_computes_kl = self.computes_kl_with(ref_logps)
-        if not self.fused_computes_kl:
+        plan = self.plan(ref_logps)
+        self.fused_computes_kl = plan.computes_kl
+        if not plan.computes_kl:
             kwargs["adaptive_kl"] = FusedKLInputs(self.term, None, None, None)
             return 0.0
-        if beta != 0.0 and self.length_normalized and kwargs.get("sample_weight") is not None:
+        if plan.with_grad and not plan.per_token and kwargs.get("sample_weight") is not None:
             raise ValueError(
                 "kl_adaptation_method with length_normalized cannot be combined with Unsloth's per-completion "
                 "sample weights (sample_weight): both replace the loss normaliser"
@@ -393,12 +210,12 @@ class UnslothAdaptiveKL(_trainer.TrainerAdaptiveKL):
         kwargs["adaptive_kl"] = FusedKLInputs(
             term=self.term,
             # kl_placement='reward': the KL is still computed (for the metrics) but weighs 0 in the loss
-            beta=torch.tensor(beta if self.kl_in_loss else 0.0, dtype=torch.float32, device=device),
+            beta=torch.tensor(plan.loss_beta, dtype=torch.float32, device=device),
             num_completions=torch.tensor(float(completion_mask.shape[0]), dtype=torch.float32, device=device),
             statistic=None if ref_logps is None else self.batch_statistic(ref_logps, completion_mask),
             tail_edges=tail_edges,
             # kl_monitor: a flag the graph reads, so β reaching 0 recompiles nothing (the gate stays 1.0)
-            kl_enters_loss=torch.tensor(beta != 0.0, device=device) if self.monitor else None,
+            kl_enters_loss=torch.tensor(plan.with_grad, device=device) if plan.grad_switch else None,
         )
         return 1.0
 
@@ -495,7 +312,7 @@ def patch_generated_module(module) -> None:
     built = PLAN.build(targets, namespace=dict(module.__dict__))
     trainer_cls, config_cls = module.UnslothGRPOTrainer, module.UnslothGRPOConfig
     pristine_config = config_cls.__mro__[1]
-    _trainer.patch_config_class(pristine_config, after_post_init=maybe_patch)
+    _config_class.patch_config_class(pristine_config, after_post_init=maybe_patch)
     _graft_config_fields(config_cls, pristine_config)
     for target, function in built.items():
         owner, name = split_target(target)
