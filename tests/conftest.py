@@ -8,7 +8,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402  (torch does not import triton)
 
-torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+if os.environ["OMP_NUM_THREADS"].isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 # TRL's fused log-prob kernel is Triton; on a machine with no GPU it only runs interpreted.
 # This must be set before triton is first imported, and never on a GPU machine, where every
