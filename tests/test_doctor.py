@@ -178,11 +178,19 @@ def test_cli_without_a_command_prints_usage_and_exits_2(capsys):
     assert "doctor" in capsys.readouterr().err
 
 
-def test_python_dash_m_doctor_runs_and_exits_zero():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "unsloth_adaptive_kl", "doctor", "--backend", "trl"], capture_output=True, text=True, timeout=120, env=env
-    )
+def _doctor_env(tmp_path):
+    return {**os.environ, "TRITON_INTERPRET": "1", "UNSLOTH_COMPILE_DISABLE": "1", "UNSLOTH_COMPILE_LOCATION": str(tmp_path / "cache")}
+
+
+@pytest.fixture(scope="module")
+def doctor_trl(tmp_path_factory):
+    """``python -m unsloth_adaptive_kl doctor --backend trl``, run once for the tests below that read it."""
+    env = _doctor_env(tmp_path_factory.mktemp("doctor"))
+    return subprocess.run([sys.executable, "-m", "unsloth_adaptive_kl", "doctor", "--backend", "trl"], capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_python_dash_m_doctor_runs_and_exits_zero(doctor_trl):
+    proc = doctor_trl
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "Backend trl" in proc.stdout and "Result: every checked backend can work" in proc.stdout
 
@@ -256,16 +264,13 @@ def test_trl_fails_without_a_triton_driver_or_the_interpreter_and_names_the_fix(
 
 
 @pytest.mark.skipif(importlib.util.find_spec("unsloth") is None, reason="unsloth is not installed")
-def test_plain_doctor_imports_unsloth_before_trl_so_unsloth_does_not_warn_about_import_order(tmp_path):
+def test_plain_doctor_imports_unsloth_before_trl_so_unsloth_does_not_warn_about_import_order(tmp_path, doctor_trl):
     # issue 39, item 8: before, the package's own patch imported trl and transformers, then the doctor imported
     # unsloth, which warned "Unsloth should be imported before [trl, transformers, peft]".
-    env = {**os.environ, "TRITON_INTERPRET": "1", "UNSLOTH_COMPILE_DISABLE": "1", "UNSLOTH_COMPILE_LOCATION": str(tmp_path / "cache")}
-    proc = subprocess.run([sys.executable, "-m", "unsloth_adaptive_kl", "doctor"], capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run([sys.executable, "-m", "unsloth_adaptive_kl", "doctor"], capture_output=True, text=True, timeout=300, env=_doctor_env(tmp_path))
     assert "Backend unsloth" in proc.stdout and "unsloth_zoo grpo_compute_loss" in proc.stdout, proc.stdout[-3000:]
     assert "should be imported before" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
-    only_trl = subprocess.run(
-        [sys.executable, "-m", "unsloth_adaptive_kl", "doctor", "--backend", "trl"], capture_output=True, text=True, timeout=300, env=env
-    )
+    only_trl = doctor_trl  # the same environment (Unsloth's compile switch and cache), --backend trl
     assert only_trl.returncode == 0 and "Unsloth Zoo will now patch" not in only_trl.stdout  # not asked for: not imported
     assert "Unsloth Zoo will now patch" in proc.stdout  # (the banner `import unsloth` prints)
 

@@ -1,7 +1,12 @@
 """Unsloth scenarios, each run in a fresh process by test_unsloth.py: ``import unsloth`` rebinds
 TRL's classes process-wide, so it must not happen inside the main test process.
 
-    python unsloth_worker.py ORDER SCENARIO OUT_JSON
+    python unsloth_worker.py ORDER SCENARIO[,SCENARIO...] OUT_DIR
+
+The process imports (in ORDER), lets Unsloth generate its trainer and builds the tiny checkpoint once (~20 s of CPU),
+then forks one child per SCENARIO: each child starts from that state, as a fresh process would after the same imports,
+runs its scenario alone and writes OUT_DIR/SCENARIO.json (or OUT_DIR/SCENARIO.error, its traceback). The scenarios of
+one call are all ``compiled*`` or none is (Unsloth's compile switch is read at import).
 
 ORDER is ``unsloth-first``, ``ours-first``, ``stock-first`` (unsloth first, and a config with
 an adaptive-KL field built before this package is imported: stock Unsloth's behaviour) or
@@ -17,7 +22,11 @@ import os
 import sys
 import tempfile
 
-ORDER, SCENARIO, OUT = sys.argv[1:4]
+import traceback
+
+ORDER, SCENARIOS, OUT = sys.argv[1], sys.argv[2].split(","), sys.argv[3]
+if len({name.startswith("compiled") for name in SCENARIOS}) != 1:
+    sys.exit(f"{SCENARIOS}: compiled* scenarios and eager ones need separate processes (the compile switch is read at import)")
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("UNSLOTH_COMPILE_LOCATION", tempfile.mkdtemp(prefix="unsloth-cache-"))
 # A private TorchInductor cache: a cache shared with other processes (or left by earlier runs) was
@@ -27,7 +36,7 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="induct
 # inductor's own inductor::_alloc_from_pool in a graph Unsloth compiles (transformers'
 # create_causal_mask); outside CI it is a warning. Keep torch's default, not its CI strictness.
 os.environ.setdefault("TORCHINDUCTOR_ERROR_ON_CUSTOM_OP_ALIASING", "0")
-if not SCENARIO.startswith("compiled"):
+if not SCENARIOS[0].startswith("compiled"):
     os.environ["UNSLOTH_COMPILE_DISABLE"] = "1"  # eager: exact comparisons and fast tests
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for reference.py
 
@@ -982,6 +991,34 @@ def scenario_unpatch():
         results["sequence"][step] = probe_config()
 
 
-{"early_config": scenario_early_config, "config": scenario_config, "unpatch": scenario_unpatch, "identity": scenario_identity, "all_masked": scenario_all_masked, "resume": scenario_resume, "kl_part": scenario_kl_part, "train": scenario_train, "subclass": scenario_subclass, "renamed": scenario_renamed, "compiled": scenario_compiled, "compiled_loop": scenario_compiled_loop, "reward_placement": scenario_reward_placement, "user_code": scenario_user_code, "diagnostics": scenario_diagnostics, "monitor_reward": scenario_monitor_reward}[SCENARIO]()
-with open(OUT, "w") as f:
-    json.dump(results, f, default=lambda o: None if isinstance(o, float) and math.isnan(o) else str(o))
+SCENARIO_FUNCTIONS = {"early_config": scenario_early_config, "config": scenario_config, "unpatch": scenario_unpatch, "identity": scenario_identity, "all_masked": scenario_all_masked, "resume": scenario_resume, "kl_part": scenario_kl_part, "train": scenario_train, "subclass": scenario_subclass, "renamed": scenario_renamed, "compiled": scenario_compiled, "compiled_loop": scenario_compiled_loop, "reward_placement": scenario_reward_placement, "user_code": scenario_user_code, "diagnostics": scenario_diagnostics, "monitor_reward": scenario_monitor_reward}
+
+
+def run_in_child(name):
+    """The forked child: ``name`` alone, its results (or its traceback) written, then the child ends without running the
+    parent's exit handlers. Its own TorchInductor cache, as a fresh process had (see TORCHINDUCTOR_CACHE_DIR above)."""
+    code = 1
+    try:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-cache-")
+        SCENARIO_FUNCTIONS[name]()
+        with open(os.path.join(OUT, name + ".json"), "w") as f:
+            json.dump(results, f, default=lambda o: None if isinstance(o, float) and math.isnan(o) else str(o))
+        code = 0
+    except BaseException:
+        with open(os.path.join(OUT, name + ".error"), "w") as f:
+            f.write(traceback.format_exc())
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+failed = []
+for name in SCENARIOS:
+    pid = os.fork()
+    if pid == 0:
+        run_in_child(name)
+    _, status = os.waitpid(pid, 0)
+    if os.waitstatus_to_exitcode(status) != 0:
+        failed.append(f"{name} (exit {os.waitstatus_to_exitcode(status)})")
+sys.exit(f"failed: {', '.join(failed)}" if failed else 0)
