@@ -104,3 +104,69 @@ def test_a_shaping_fault_at_scoring_time_is_refused_naming_the_user_methods_and_
     faulty = metrics.local_kl_sums(raw, raw, mask)
     faulty[metrics.SHAPING_FAULTS] = 2.0
     assert torch.equal(runtime.observe_scoring_sums(faulty), faulty)
+
+
+# -- the pipeline's exclusion step (kl_pipeline), which every loss runs: eager, Unsloth's fused loss, the Liger module --
+def _reference_kl_positions(mask, ids, exclude):
+    """The definition, in Python loops: a position keeps its mask value unless its token id is listed."""
+    return torch.tensor([[0 if int(i) in set(exclude or ()) else int(m) for m, i in zip(mr, ir)] for mr, ir in zip(mask, ids)])
+
+
+@pytest.mark.parametrize("exclude", [None, [4], [0, 2, 5]])
+def test_the_pipelines_exclusion_step_in_each_of_its_forms_matches_the_definition(exclude):
+    from unsloth_adaptive_kl.kl_pipeline import adapted_in_graph, kl_keep, kl_positions
+
+    term = build(_config(kl_exclude_token_ids=exclude, kl_adaptation_method="soft_clip")).term
+    ids = _tokens(3)
+    mask = (torch.rand(ids.shape, generator=torch.Generator().manual_seed(4)) > 0.2).long()
+    expected = _reference_kl_positions(mask, ids, exclude)
+    assert torch.equal(kl_positions(term, mask, ids), expected)
+    keep = kl_keep(term, ids)
+    assert (keep is None) == (exclude is None)
+    assert torch.equal(mask if keep is None else mask * keep, expected)  # the Liger module's form: a factor
+    raw = torch.rand(ids.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(5)) * 3
+    got_raw, got_adapted = adapted_in_graph(term, raw, ids.unsqueeze(-1))  # Unsloth's input_ids are (B, T, 1)
+    listed = torch.tensor([[int(i) in set(exclude or ()) for i in row] for row in ids])
+    assert torch.equal(got_raw, torch.where(listed, 0.0, raw))
+    assert torch.equal(got_adapted, torch.where(listed, 0.0, term.shape(raw)))
+    assert not torch.equal(term.shape(raw), raw)  # the shaping acted, so the order of the steps tells
+
+
+def test_the_exclusion_step_refuses_missing_or_misshaped_token_ids_and_reads_none_without_exclusions():
+    from unsloth_adaptive_kl.kl_pipeline import kl_keep, kl_positions
+
+    mask = torch.ones(2, 3)
+    plain = build(_config()).term
+    assert kl_positions(plain, mask, None) is mask and kl_keep(plain, None) is None
+    term = build(_config(kl_exclude_token_ids=[1])).term
+    with pytest.raises(ValueError, match=r"kl_exclude_token_ids=\[1\] needs the completion tokens, shaped as the mask \(2, 3\); got None, here"):
+        kl_positions(term, mask, None, needs=", here")
+    with pytest.raises(ValueError, match=r"shaped as the mask \(2, 3\); got \(2, 4\)"):
+        kl_positions(term, mask, torch.zeros(2, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"kl_exclude_token_ids=\[1\] needs the completion tokens: pass them"):
+        kl_keep(term, None, needs=": pass them")
+
+
+def test_the_exclusion_step_compiles_in_one_graph_and_once_for_a_changing_beta():
+    """Inside a compiled loss the step is Python constants and elementwise ops: fullgraph holds, and a new β (a
+    tensor, as the backends pass it) reuses the graph."""
+    from unsloth_adaptive_kl.kl_pipeline import adapted_in_graph, kl_positions
+
+    term = build(_config(kl_exclude_token_ids=[0, 2], kl_adaptation_method="soft_clip")).term
+    counts = []
+
+    def backend(gm, example_inputs):
+        counts.append(1)
+        return gm.forward
+
+    @torch.compile(fullgraph=True, backend=backend, dynamic=False)
+    def loss(raw, ids, mask, beta):
+        raw, adapted = adapted_in_graph(term, raw, ids)
+        return (beta * adapted * kl_positions(term, mask, ids.reshape(mask.shape))).sum()
+
+    ids, mask, raw = _tokens(6), torch.ones(3, 7), torch.rand(3, 7)
+    torch._dynamo.reset()
+    for beta in (0.1, 0.2, 0.05):
+        eager = (beta * torch.where(torch.isin(ids, torch.tensor([0, 2])), 0.0, term.shape(raw))).sum()
+        assert torch.allclose(loss(raw, ids, mask, torch.tensor(beta)), eager)
+    assert len(counts) == 1

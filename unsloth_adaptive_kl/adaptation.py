@@ -221,6 +221,12 @@ class AdaptiveKL:
         self.controller.observe_reward(reward)
         self.alarm.observe_reward(reward)
 
+    def check_model(self, *, vocab_size: int | None) -> None:
+        """Refuse settings that do not fit the model they train, when a trainer is attached (ValueError naming the
+        field): ``vocab_size``, how many token ids the model can sample (None: unknown, not checked), against the KL
+        term's token ids (:meth:`KLTerm.check_vocabulary`)."""
+        self.term.check_vocabulary(vocab_size)
+
     def check_step_size(self, num_completions: int) -> None:
         """Refuse, when the trainer is created, a configuration that ``num_completions`` completions per
         optimizer step (all processes) would break at its first update (``target``'s ``kl_horizon``)."""

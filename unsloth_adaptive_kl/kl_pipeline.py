@@ -139,12 +139,49 @@ class TokenKL:
         )
 
 
+def kl_positions(term: KLTerm, mask, token_ids, *, needs: str = ""):
+    """The pipeline's first step, which every loss runs (eager and compiled): the positions the KL term applies to,
+    ``mask`` without the ``kl_exclude_token_ids`` positions (:meth:`KLTerm.kl_mask`; ``mask`` itself when none is
+    excluded). ``token_ids``: the completion tokens, shaped as ``mask``. Only Python constants decide, so inside a
+    compiled loss it adds no graph break and no recompile. Without exclusions ``token_ids`` is not read (None allowed);
+    with them, None or another shape is refused (ValueError, ``needs`` saying how the caller passes them)."""
+    if term.exclude_token_ids and (token_ids is None or tuple(token_ids.shape) != tuple(mask.shape)):
+        got = None if token_ids is None else tuple(token_ids.shape)
+        raise ValueError(
+            f"kl_exclude_token_ids={list(term.exclude_token_ids)} needs the completion tokens, shaped as the mask "
+            f"{tuple(mask.shape)}; got {got}{needs}"
+        )
+    return mask if token_ids is None else term.kl_mask(mask, token_ids)
+
+
+def kl_keep(term: KLTerm, token_ids, *, needs: str = ""):
+    """Where the KL term applies apart from the mask (bool, shaped as ``token_ids``), or None where everywhere: the
+    exclusion step as a factor, for a loss that multiplies its masks (the Liger module). None or not, a constant of
+    the term, so a compiled loss taking it as an input compiles once. ``token_ids`` None is refused where they are
+    read (ValueError, ``needs`` saying how the caller passes them)."""
+    if not term.exclude_token_ids:
+        return None
+    if token_ids is None:
+        raise ValueError(f"kl_exclude_token_ids={list(term.exclude_token_ids)} needs the completion tokens{needs}")
+    return ~term.excluded(token_ids)
+
+
+def adapted_in_graph(term: KLTerm, raw, token_ids):
+    """``(raw, adapted)`` of a compiled loss that masks afterwards (Unsloth's fused loss): the shaping of ``raw``
+    (:meth:`KLTerm.shape`), then both without the ``kl_exclude_token_ids`` positions' KL
+    (:meth:`KLTerm.without_excluded`; unchanged when none is). ``token_ids``: the completion tokens, reshaped to
+    ``raw``'s shape. Python constants only: no graph break, no recompile."""
+    adapted = term.shape(raw)
+    token_ids = token_ids.reshape(raw.shape)
+    return term.without_excluded(raw, token_ids), term.without_excluded(adapted, token_ids)
+
+
 def token_kl(term: KLTerm, plan: KLPlan, logp, ref_logp, mask, token_ids, coef=None, statistic=None, estimator=None) -> TokenKL | None:
     """The per-token KL of an eager loss, or None where the plan computes none: the exclusions, then
     :meth:`KLTerm.per_token`. At β = 0 (``kl_monitor``) without an autograd graph: the KL reaches only the metrics."""
     if not plan.computes_kl:
         return None
-    kl_mask = term.kl_mask(mask, token_ids)
+    kl_mask = kl_positions(term, mask, token_ids)
     with contextlib.nullcontext() if plan.with_grad else torch.no_grad():
         raw, adapted = term.per_token(logp, ref_logp, kl_mask, coef, statistic, estimator)
     return TokenKL(plan, raw, adapted, mask, kl_mask)
@@ -189,7 +226,7 @@ def scoring_kl(term: KLTerm, plan: KLPlan, logp, ref_logp, mask, token_ids, *, o
     (:meth:`KLTerm.reward_penalty`) where the plan penalises the reward. None where the plan computes no KL."""
     if not plan.computes_kl:
         return None
-    kl_mask = mask if token_ids is None else term.kl_mask(mask, token_ids)
+    kl_mask = kl_positions(term, mask, token_ids, needs=" (the sampled token ids at scoring time, kl_placement='reward')")
     with torch.no_grad():
         raw, adapted = term.per_token(logp, ref_logp, kl_mask, None, term.batch_statistic(ref_logp, kl_mask))
         sums = metrics.local_kl_sums(raw, adapted, kl_mask, count_shaping_faults=bool(term.user_shaping_steps)) if observed else None
@@ -198,6 +235,6 @@ def scoring_kl(term: KLTerm, plan: KLPlan, logp, ref_logp, mask, token_ids, *, o
 
 
 __all__ = [
-    "KL_MONITOR", "REWARD_PENALTY", "generation_edits", "scores_reference", "KLPlan", "ScoringKL", "TokenKL", "after_aggregation_term", "is_after_aggregation", "loss_term", "plan_kl", "scoring_kl",
+    "KL_MONITOR", "REWARD_PENALTY", "generation_edits", "scores_reference", "KLPlan", "ScoringKL", "TokenKL", "adapted_in_graph", "after_aggregation_term", "is_after_aggregation", "kl_keep", "kl_positions", "loss_term", "plan_kl", "scoring_kl",
     "token_kl",
 ]  # fmt: skip

@@ -103,6 +103,12 @@ class KLTerm:
                 "term; allowed: a list of some tokens (EOS, chat-template tokens), or beta=0 for no KL term"
             )
 
+    @property
+    def narrows_mask(self) -> bool:
+        """Whether the KL's mask (:meth:`kl_mask`) can leave out positions of the loss's mask (``kl_exclude_token_ids``):
+        then a metric over the KL's mask is not the library's own mean over the loss's."""
+        return bool(self.exclude_token_ids)
+
     def excluded(self, token_ids: torch.Tensor) -> torch.Tensor | None:
         """Where ``token_ids`` is one of :attr:`exclude_token_ids` (bool, same shape); None when none is excluded.
         One comparison per excluded id: no tensor is made from the list, so no copy to the device and no

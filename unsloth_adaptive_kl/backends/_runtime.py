@@ -129,10 +129,10 @@ class TrainerAdaptiveKL(AdaptiveKL):
 
     def log_library_kl(self, values: dict[str, float], raw, mask, mode: str) -> None:
         """Log the library's own ``kl`` where it does not (β = 0 under kl_monitor): its global masked mean of the
-        raw KL over ``mask``, which is ``values``' raw_kl unless that is NaN (TRL logs 0 for no token) or tokens
-        are excluded (TRL's mean counts them, at 0)."""
+        raw KL over ``mask``, which is ``values``' raw_kl unless that is NaN (TRL logs 0 for no token) or the KL's
+        mask is narrower than ``mask`` (``KLTerm.narrows_mask``: TRL's mean counts the positions left out, at 0)."""
         kl = values[metrics.RAW_KL]
-        if kl != kl or self.term.exclude_token_ids:
+        if kl != kl or self.term.narrows_mask:
             kl = metrics.global_masked_mean(raw, mask, self.reduce)
         self.trainer._metrics[mode]["kl"].append(kl)
 

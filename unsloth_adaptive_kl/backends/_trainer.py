@@ -236,7 +236,7 @@ def attach(trainer, runtime_cls, loss_class=None) -> TrainerAdaptiveKL:
         return existing
     check_loss_type(getattr(trainer, "loss_type", trainer.args.loss_type))  # the config's may have changed since it was checked
     runtime = runtime_cls(trainer)
-    runtime.term.check_vocabulary(vocabulary_size(trainer))
+    runtime.check_model(vocab_size=vocabulary_size(trainer))
     args = trainer.args
     runtime.check_step_size(args.per_device_train_batch_size * args.gradient_accumulation_steps * trainer.accelerator.num_processes)
     trainer._adaptive_kl = runtime  # from now on trainer.beta is runtime.beta (trainer_beta)

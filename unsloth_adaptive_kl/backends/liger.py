@@ -54,7 +54,7 @@ from ..adaptation import AdaptiveKL
 from ..config import DEFAULTS, TERM_FIELD_NAMES
 from ..controllers import controller_names
 from ..estimators import get_estimator
-from ..kl_pipeline import loss_term
+from ..kl_pipeline import kl_keep, loss_term
 from ._fused_head import check_fused_arguments, fallback_reason, fused_loss
 from ._liger_interface import (  # noqa: F401  (LOSS_TYPES: a name of this module's API)
     LIGER_PARAMETER_NAMES,
@@ -252,7 +252,8 @@ class AdaptiveFusedLinearGRPOLoss(nn.Module):
 
         ``ref_per_token_logps=None`` means no KL term (as β = 0). β is ``self.beta``. This is the
         entry point for comparing backends on identical log-probs. ``selected_token_ids`` (the
-        completion tokens, ``(B, T)``) are needed only with ``kl_exclude_token_ids``.
+        completion tokens, ``(B, T)``) are read where the KL pipeline's first step needs them
+        (``kl_pipeline.kl_keep``: with ``kl_exclude_token_ids``).
         """
         self._check_configuration()
         inputs = self._elementwise_inputs(
@@ -270,22 +271,12 @@ class AdaptiveFusedLinearGRPOLoss(nn.Module):
         old = old.float() if old is not None else None
         if self.loss_type != "luspo":
             ref, old = neutral_padding(mask, ref, old)
-        keep = self._kl_keep(token_ids) if with_kl else None
+        # the pipeline's first step as a factor of the masks (None: the KL term applies wherever the mask does)
+        keep = kl_keep(self.adaptive_kl.term, token_ids, needs=": pass selected_token_ids= to loss_from_logps") if with_kl else None
         statistic = self.adaptive_kl.batch_statistic(ref, mask if keep is None else mask * keep) if with_kl else None
         # kl_placement='reward' (GRPOTrainer(loss_class=...)): the KL is computed for the metrics but weighs 0 in the loss
         beta = torch.as_tensor(self.adaptive_kl.plan(ref).loss_beta, dtype=torch.float32, device=mask.device)
         return mask, advantages, ref, old, vllm_is_ratio, beta, statistic, normaliser_tensor(num_items_in_batch, mask.device), keep
-
-    def _kl_keep(self, token_ids) -> torch.Tensor | None:
-        """Where the KL term applies apart from padding: not at ``kl_exclude_token_ids`` (None: everywhere)."""
-        term = self.adaptive_kl.term
-        if not term.exclude_token_ids:
-            return None
-        if token_ids is None:
-            raise ValueError(
-                f"kl_exclude_token_ids={list(term.exclude_token_ids)} needs the completion tokens: pass selected_token_ids= to loss_from_logps"
-            )
-        return ~term.excluded(token_ids)
 
     def _evaluate(self, logps, inputs) -> LossTerms:
         mask = inputs[0]
@@ -345,7 +336,7 @@ class AdaptiveFusedLinearGRPOLoss(nn.Module):
         # Liger's luspo weighs padded positions too (module docstring), so its KL is taken there as well;
         # every other loss type's KL is 0 on padding (estimate_kl zeroes masked positions).
         kl_mask = torch.ones_like(mask) if self.loss_type == "luspo" else mask
-        if keep is not None:  # kl_exclude_token_ids: no KL term there (KLTerm.per_token zeroes what kl_mask leaves out)
+        if keep is not None:  # the pipeline leaves these positions out (KLTerm.per_token zeroes what kl_mask leaves out)
             kl_mask = kl_mask * keep
         raw, adapted = self.kl_terms(logps, ref, kl_mask, coef, statistic)
         # the pipeline's loss term: length-normalised (over the tokens with a KL term; accumulation=1: the caller scales

@@ -273,8 +273,8 @@ class RewardPlacement:
         controller (but not those of a batch TRL regenerated on resume: the uninterrupted run saw
         the original's before the checkpoint). ``left_pad``: Unsloth's ``(left pads per row, their
         maximum)`` when its log-probs are on its left-packed layout (see ``completion_columns``). ``completion_ids``:
-        the sampled tokens, ``(B, L)`` as ``mask``; the tokens of ``kl_exclude_token_ids`` get no penalty and are not
-        counted in the controller's sums (:meth:`KLTerm.kl_mask`, as in the loss)."""
+        the sampled tokens, ``(B, L)`` as ``mask``, which the pipeline's first step reads (``kl_pipeline.kl_positions``,
+        as in the loss: the positions it leaves out get no penalty and are not counted in the controller's sums)."""
         observed = mode == "train" and not getattr(self.trainer, "_adaptive_kl_regenerated_batch", False)
         # at β = 0 only a batch kl_monitor watches computes the KL, and only for the controller's sums
         plan = self.runtime.plan(ref_logps if observed else None)
@@ -290,12 +290,6 @@ class RewardPlacement:
                 f"{self.libraries()}: at scoring time the policy's log-probs "
                 f"have shape {tuple(logps.shape)} and the reference's {tuple(ref_logps.shape)}, the completion mask "
                 f"{tuple(mask.shape)}; kl_placement='reward' cannot match them"
-            )
-        if self.runtime.term.exclude_token_ids and (completion_ids is None or tuple(completion_ids.shape) != tuple(mask.shape)):
-            raise PatchError(
-                f"{self.libraries()}: kl_exclude_token_ids needs the sampled token ids at scoring time; got "
-                f"{None if completion_ids is None else tuple(completion_ids.shape)} for a completion mask of shape "
-                f"{tuple(mask.shape)}; kl_placement='reward' cannot leave the excluded tokens out"
             )
         token_ids = None if completion_ids is None else completion_ids.to(mask.device)
         scored = scoring_kl(self.runtime.term, plan, logps, ref_logps, mask, token_ids, observed=observed)

@@ -36,7 +36,7 @@ import torch
 from .. import metrics, tail
 from .._source_patch import PatchError, check_version, set_attribute, split_target, version_of
 from ..config import FIELD_NAMES
-from ..kl_pipeline import KL_MONITOR, after_aggregation_term, is_after_aggregation
+from ..kl_pipeline import KL_MONITOR, adapted_in_graph, after_aggregation_term, is_after_aggregation, kl_positions
 from ..kl_term import KLTerm
 from ..versions import SUPPORTED
 from . import _config_class, _generation, _runtime, _trainer
@@ -77,9 +77,10 @@ class FusedKLInputs(NamedTuple):
         pipeline's decision, a constant of the term (the compiled loss guards on it once)."""
         return not is_after_aggregation(self.term)
 
-    def shape(self, kl):
-        """The per-token shaping of the KL term, after Unsloth's own clamps."""
-        return self.term.shape(kl)
+    def adapt(self, kl, token_ids):
+        """``(raw, adapted)``: the KL pipeline's per-token steps after Unsloth's own clamps (``kl_pipeline.adapted_in_graph``).
+        ``token_ids``: the loss's ``input_ids``, the completion tokens aligned with its mask (``(B, T, 1)`` there)."""
+        return adapted_in_graph(self.term, kl, token_ids)
 
     def loss_term(self, adapted):
         """β times the adapted per-token KL, as it enters Unsloth's per-token loss."""
@@ -98,28 +99,22 @@ class FusedKLInputs(NamedTuple):
         kl = self.term.estimate(new, clamped_ref, mask, self.statistic, check=False)
         return kl, self.term.estimator_faults(kl, new, clamped_ref)
 
-    def exclude(self, raw, adapted, token_ids):
-        """``raw`` and ``adapted`` with no KL at the ``kl_exclude_token_ids`` positions (unchanged when none).
-        ``token_ids``: the loss's ``input_ids``, the completion tokens aligned with its mask (``(B, T, 1)`` there)."""
-        token_ids = token_ids.reshape(raw.shape)
-        return self.term.without_excluded(raw, token_ids), self.term.without_excluded(adapted, token_ids)
-
     def finish(self, loss, unsloth_mean_kl, raw, adapted, mask, rs_keep, accumulation, token_ids=None, estimator_faults=None):
         """Add the length-normalised term; return the loss and ``[unsloth_kl, local sums...]`` (the metric
-        sums over the valid tokens that are not excluded). ``estimator_faults``: :meth:`estimate`'s (counted there)."""
+        sums over the positions the pipeline gives the KL term). ``estimator_faults``: :meth:`estimate`'s (counted there)."""
         if adapted is None:  # β is 0: no KL was computed
             sums = torch.zeros(STATS_SIZE - 1, dtype=torch.float64, device=mask.device)
         else:
             if rs_keep is not None:  # tokens Unsloth's rollout rejection drops leave the KL too
                 adapted = torch.where(rs_keep, adapted, 0.0)
-            # the valid tokens that are not excluded (token_ids: the loss's input_ids, None from a direct caller)
-            kl_mask = mask if token_ids is None else self.term.kl_mask(mask, token_ids.reshape(mask.shape))
-            after = after_aggregation_term(self.term, adapted, kl_mask, beta=self.beta, num_completions=self.num_completions, accumulation=accumulation)
+            # the positions the KL term applies to (token_ids: the loss's input_ids, None from a direct caller)
+            kl_tokens = kl_positions(self.term, mask, None if token_ids is None else token_ids.reshape(mask.shape))
+            after = after_aggregation_term(self.term, adapted, kl_tokens, beta=self.beta, num_completions=self.num_completions, accumulation=accumulation)
             if after is not None:
                 loss = loss + self.in_loss(after)
             # One chunk (the rewritten call passes n_chunks=1): the chunk's max and min are the micro-batch's.
             sums = metrics.local_metric_sums(
-                raw, adapted, kl_mask, self.tail_edges, count_shaping_faults=bool(self.term.user_shaping_steps),
+                raw, adapted, kl_tokens, self.tail_edges, count_shaping_faults=bool(self.term.user_shaping_steps),
                 estimator_faults=estimator_faults,
             )  # fmt: skip
         return loss, torch.cat([unsloth_mean_kl.reshape(1).to(torch.float64), sums])

@@ -11,7 +11,8 @@ anchor (in the generated module)   replacement                                  
 ``kl_i = expm1(r) - r``            ``kl_i, faults = adaptive_kl.estimate(..)``    the configured estimator on Unsloth's
                                                                                   clamped log-ratio (k3 stays Unsloth's);
                                                                                   a user one's NaN on finite inputs
-``kl_i = clamp(kl_i, -10, 10)``    ``adaptive_kl_i = adaptive_kl.shape(..)``       the per-token shaping, after Unsloth's clamps
+``kl_i = clamp(kl_i, -10, 10)``    ``kl_i, adapted = adaptive_kl.adapt(..)``       the pipeline's per-token steps, given the
+                                                                                  token ids, after Unsloth's clamps
 ``loss_i + beta * kl_i``           ``loss_i + adaptive_kl.loss_term(..)``         β (the pipeline's loss β) as a 0-dim tensor
 ``masked_batch_mean(kl_metric)``   ``adaptive_kl.finish(...)``                    length-normalised term; the metric sums
                                                                                   (the faults counted: refused at their read)
@@ -33,8 +34,9 @@ GENERATED_MODULE = "UnslothGRPOTrainer"
 STATS_SIZE = 1 + metrics.SUMS_SIZE  # Unsloth's mean_kl, then metrics.local_metric_sums (the KL sums, the tail histogram)
 
 # -- the plan --------------------------------------------------------------------------------------------
-# After the shaping, in every line: the excluded tokens' positions lose their KL (kl_i: Unsloth's kl and our raw).
-_EXCLUDE = '        kl_i, adaptive_kl_i = kwargs["adaptive_kl"].exclude(kl_i, adaptive_kl_i, input_ids)\n'
+# After Unsloth's own clamps, in every line: the pipeline's per-token steps, given the token ids (kl_i: Unsloth's kl
+# and our raw; adaptive_kl_i: the adapted KL).
+_ADAPT = '        kl_i, adaptive_kl_i = kwargs["adaptive_kl"].adapt(kl_i, input_ids)\n'
 
 
 def _gate(indent: str) -> Rewrite:
@@ -79,8 +81,8 @@ _SHAPE = Rewrite(
     "unsloth_zoo",
     "        kl_i = torch.clamp(kl_i, min = -10.0, max = 10.0)\n",
     "        kl_i = torch.clamp(kl_i, min = -10.0, max = 10.0)\n"
-    '        adaptive_kl_i = kwargs["adaptive_kl"].shape(kl_i)\n' + _EXCLUDE,
-    "the shaping, after Unsloth's bias correction and clamp; no KL at kl_exclude_token_ids",
+    + _ADAPT,
+    "the pipeline's per-token steps (the shaping, the positions without a KL term), after Unsloth's bias correction and clamp",
 )
 _ADD = Rewrite(
     "grpo_compute_loss",
@@ -155,8 +157,8 @@ UNSLOTH_2026_9 = AnchorSet(
             "unsloth_zoo",
             "        if use_bias_correction_kl:\n            kl_i = kl_i * coef_1\n",
             "        if use_bias_correction_kl:\n            kl_i = kl_i * coef_1\n"
-            '        adaptive_kl_i = kwargs["adaptive_kl"].shape(kl_i)\n' + _EXCLUDE,
-            "the shaping, after Unsloth's bias correction; no KL at kl_exclude_token_ids",
+            + _ADAPT,
+            "the pipeline's per-token steps (the shaping, the positions without a KL term), after Unsloth's bias correction",
         ),
         _ADD, _FINISH_BEFORE_2026_10, _FORWARD, _GATE, _TRAINER_KL,
     ),
@@ -171,8 +173,8 @@ UNSLOTH_2026_8 = AnchorSet(
             "        kl_i = torch.exp(ref - new) - (ref - new) - 1.0\n",
             "        kl_i = torch.exp(ref - new) - (ref - new) - 1.0\n"
             '        kl_i, adaptive_kl_estimator_faults = kwargs["adaptive_kl"].estimate(kl_i, new=new, ref=ref, clamped_log_ratio=ref - new, mask=mask)\n'
-            '        adaptive_kl_i = kwargs["adaptive_kl"].shape(kl_i)\n' + _EXCLUDE,
-            "the configured estimator (this Unsloth's k3 is unclamped, with no bias correction), the shaping, the exclusions",
+            + _ADAPT,
+            "the configured estimator (this Unsloth's k3 is unclamped, with no bias correction), the pipeline's per-token steps",
         ),
         _ADD, _FINISH_BEFORE_2026_10, _FORWARD, _gate(" " * 12), _TRAINER_KL,
     ),
