@@ -236,6 +236,12 @@ for stage in "$@"; do
       echo "bench_unsloth exit status $?"; cat "$OUT/bench-unsloth.md" 2>/dev/null || tail -30 /tmp/bench-unsloth.log
       cp "$OUT"/bench-*.md.json /tmp/ 2>/dev/null; rm -f "$OUT"/bench-*.md.json
       tar czf "$OUT/bench-1b-raw.tar.gz" -C /tmp bench-trl.log bench-unsloth.log $(cd /tmp && ls bench-*.md.json 2>/dev/null) ;;
+    bench-focused)  # issue 54: bench-1b's TRL and Unsloth LoRA benches with 4 rows only (stock, none, clip, target), so that
+      # the budget buys rounds (bench-1b's 17 rows got 3-6 rounds each on 2026-11-29); <= ~360 s
+      timeout 190 python bench/bench_trl.py --modes lora --rows stock,none,clip,target --budget 150 --out "$OUT/bench-trl-focused.md" > "$OUT/bench-trl-focused.log" 2>&1
+      echo "bench_trl exit status $?"; cat "$OUT/bench-trl-focused.md" 2>/dev/null || tail -30 "$OUT/bench-trl-focused.log"
+      timeout 160 python bench/bench_unsloth.py --modes lora --rows stock,none,clip,target --budget 110 --out "$OUT/bench-unsloth-focused.md" > "$OUT/bench-unsloth-focused.log" 2>&1
+      echo "bench_unsloth exit status $?"; cat "$OUT/bench-unsloth-focused.md" 2>/dev/null || tail -30 "$OUT/bench-unsloth-focused.log" ;;
     multi-gpu|multi-gpu:*)
       names=${stage#multi-gpu}; multi_gpu "${names#:}" ;;
     evidence:*)
