@@ -74,3 +74,20 @@ def test_an_invalid_configured_beta_in_a_checkpoint_is_named_with_the_controller
     with pytest.raises(ValueError) as info:
         c.load_state_dict({**c.state_dict(), "configured_beta": -1.0})
     assert str(info.value) == "β-controller state of the 'ziegler' controller: configured_beta=-1.0 is not valid; allowed: a finite number >= 0"
+
+
+@pytest.mark.parametrize("name", ["schedule", "reward_conditioned"])
+def test_a_beta_at_the_top_of_its_range_is_the_configured_beta_and_resumes(name):
+    """beta_min + (beta - beta_min) * 1 is one ulp above beta for these values (found by tests/test_fuzz.py): the
+    controller's β stays within [beta_min, beta], so a checkpoint of it resumes instead of being refused."""
+    beta, floor = 0.0857657750048584, 0.006867962451560926
+    assert floor + (beta - floor) * 1.0 > beta  # the rounding the controllers must not pass on
+    cfg = reference.controller_config(beta, beta_min=floor, beta_schedule_steps=1, reward_beta_midpoint=0.0,
+                                      reward_beta_width=1.0)
+    saved = make_controller(name, cfg)
+    if name == "reward_conditioned":
+        saved.observe_reward(50.0)  # the logistic rounds to 1
+    assert saved.update(global_step=0, kl=None, num_completions=4) == beta
+    resumed = make_controller(name, cfg)
+    resumed.load_state_dict(saved.state_dict())
+    assert resumed.beta == beta

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from .controller_base import BETA_MIN, BetaController, ControllerConfig, _finite, register_controller
+from .controller_base import BETA_MIN, BetaController, ControllerConfig, _finite, within_floor_and_beta, register_controller
 from .declarations import Parameter, finite_positive
 
 REWARD_BETA_MIDPOINT = Parameter(
@@ -65,7 +65,7 @@ class RewardConditionedBeta(BetaController):
         z = (self.reward - cfg.reward_beta_midpoint) / cfg.reward_beta_width
         self.reward = None
         # z floored at -700: exp(700) is finite and β stays above beta_min, so above 0 (β = 0 would be final)
-        self.beta = cfg.beta_min + (cfg.beta - cfg.beta_min) / (1.0 + math.exp(-max(z, -700.0)))
+        self.beta = within_floor_and_beta(cfg, cfg.beta_min + (cfg.beta - cfg.beta_min) / (1.0 + math.exp(-max(z, -700.0))))
         return self.beta
 
     def max_loaded_beta(self) -> float:

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import math
 
-from .controller_base import BETA_MIN, BETA_SCHEDULE_STEPS, BetaController, ControllerConfig, register_controller
+from .controller_base import (
+    BETA_MIN,
+    BETA_SCHEDULE_STEPS,
+    BetaController,
+    ControllerConfig,
+    within_floor_and_beta,
+    register_controller,
+)
 from .declarations import Parameter
 
 BETA_SCHEDULE = Parameter(
@@ -57,7 +64,7 @@ class ScheduledBeta(BetaController):
         cfg = self.config
         done = min(global_step / cfg.beta_schedule_steps, 1.0) if cfg.beta_schedule_steps else 1.0
         left = 1.0 - done if cfg.beta_schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * done))
-        return cfg.beta_min + (cfg.beta - cfg.beta_min) * left
+        return within_floor_and_beta(cfg, cfg.beta_min + (cfg.beta - cfg.beta_min) * left)
 
     def update(self, *, global_step: int, kl: float | None, num_completions: int) -> float:
         if self.beta != 0.0:
