@@ -143,7 +143,7 @@ def test_the_exclusion_step_refuses_missing_or_misshaped_token_ids_and_reads_non
         kl_positions(term, mask, None, needs=", here")
     with pytest.raises(ValueError, match=r"shaped as the mask \(2, 3\); got \(2, 4\)"):
         kl_positions(term, mask, torch.zeros(2, 4, dtype=torch.long))
-    with pytest.raises(ValueError, match=r"kl_exclude_token_ids=\[1\] needs the completion tokens: pass them"):
+    with pytest.raises(ValueError, match=r"kl_exclude_token_ids=\[1\] needs the completion tokens; got None: pass them"):
         kl_keep(term, None, needs=": pass them")
 
 

@@ -87,7 +87,7 @@ def plan_kl(term: KLTerm, *, beta: float, monitor: bool, reference_scored: bool)
         computes_kl=beta != 0.0 or (monitor and reference_scored),
         beta=beta,
         in_loss=term.placement == "loss",
-        per_token=not term.length_normalized,
+        per_token=not is_after_aggregation(term),
         grad_switch=monitor,
     )
 
@@ -145,13 +145,19 @@ def kl_positions(term: KLTerm, mask, token_ids, *, needs: str = ""):
     excluded). ``token_ids``: the completion tokens, shaped as ``mask``. Only Python constants decide, so inside a
     compiled loss it adds no graph break and no recompile. Without exclusions ``token_ids`` is not read (None allowed);
     with them, None or another shape is refused (ValueError, ``needs`` saying how the caller passes them)."""
-    if term.exclude_token_ids and (token_ids is None or tuple(token_ids.shape) != tuple(mask.shape)):
-        got = None if token_ids is None else tuple(token_ids.shape)
-        raise ValueError(
-            f"kl_exclude_token_ids={list(term.exclude_token_ids)} needs the completion tokens, shaped as the mask "
-            f"{tuple(mask.shape)}; got {got}{needs}"
-        )
+    if term.exclude_token_ids:
+        _check_token_ids(term, token_ids, tuple(mask.shape), needs)
     return mask if token_ids is None else term.kl_mask(mask, token_ids)
+
+
+def _check_token_ids(term: KLTerm, token_ids, shape: tuple | None, needs: str) -> None:
+    """The exclusion step's one refusal: ``kl_exclude_token_ids`` set and ``token_ids`` missing (or, where ``shape`` is
+    given, shaped otherwise): ValueError naming the field, what it needs and ``needs`` (how the caller passes them)."""
+    if token_ids is not None and (shape is None or tuple(token_ids.shape) == shape):
+        return
+    got = None if token_ids is None else tuple(token_ids.shape)
+    shaped = f", shaped as the mask {shape}" if shape is not None else ""
+    raise ValueError(f"kl_exclude_token_ids={list(term.exclude_token_ids)} needs the completion tokens{shaped}; got {got}{needs}")
 
 
 def kl_keep(term: KLTerm, token_ids, *, needs: str = ""):
@@ -161,8 +167,7 @@ def kl_keep(term: KLTerm, token_ids, *, needs: str = ""):
     read (ValueError, ``needs`` saying how the caller passes them)."""
     if not term.exclude_token_ids:
         return None
-    if token_ids is None:
-        raise ValueError(f"kl_exclude_token_ids={list(term.exclude_token_ids)} needs the completion tokens{needs}")
+    _check_token_ids(term, token_ids, None, needs)
     return ~term.excluded(token_ids)
 
 
