@@ -1,7 +1,14 @@
 """TRL's GRPO command line with the adaptive-KL fields: examples/grpo_recipe.yaml run for a few
 steps on the CPU through ``python -m unsloth_adaptive_kl grpo`` (TRL's CLI entry, which starts the
 training module through ``accelerate launch``) and through ``accelerate launch -m
-unsloth_adaptive_kl.trl_grpo``; bad field values stop it with an error naming the field."""
+unsloth_adaptive_kl.trl_grpo``; bad field values stop it with an error naming the field.
+
+Subprocesses are what cost here (each imports torch, transformers and TRL, ~9 s of CPU), so the cases that check
+parsing and validation call, in this process, the function an entry point runs with the same arguments
+(``__main__.main`` for ``python -m unsloth_adaptive_kl`` and the ``unsloth-adaptive-kl`` script, ``trl_grpo.train``
+for the processes ``accelerate launch`` starts), and each entry point also runs for real: ``python -m`` trains (one
+and two processes) and refuses to start on a failed patch, the console script refuses a bad field value (printing
+nothing to stdout), ``accelerate launch`` trains and refuses a misspelt YAML key."""
 
 import json
 import os
@@ -11,9 +18,12 @@ import sys
 
 import pytest
 
+from unsloth_adaptive_kl.__main__ import main as cli_main
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(ROOT, "examples", "grpo_recipe.yaml")
 PREPARE = os.path.join(ROOT, "examples", "prepare_toy.py")
+BIN = os.path.dirname(sys.executable)  # the console scripts installed beside this Python: accelerate, unsloth-adaptive-kl
 BETA = 0.04  # the recipe's beta
 
 
@@ -77,17 +87,42 @@ def test_recipe_runs_through_the_cli_with_yaml_fields_and_flag_overrides(toy_dir
     assert os.path.isfile(out / "model.safetensors")  # TRL's script saved the model at the end
 
 
-@pytest.mark.slow
-def test_recipe_runs_under_accelerate_launch_with_the_training_module(toy_dir, tmp_path):
+@pytest.fixture(scope="module")
+def accelerate_reward_run(toy_dir, tmp_path_factory):
+    """``accelerate launch -m unsloth_adaptive_kl.trl_grpo`` on the recipe with ``kl_placement: reward`` set in its
+    YAML, 2 steps: one run read by the accelerate-launch test and the reward-placement test (it was two runs, the
+    accelerate one with the KL in the loss; ``python -m`` trains that placement above, with one and two processes)."""
+    tmp_path = tmp_path_factory.mktemp("accelerate_reward")
+    with open(RECIPE) as f:
+        recipe = f.read()
+    assert "\nkl_placement: loss " in recipe
+    config = tmp_path / "reward.yaml"
+    config.write_text(recipe.replace("\nkl_placement: loss ", "\nkl_placement: reward "))
     out = tmp_path / "out"
-    accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
     flags = ["--max_steps", "2", "--dynamic_beta_decay", "0.5", "--reward_threshold", "-1", "--save_strategy", "steps", "--save_steps", "2"]
     proc = subprocess.run(
-        [accelerate, "launch", "--num_processes", "1", "-m", "unsloth_adaptive_kl.trl_grpo", "--config", RECIPE, *_paths(toy_dir, out), *flags],
+        [os.path.join(BIN, "accelerate"), "launch", "--num_processes", "1", "-m", "unsloth_adaptive_kl.trl_grpo", "--config", str(config),
+         *_paths(toy_dir, out), *flags],
         capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=600,
     )
+    return proc, out
+
+
+@pytest.mark.slow
+def test_recipe_runs_under_accelerate_launch_with_the_training_module(accelerate_reward_run):
+    proc, out = accelerate_reward_run
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     _assert_dynamic_beta_halves(_log_history(out, 2), 2)
+
+
+@pytest.mark.slow
+def test_the_recipe_trains_with_the_kl_in_the_reward_set_in_its_yaml(accelerate_reward_run):
+    proc, out = accelerate_reward_run
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    history = _log_history(out, 2)
+    _assert_dynamic_beta_halves(history, 2)  # the dynamic controller acts as with the KL in the loss
+    penalties = [h["adaptive_kl/kl_penalty"] for h in history if "adaptive_kl/kl_penalty" in h]
+    assert len(penalties) == 2 and all(p is not None for p in penalties)
 
 
 @pytest.mark.parametrize(
@@ -98,7 +133,9 @@ def test_recipe_runs_under_accelerate_launch_with_the_training_module(toy_dir, t
         ("yaml", "kl_placement", "rewards", "['loss', 'reward']"),
     ],
 )
-def test_a_bad_field_value_stops_the_cli_with_an_error_naming_it(toy_dir, tmp_path, where, field, value, allowed):
+def test_a_bad_field_value_stops_the_cli_with_an_error_naming_it(toy_dir, tmp_path, monkeypatch, where, field, value, allowed):
+    # In this process, through the function `python -m unsloth_adaptive_kl` and the console script call (one case
+    # runs the console script for real below).
     out = tmp_path / "out"
     if where == "yaml":
         with open(RECIPE) as f:
@@ -109,14 +146,39 @@ def test_a_bad_field_value_stops_the_cli_with_an_error_naming_it(toy_dir, tmp_pa
         args = ["--config", str(config)]
     else:
         args = ["--config", RECIPE, f"--{field}", value]
+    launched = _record_launches(monkeypatch)
+    with pytest.raises(ValueError) as error:
+        cli_main(["grpo", *args, *_paths(toy_dir, out)])
+    message = str(error.value)  # the last line of the traceback a process prints: one line
+    assert "\n" not in message and field in message and value in message and allowed in message, message
+    assert not launched and not out.exists()  # refused while parsing, before any training process started
+
+
+def test_the_console_script_stops_on_a_bad_field_value_with_the_error_naming_it(toy_dir, tmp_path):
+    # The installed `unsloth-adaptive-kl` script, end to end, on the flag case above: it exits non-zero with the
+    # ValueError as the last line it prints, and nothing on stdout (neither importing the package nor the refusal
+    # writes there: `unsloth-adaptive-kl --help` relies on the first to print only its usage).
+    out = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, "-m", "unsloth_adaptive_kl", "grpo", *args, *_paths(toy_dir, out)],
+        [os.path.join(BIN, "unsloth-adaptive-kl"), "grpo", "--config", RECIPE, "--kl_adaptation_method", "dynamc", *_paths(toy_dir, out)],
         capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=300,
     )
     assert proc.returncode != 0
     last_line = proc.stderr.strip().splitlines()[-1]
-    assert last_line.startswith("ValueError:") and field in last_line and value in last_line and allowed in last_line, proc.stderr[-2000:]
-    assert not out.exists()  # refused while parsing, before any training process started
+    assert last_line.startswith("ValueError:") and "kl_adaptation_method" in last_line and "dynamc" in last_line, proc.stderr[-2000:]
+    assert "dynamic" in last_line, proc.stderr[-2000:]
+    assert proc.stdout == "", proc.stdout[-2000:]
+    assert not out.exists()
+
+
+def _record_launches(monkeypatch) -> list:
+    """accelerate's launch_command, which `unsloth-adaptive-kl grpo` calls to start the training processes, records
+    its arguments instead: a case that should be refused while parsing starts nothing even where it is not."""
+    import accelerate.commands.launch
+
+    launched = []
+    monkeypatch.setattr(accelerate.commands.launch, "launch_command", launched.append)
+    return launched
 
 
 def test_grpo_refuses_to_run_when_the_patch_failed_at_import(tmp_path):
@@ -177,15 +239,39 @@ def _recipe_with(tmp_path, replace: dict[str, str], extra: str = "") -> str:
 
 
 @pytest.mark.parametrize("entry", ["accelerate launch -m unsloth_adaptive_kl.trl_grpo", "unsloth-adaptive-kl grpo"])
-def test_a_misspelt_yaml_key_is_refused_by_every_entry_point_naming_it(toy_dir, tmp_path, entry):
+def test_a_misspelt_yaml_key_is_refused_by_every_entry_point_naming_it(toy_dir, tmp_path, monkeypatch, capsys, entry):
     # Before the fix, the training module parsed with fail_with_unknown_args=False: under `accelerate launch`
-    # this recipe exited 0 and trained kl_adaptation_method='none'.
+    # this recipe exited 0 and trained kl_adaptation_method='none'. In this process, through the function each entry
+    # point runs: the training module's train() (what `accelerate launch -m` starts, run for real below) and
+    # __main__.main (`python -m unsloth_adaptive_kl`, the console script).
     config = _recipe_with(tmp_path, {"kl_adaptation_method": "kl_adaptaion_method"})
     out = tmp_path / "out"
+    argv = ["--config", config, *_paths(toy_dir, out), "--max_steps", "1"]
     if entry.startswith("accelerate"):
-        command = [os.path.join(os.path.dirname(sys.executable), "accelerate"), "launch", "--num_processes", "1", "-m", "unsloth_adaptive_kl.trl_grpo"]
+        from trl.scripts import grpo
+
+        from unsloth_adaptive_kl import trl_grpo
+
+        trained = []
+        monkeypatch.setattr(grpo, "main", lambda *args: trained.append(args))
+        with pytest.raises(ValueError, match=r"unknown key\(s\) 'kl_adaptaion_method' \(did you mean 'kl_adaptation_method'\?\)"):
+            trl_grpo.train(argv)
+        assert not trained
     else:
-        command = [sys.executable, "-m", "unsloth_adaptive_kl", "grpo"]
+        launched = _record_launches(monkeypatch)
+        with pytest.raises(SystemExit) as error:  # accelerate's parser refuses the key TRL's CLI hands it
+            cli_main(["grpo", *argv])
+        assert error.value.code != 0
+        assert "kl_adaptaion_method" in capsys.readouterr().err
+        assert not launched
+    assert not out.exists()  # refused before any training
+
+
+def test_accelerate_launch_of_the_training_module_exits_non_zero_on_a_misspelt_yaml_key(toy_dir, tmp_path):
+    # The accelerate case above, end to end: accelerate launch starts the training module, which refuses the key.
+    config = _recipe_with(tmp_path, {"kl_adaptation_method": "kl_adaptaion_method"})
+    out = tmp_path / "out"
+    command = [os.path.join(BIN, "accelerate"), "launch", "--num_processes", "1", "-m", "unsloth_adaptive_kl.trl_grpo"]
     proc = subprocess.run(
         [*command, "--config", config, *_paths(toy_dir, out), "--max_steps", "1"],
         capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=300,
@@ -208,36 +294,19 @@ def test_the_training_module_lets_accelerate_keys_of_the_yaml_through_and_refuse
         trl_grpo.parse(["--config", bad, *_paths(toy_dir, tmp_path / "out")])
 
 
-def test_grpo_help_names_this_command():
-    proc = subprocess.run([sys.executable, "-m", "unsloth_adaptive_kl", "grpo", "--help"], capture_output=True, text=True, env=_env(), timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.startswith("usage: unsloth-adaptive-kl grpo ") and "--kl_adaptation_method" in proc.stdout
+def test_grpo_help_names_this_command(capsys):
+    assert cli_main(["grpo", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: unsloth-adaptive-kl grpo ") and "--kl_adaptation_method" in out
 
 
 @pytest.mark.parametrize("flag", ["--help", "-h"])
-def test_help_prints_the_commands_to_stdout_and_exits_zero(flag):
-    # issue 39, item 8: before, `unsloth-adaptive-kl --help` wrote the usage to stderr and exited 2.
-    proc = subprocess.run([sys.executable, "-m", "unsloth_adaptive_kl", flag], capture_output=True, text=True, env=_env(), timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.startswith("usage: unsloth-adaptive-kl {doctor,grpo}") and "doctor" in proc.stdout and "grpo" in proc.stdout
-    assert "usage" not in proc.stderr
-
-
-@pytest.mark.slow
-def test_the_recipe_trains_with_the_kl_in_the_reward_set_in_its_yaml(toy_dir, tmp_path):
-    with open(RECIPE) as f:
-        recipe = f.read()
-    assert "\nkl_placement: loss " in recipe
-    config = tmp_path / "reward.yaml"
-    config.write_text(recipe.replace("\nkl_placement: loss ", "\nkl_placement: reward "))
-    out = tmp_path / "out"
-    flags = ["--max_steps", "2", "--dynamic_beta_decay", "0.5", "--reward_threshold", "-1", "--save_strategy", "steps", "--save_steps", "2"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "unsloth_adaptive_kl", "grpo", "--config", str(config), *_paths(toy_dir, out), *flags],
-        capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    history = _log_history(out, 2)
-    _assert_dynamic_beta_halves(history, 2)  # the dynamic controller acts as with the KL in the loss
-    penalties = [h["adaptive_kl/kl_penalty"] for h in history if "adaptive_kl/kl_penalty" in h]
-    assert len(penalties) == 2 and all(p is not None for p in penalties)
+def test_help_prints_the_commands_to_stdout_and_exits_zero(capsys, flag):
+    # issue 39, item 8: before, `unsloth-adaptive-kl --help` wrote the usage to stderr and exited 2. In this process,
+    # through the function python -m and the console script call (a process returns what it returns: the training
+    # runs exit 0 through python -m); that importing the package prints nothing to stdout is checked on the console
+    # script's process (test_the_console_script_stops_on_a_bad_field_value_with_the_error_naming_it).
+    assert cli_main([flag]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith("usage: unsloth-adaptive-kl {doctor,grpo}") and "doctor" in captured.out and "grpo" in captured.out
+    assert "usage" not in captured.err

@@ -3,10 +3,6 @@
 import ast
 import re
 import pathlib
-import subprocess
-import sys
-import textwrap
-
 import pytest
 
 import unsloth_adaptive_kl  # noqa: F401  (patches TRL)
@@ -16,6 +12,8 @@ from transformers import HfArgumentParser
 from unsloth_adaptive_kl.config import DEFAULTS
 from unsloth_adaptive_kl.estimators import builtin_estimator_names
 from unsloth_adaptive_kl.method import parse_method
+
+from fresh_process_cases import FAILED, run_cases
 
 CPU = dict(output_dir="/tmp/uakl-config-test", use_cpu=True, bf16=False, report_to="none")
 
@@ -92,11 +90,10 @@ def test_a_registered_methods_parameters_are_set_from_the_config_yaml_and_flags_
         GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, beta=0.1, kl_adaptation_method="scaled")
 
 
-def test_import_order_does_not_matter():
-    script = textwrap.dedent(
-        """
-        from trl import GRPOConfig          # imported before the patch
-        import unsloth_adaptive_kl
+# Two cases that need a process where trl is imported before the package (the import patches TRL process-wide), run in
+# one process (tests/fresh_process_cases.py): `from trl import GRPOConfig` and a config made, then `import unsloth_adaptive_kl`.
+BEFORE_THE_IMPORT = {
+    "import_order": """
         c = GRPOConfig(output_dir="/tmp/x", use_cpu=True, bf16=False, beta=0.1, kl_adaptation_method="clip", kl_clip_threshold=0.5)
         assert c.kl_clip_threshold == 0.5 and c.to_dict()["kl_adaptation_method"] == "clip"
         try:
@@ -106,11 +103,37 @@ def test_import_order_does_not_matter():
         else:
             raise SystemExit("not validated")
         print("ok")
-        """
-    )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().endswith("ok")
+    """,
+    "config_made_before": """
+        from trl import GRPOTrainer
+        import toy
+        trainer = GRPOTrainer(model=CHECKPOINT, reward_funcs=[toy.format_reward], args=args_made_before,
+                              train_dataset=toy.prompt_dataset(8))
+        assert args_made_before.kl_adaptation_method == "none" and args_made_before.to_dict()["kl_estimator"] == "k3"
+        trainer.train()
+        assert trainer.state.log_history[0]["adaptive_kl/current_beta"] == 0.04
+        print("ok")
+    """,
+}
+
+
+@pytest.fixture(scope="module")
+def before_the_import(tiny_checkpoint, tmp_path_factory):
+    preamble = f"""
+        from trl import GRPOConfig          # imported before the patch
+        CHECKPOINT = {tiny_checkpoint!r}
+        args_made_before = GRPOConfig(output_dir={str(tmp_path_factory.mktemp("before"))!r}, use_cpu=True, bf16=False,
+                                      report_to="none", beta=0.04, per_device_train_batch_size=4, num_generations=4,
+                                      max_completion_length=4, max_steps=1, save_strategy="no")
+        import unsloth_adaptive_kl
+    """
+    return run_cases(preamble, BEFORE_THE_IMPORT)
+
+
+def test_import_order_does_not_matter(before_the_import):
+    stdout, stderr = before_the_import
+    out = stdout["import_order"]
+    assert FAILED not in out and out.strip().endswith("ok"), out[-2000:] + stderr["import_order"][-2000:]
 
 
 BAD = [
@@ -180,28 +203,11 @@ def test_a_yaml_exponent_without_a_dot_is_refused_with_yaml_float_syntax_hint(tm
     assert "YAML" not in str(info.value)
 
 
-def test_a_config_made_before_the_import_trains_with_the_defaults(tiny_checkpoint, tmp_path):
-    script = textwrap.dedent(
-        f"""
-        from trl import GRPOConfig
-        args = GRPOConfig(output_dir={str(tmp_path)!r}, use_cpu=True, bf16=False, report_to="none", beta=0.04,
-                          per_device_train_batch_size=4, num_generations=4, max_completion_length=4, max_steps=1,
-                          save_strategy="no")
-        import unsloth_adaptive_kl
-        from trl import GRPOTrainer
-        import toy
-        trainer = GRPOTrainer(model={tiny_checkpoint!r}, reward_funcs=[toy.format_reward], args=args,
-                              train_dataset=toy.prompt_dataset(8))
-        assert args.kl_adaptation_method == "none" and args.to_dict()["kl_estimator"] == "k3"
-        trainer.train()
-        assert trainer.state.log_history[0]["adaptive_kl/current_beta"] == 0.04
-        print("ok")
-        """
-    )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip().endswith("ok")
-    assert "created before `import unsloth_adaptive_kl`" in out.stderr and "create the config after the import" in out.stderr
+def test_a_config_made_before_the_import_trains_with_the_defaults(before_the_import):
+    stdout, stderr = before_the_import
+    out, err = stdout["config_made_before"], stderr["config_made_before"]
+    assert FAILED not in out and out.strip().endswith("ok"), out[-2000:] + err[-3000:]
+    assert "created before `import unsloth_adaptive_kl`" in err and "create the config after the import" in err
 
 
 @pytest.mark.parametrize("estimator", [name for name in builtin_estimator_names() if name != DEFAULTS["kl_estimator"]])
