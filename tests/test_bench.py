@@ -237,22 +237,33 @@ def test_bench_liger_recompile_loop_smoke_counts_graphs_per_call(capsys):
     assert "recompiles after warm-up: none" in text
 
 
-@pytest.mark.skipif(importlib.util.find_spec("unsloth") is None, reason="unsloth is not installed")
-def test_bench_unsloth_smoke_runs_the_generated_trainer_interleaved_with_stock_and_patched_rows(tmp_path):
-    # In a fresh process: ``import unsloth`` rebinds TRL's classes process-wide.
-    out = tmp_path / "unsloth.md"
+#: The rows of the one bench_unsloth.py smoke both Unsloth tests below read (each its own rows, in both modes).
+UNSLOTH_ROWS = "stock,dynamic,zero,stock_beta0,monitor,monitor_sampled"
+
+
+@pytest.fixture(scope="module")
+def unsloth_smoke(tmp_path_factory):
+    """One ``bench_unsloth.py --smoke`` run (both modes, :data:`UNSLOTH_ROWS`): its Markdown report and raw sections.
+    One process for both tests: importing Unsloth and compiling its fused loss is most of a run's cost. In a fresh
+    process: ``import unsloth`` rebinds TRL's classes process-wide."""
+    out = tmp_path_factory.mktemp("bench-unsloth") / "unsloth.md"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(BENCH), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(
-        [sys.executable, os.path.join(BENCH, "bench_unsloth.py"), "--smoke", "--rows", "stock,dynamic,zero", "--out", str(out)],
+        [sys.executable, os.path.join(BENCH, "bench_unsloth.py"), "--smoke", "--rows", UNSLOTH_ROWS, "--out", str(out)],
         capture_output=True, text=True, timeout=600, env=env,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    text = out.read_text()
+    return out.read_text(), json.loads(out.with_name("unsloth.md.json").read_text())
+
+
+@pytest.mark.skipif(importlib.util.find_spec("unsloth") is None, reason="unsloth is not installed")
+def test_bench_unsloth_smoke_runs_the_generated_trainer_interleaved_with_stock_and_patched_rows(unsloth_smoke):
+    text, sections = unsloth_smoke
     assert "| stock Unsloth (unpatched) | 3 |" in text and "| dynamic | 3 |" in text and text.count("rounds completed: 3 of 3") == 2
-    sections = json.loads((tmp_path / "unsloth.md.json").read_text())
     assert list(sections) == ["lora: LoRA r=16 (FastLanguageModel.get_peft_model)", "full: full fine-tuning (full_finetuning=True), separate reference model"]
     for raw in sections.values():
         rows = {r["name"]: r for r in raw}
+        assert len(rows) == len(UNSLOTH_ROWS.split(","))
         assert all(r["rounds"] == [0, 1, 2] and min(r["times_s"]) > 0 for r in rows.values())
         # stock ran Unsloth's own loss (β never moves); dynamic ran the patched one at every step:
         # 0.04 * 0.9 ** (2 first warm-up steps + 3 timed); beta -> 0 reached 0 after its first step
@@ -260,11 +271,29 @@ def test_bench_unsloth_smoke_runs_the_generated_trainer_interleaved_with_stock_a
         assert rows["dynamic"]["beta_now"] == pytest.approx(0.04 * 0.9**5)
         assert rows["beta -> 0 (dynamic, beta_min=0)"]["beta_now"] == 0.0
         # the fused loss was compiled (TorchInductor on the CPU) in the first blocks, and never again in
-        # a timed step, although blocks switched between Unsloth's functions and ours (the seeded
-        # order puts dynamic right after stock in round 2; switching there with unpatch()/patch()
-        # instead of PatchSwitch compiled 1 graph in the timed steps of dynamic and beta -> 0, checked)
+        # a timed step, although blocks switched between Unsloth's functions and ours (the seeded order of
+        # these 6 rows puts dynamic right after stock in round 1, zero after stock in round 2; switching
+        # there with unpatch()/patch() instead of PatchSwitch compiled 1 graph in the timed steps of
+        # dynamic and beta -> 0, checked with the 3 rows stock, dynamic, zero)
         assert sum(r["graphs_in_warmup"] for r in rows.values()) > 0
-        assert [r["graphs"] for r in rows.values()] == [0, 0, 0]
+        assert [r["graphs"] for r in rows.values()] == [0] * len(rows)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("unsloth") is None, reason="unsloth is not installed")
+def test_bench_unsloth_smoke_times_kl_monitor_against_stock_at_beta_zero(unsloth_smoke):
+    """The monitor rows on Unsloth's generated trainer (LoRA, and full fine-tuning with its separate reference model):
+    they run the reference forward at β = 0, compile nothing in a timed step, and the note pairs each with stock at β = 0."""
+    import _common
+
+    text, sections = unsloth_smoke
+    assert text.count(f"{_common.MONITOR} vs {_common.STOCK_BETA0} (the reference forward and the logged KL): paired") == 2
+    assert text.count(f"{_common.MONITOR_SAMPLED} vs {_common.STOCK_BETA0} (per step") == 2
+    for raw in sections.values():
+        rows = {r["name"]: r for r in raw}
+        assert list(rows) == ["stock Unsloth (unpatched)", "dynamic", _common.ZERO, _common.STOCK_BETA0, _common.MONITOR, _common.MONITOR_SAMPLED]
+        monitors = [rows[name] for name in (_common.STOCK_BETA0, _common.MONITOR, _common.MONITOR_SAMPLED)]
+        assert all(min(r["times_s"]) > 0 and r["graphs"] == 0 for r in monitors), monitors
+        assert rows[_common.MONITOR]["beta_now"] == rows[_common.STOCK_BETA0]["beta_now"] == rows[_common.MONITOR_SAMPLED]["beta_now"] == 0.0
 
 
 def test_bench_fused_head_parts_smoke_times_every_part_and_the_whole_on_the_fused_head(capsys):
@@ -332,25 +361,3 @@ def test_the_sampled_monitor_row_runs_the_reference_forward_once_per_cycle(monke
 class _Loss:
     def backward(self):
         pass
-
-
-@pytest.mark.skipif(importlib.util.find_spec("unsloth") is None, reason="unsloth is not installed")
-def test_bench_unsloth_smoke_times_kl_monitor_against_stock_at_beta_zero(tmp_path):
-    """The monitor row on Unsloth's generated trainer (full fine-tuning, its separate reference model): it runs the
-    reference forward at β = 0, compiles nothing in a timed step, and the note pairs it with stock at β = 0."""
-    out = tmp_path / "unsloth.md"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(BENCH), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run(
-        [sys.executable, os.path.join(BENCH, "bench_unsloth.py"), "--smoke", "--modes", "full", "--rows", "stock_beta0,monitor,monitor_sampled", "--out", str(out)],
-        capture_output=True, text=True, timeout=600, env=env,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    import _common
-
-    assert f"{_common.MONITOR} vs {_common.STOCK_BETA0} (the reference forward and the logged KL): paired" in out.read_text()
-    (raw,) = json.loads((tmp_path / "unsloth.md.json").read_text()).values()
-    rows = {r["name"]: r for r in raw}
-    assert f"{_common.MONITOR_SAMPLED} vs {_common.STOCK_BETA0} (per step" in out.read_text()
-    assert list(rows) == [_common.STOCK_BETA0, _common.MONITOR, _common.MONITOR_SAMPLED]
-    assert all(min(r["times_s"]) > 0 and r["graphs"] == 0 for r in rows.values()), rows
-    assert rows[_common.MONITOR]["beta_now"] == rows[_common.STOCK_BETA0]["beta_now"] == rows[_common.MONITOR_SAMPLED]["beta_now"] == 0.0
