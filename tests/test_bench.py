@@ -237,33 +237,43 @@ def test_bench_liger_recompile_loop_smoke_counts_graphs_per_call(capsys):
     assert "recompiles after warm-up: none" in text
 
 
-#: The rows of the one bench_unsloth.py smoke both Unsloth tests below read (each its own rows, in both modes).
-UNSLOTH_ROWS = "stock,dynamic,zero,stock_beta0,monitor,monitor_sampled"
+#: The two bench_unsloth.py smokes the Unsloth tests below read: the interleaving test's and the monitor test's.
+UNSLOTH_RUNS = {
+    "unsloth.md": ["--smoke", "--rows", "stock,dynamic,zero"],
+    "unsloth-monitor.md": ["--smoke", "--modes", "full", "--rows", "stock_beta0,monitor,monitor_sampled"],
+}
 
 
 @pytest.fixture(scope="module")
-def unsloth_smoke(tmp_path_factory):
-    """One ``bench_unsloth.py --smoke`` run (both modes, :data:`UNSLOTH_ROWS`): its Markdown report and raw sections.
-    One process for both tests: importing Unsloth and compiling its fused loss is most of a run's cost. In a fresh
-    process: ``import unsloth`` rebinds TRL's classes process-wide."""
-    out = tmp_path_factory.mktemp("bench-unsloth") / "unsloth.md"
+def unsloth_smokes(tmp_path_factory):
+    """Both runs of :data:`UNSLOTH_RUNS`, one after the other in ONE fresh process (``bench_unsloth.main`` each; importing
+    Unsloth and generating its trainer is half a run's cost): ``{out name: (Markdown report, raw sections)}``.
+    A fresh process: ``import unsloth`` rebinds TRL's classes process-wide."""
+    out = tmp_path_factory.mktemp("bench-unsloth")
+    # --budget: the default 190 s (import and model included) can cut a mode's rounds short on a loaded machine; the
+    # tests count the rounds, and the timeout is what catches a hang
+    runs = [[*argv, "--budget", "3600", "--out", str(out / name)] for name, argv in UNSLOTH_RUNS.items()]
+    code = (
+        "import sys\n"
+        "sys.argv = ['bench_unsloth.py', '--smoke']  # bench_unsloth sets its smoke environment on import, from sys.argv\n"
+        f"sys.path.insert(0, {BENCH!r})\n"
+        "import bench_unsloth\n"
+        f"for argv in {runs!r}:\n"
+        "    assert bench_unsloth.main(argv) == 0, argv\n"
+    )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(BENCH), os.environ.get("PYTHONPATH", "")])}
-    # --budget: the default 190 s (import and model included) cut a mode's rounds short on a loaded machine; the tests
-    # count the rounds, and the timeout is what catches a hang
-    command = [sys.executable, os.path.join(BENCH, "bench_unsloth.py"), "--smoke", "--rows", UNSLOTH_ROWS, "--budget", "3600", "--out", str(out)]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return out.read_text(), json.loads(out.with_name("unsloth.md.json").read_text())
+    return {name: ((out / name).read_text(), json.loads((out / f"{name}.json").read_text())) for name in UNSLOTH_RUNS}
 
 
 @pytest.mark.skipif(importlib.util.find_spec("unsloth") is None, reason="unsloth is not installed")
-def test_bench_unsloth_smoke_runs_the_generated_trainer_interleaved_with_stock_and_patched_rows(unsloth_smoke):
-    text, sections = unsloth_smoke
+def test_bench_unsloth_smoke_runs_the_generated_trainer_interleaved_with_stock_and_patched_rows(unsloth_smokes):
+    text, sections = unsloth_smokes["unsloth.md"]
     assert "| stock Unsloth (unpatched) | 3 |" in text and "| dynamic | 3 |" in text and text.count("rounds completed: 3 of 3") == 2
     assert list(sections) == ["lora: LoRA r=16 (FastLanguageModel.get_peft_model)", "full: full fine-tuning (full_finetuning=True), separate reference model"]
     for raw in sections.values():
         rows = {r["name"]: r for r in raw}
-        assert len(rows) == len(UNSLOTH_ROWS.split(","))
         assert all(r["rounds"] == [0, 1, 2] and min(r["times_s"]) > 0 for r in rows.values())
         # stock ran Unsloth's own loss (β never moves); dynamic ran the patched one at every step:
         # 0.04 * 0.9 ** (2 first warm-up steps + 3 timed); beta -> 0 reached 0 after its first step
@@ -271,29 +281,27 @@ def test_bench_unsloth_smoke_runs_the_generated_trainer_interleaved_with_stock_a
         assert rows["dynamic"]["beta_now"] == pytest.approx(0.04 * 0.9**5)
         assert rows["beta -> 0 (dynamic, beta_min=0)"]["beta_now"] == 0.0
         # the fused loss was compiled (TorchInductor on the CPU) in the first blocks, and never again in
-        # a timed step, although blocks switched between Unsloth's functions and ours (the seeded order of
-        # these 6 rows puts dynamic right after stock in round 1, zero after stock in round 2; switching
-        # there with unpatch()/patch() instead of PatchSwitch compiled 1 graph in the timed steps of
-        # dynamic and beta -> 0, checked with the 3 rows stock, dynamic, zero)
+        # a timed step, although blocks switched between Unsloth's functions and ours (the seeded
+        # order puts dynamic right after stock in round 2; switching there with unpatch()/patch()
+        # instead of PatchSwitch compiled 1 graph in the timed steps of dynamic and beta -> 0, checked)
         assert sum(r["graphs_in_warmup"] for r in rows.values()) > 0
-        assert [r["graphs"] for r in rows.values()] == [0] * len(rows)
+        assert [r["graphs"] for r in rows.values()] == [0, 0, 0]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("unsloth") is None, reason="unsloth is not installed")
-def test_bench_unsloth_smoke_times_kl_monitor_against_stock_at_beta_zero(unsloth_smoke):
-    """The monitor rows on Unsloth's generated trainer (LoRA, and full fine-tuning with its separate reference model):
-    they run the reference forward at β = 0, compile nothing in a timed step, and the note pairs each with stock at β = 0."""
+def test_bench_unsloth_smoke_times_kl_monitor_against_stock_at_beta_zero(unsloth_smokes):
+    """The monitor row on Unsloth's generated trainer (full fine-tuning, its separate reference model): it runs the
+    reference forward at β = 0, compiles nothing in a timed step, and the note pairs it with stock at β = 0."""
     import _common
 
-    text, sections = unsloth_smoke
-    assert text.count(f"{_common.MONITOR} vs {_common.STOCK_BETA0} (the reference forward and the logged KL): paired") == 2
-    assert text.count(f"{_common.MONITOR_SAMPLED} vs {_common.STOCK_BETA0} (per step") == 2
-    for raw in sections.values():
-        rows = {r["name"]: r for r in raw}
-        assert list(rows) == ["stock Unsloth (unpatched)", "dynamic", _common.ZERO, _common.STOCK_BETA0, _common.MONITOR, _common.MONITOR_SAMPLED]
-        monitors = [rows[name] for name in (_common.STOCK_BETA0, _common.MONITOR, _common.MONITOR_SAMPLED)]
-        assert all(min(r["times_s"]) > 0 and r["graphs"] == 0 for r in monitors), monitors
-        assert rows[_common.MONITOR]["beta_now"] == rows[_common.STOCK_BETA0]["beta_now"] == rows[_common.MONITOR_SAMPLED]["beta_now"] == 0.0
+    text, sections = unsloth_smokes["unsloth-monitor.md"]
+    assert f"{_common.MONITOR} vs {_common.STOCK_BETA0} (the reference forward and the logged KL): paired" in text
+    (raw,) = sections.values()
+    rows = {r["name"]: r for r in raw}
+    assert f"{_common.MONITOR_SAMPLED} vs {_common.STOCK_BETA0} (per step" in text
+    assert list(rows) == [_common.STOCK_BETA0, _common.MONITOR, _common.MONITOR_SAMPLED]
+    assert all(min(r["times_s"]) > 0 and r["graphs"] == 0 for r in rows.values()), rows
+    assert rows[_common.MONITOR]["beta_now"] == rows[_common.STOCK_BETA0]["beta_now"] == rows[_common.MONITOR_SAMPLED]["beta_now"] == 0.0
 
 
 def test_bench_fused_head_parts_smoke_times_every_part_and_the_whole_on_the_fused_head(capsys):
