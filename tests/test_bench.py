@@ -237,19 +237,40 @@ def test_bench_liger_recompile_loop_smoke_counts_graphs_per_call(capsys):
     assert "recompiles after warm-up: none" in text
 
 
-@pytest.mark.skipif(importlib.util.find_spec("unsloth") is None, reason="unsloth is not installed")
-def test_bench_unsloth_smoke_runs_the_generated_trainer_interleaved_with_stock_and_patched_rows(tmp_path):
-    # In a fresh process: ``import unsloth`` rebinds TRL's classes process-wide.
-    out = tmp_path / "unsloth.md"
+#: The two bench_unsloth.py smokes the Unsloth tests below read: the interleaving test's and the monitor test's.
+UNSLOTH_RUNS = {
+    "unsloth.md": ["--smoke", "--rows", "stock,dynamic,zero"],
+    "unsloth-monitor.md": ["--smoke", "--modes", "full", "--rows", "stock_beta0,monitor,monitor_sampled"],
+}
+
+
+@pytest.fixture(scope="module")
+def unsloth_smokes(tmp_path_factory):
+    """Both runs of :data:`UNSLOTH_RUNS`, one after the other in ONE fresh process (``bench_unsloth.main`` each; importing
+    Unsloth and generating its trainer is half a run's cost): ``{out name: (Markdown report, raw sections)}``.
+    A fresh process: ``import unsloth`` rebinds TRL's classes process-wide."""
+    out = tmp_path_factory.mktemp("bench-unsloth")
+    # --budget: the default 190 s (import and model included) can cut a mode's rounds short on a loaded machine; the
+    # tests count the rounds, and the timeout is what catches a hang
+    runs = [[*argv, "--budget", "3600", "--out", str(out / name)] for name, argv in UNSLOTH_RUNS.items()]
+    code = (
+        "import sys\n"
+        "sys.argv = ['bench_unsloth.py', '--smoke']  # bench_unsloth sets its smoke environment on import, from sys.argv\n"
+        f"sys.path.insert(0, {BENCH!r})\n"
+        "import bench_unsloth\n"
+        f"for argv in {runs!r}:\n"
+        "    assert bench_unsloth.main(argv) == 0, argv\n"
+    )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(BENCH), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run(
-        [sys.executable, os.path.join(BENCH, "bench_unsloth.py"), "--smoke", "--rows", "stock,dynamic,zero", "--out", str(out)],
-        capture_output=True, text=True, timeout=600, env=env,
-    )  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    text = out.read_text()
+    return {name: ((out / name).read_text(), json.loads((out / f"{name}.json").read_text())) for name in UNSLOTH_RUNS}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("unsloth") is None, reason="unsloth is not installed")
+def test_bench_unsloth_smoke_runs_the_generated_trainer_interleaved_with_stock_and_patched_rows(unsloth_smokes):
+    text, sections = unsloth_smokes["unsloth.md"]
     assert "| stock Unsloth (unpatched) | 3 |" in text and "| dynamic | 3 |" in text and text.count("rounds completed: 3 of 3") == 2
-    sections = json.loads((tmp_path / "unsloth.md.json").read_text())
     assert list(sections) == ["lora: LoRA r=16 (FastLanguageModel.get_peft_model)", "full: full fine-tuning (full_finetuning=True), separate reference model"]
     for raw in sections.values():
         rows = {r["name"]: r for r in raw}
@@ -265,6 +286,22 @@ def test_bench_unsloth_smoke_runs_the_generated_trainer_interleaved_with_stock_a
         # instead of PatchSwitch compiled 1 graph in the timed steps of dynamic and beta -> 0, checked)
         assert sum(r["graphs_in_warmup"] for r in rows.values()) > 0
         assert [r["graphs"] for r in rows.values()] == [0, 0, 0]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("unsloth") is None, reason="unsloth is not installed")
+def test_bench_unsloth_smoke_times_kl_monitor_against_stock_at_beta_zero(unsloth_smokes):
+    """The monitor row on Unsloth's generated trainer (full fine-tuning, its separate reference model): it runs the
+    reference forward at β = 0, compiles nothing in a timed step, and the note pairs it with stock at β = 0."""
+    import _common
+
+    text, sections = unsloth_smokes["unsloth-monitor.md"]
+    assert f"{_common.MONITOR} vs {_common.STOCK_BETA0} (the reference forward and the logged KL): paired" in text
+    (raw,) = sections.values()
+    rows = {r["name"]: r for r in raw}
+    assert f"{_common.MONITOR_SAMPLED} vs {_common.STOCK_BETA0} (per step" in text
+    assert list(rows) == [_common.STOCK_BETA0, _common.MONITOR, _common.MONITOR_SAMPLED]
+    assert all(min(r["times_s"]) > 0 and r["graphs"] == 0 for r in rows.values()), rows
+    assert rows[_common.MONITOR]["beta_now"] == rows[_common.STOCK_BETA0]["beta_now"] == rows[_common.MONITOR_SAMPLED]["beta_now"] == 0.0
 
 
 def test_bench_fused_head_parts_smoke_times_every_part_and_the_whole_on_the_fused_head(capsys):
@@ -332,25 +369,3 @@ def test_the_sampled_monitor_row_runs_the_reference_forward_once_per_cycle(monke
 class _Loss:
     def backward(self):
         pass
-
-
-@pytest.mark.skipif(importlib.util.find_spec("unsloth") is None, reason="unsloth is not installed")
-def test_bench_unsloth_smoke_times_kl_monitor_against_stock_at_beta_zero(tmp_path):
-    """The monitor row on Unsloth's generated trainer (full fine-tuning, its separate reference model): it runs the
-    reference forward at β = 0, compiles nothing in a timed step, and the note pairs it with stock at β = 0."""
-    out = tmp_path / "unsloth.md"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(BENCH), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run(
-        [sys.executable, os.path.join(BENCH, "bench_unsloth.py"), "--smoke", "--modes", "full", "--rows", "stock_beta0,monitor,monitor_sampled", "--out", str(out)],
-        capture_output=True, text=True, timeout=600, env=env,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    import _common
-
-    assert f"{_common.MONITOR} vs {_common.STOCK_BETA0} (the reference forward and the logged KL): paired" in out.read_text()
-    (raw,) = json.loads((tmp_path / "unsloth.md.json").read_text()).values()
-    rows = {r["name"]: r for r in raw}
-    assert f"{_common.MONITOR_SAMPLED} vs {_common.STOCK_BETA0} (per step" in out.read_text()
-    assert list(rows) == [_common.STOCK_BETA0, _common.MONITOR, _common.MONITOR_SAMPLED]
-    assert all(min(r["times_s"]) > 0 and r["graphs"] == 0 for r in rows.values()), rows
-    assert rows[_common.MONITOR]["beta_now"] == rows[_common.STOCK_BETA0]["beta_now"] == rows[_common.MONITOR_SAMPLED]["beta_now"] == 0.0

@@ -94,12 +94,19 @@ def test_every_config_loads_in_accelerate_and_verify_sh_runs_it():
         check_ranks.parse_args(["--config", "x.yaml", "--out", "x", *run.split(":")[2:]])
 
 
-def test_ddp_on_two_cpu_processes_passes_every_check(tmp_path):
-    env = {**os.environ, "TRITON_INTERPRET": "1", "TOKENIZERS_PARALLELISM": "false"}
-    command = [sys.executable, os.path.join(EXAMPLE, "check_ranks.py"), "--config", os.path.join(EXAMPLE, "ddp.yaml"), "--cpu",
-               "--out", str(tmp_path), "--steps", "2", "--methods", "target,clip", "--timeout", "240"]  # fmt: skip
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+def run_checker(argv, capsys, monkeypatch) -> None:
+    """check_ranks.py's main in this process (its two ranks and its one-process reference are still processes of their
+    own: ``accelerate launch`` and a child): the checker's own process would only import what this one has imported
+    already. Exit status 0, or the report it printed."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+    status = check_ranks.main(argv)
+    assert status == 0, capsys.readouterr().out[-3000:]
+
+
+def test_ddp_on_two_cpu_processes_passes_every_check(tmp_path, capsys, monkeypatch):
+    run_checker(["--config", os.path.join(EXAMPLE, "ddp.yaml"), "--cpu", "--out", str(tmp_path), "--steps", "2", "--methods", "target,clip", "--timeout", "240"],
+                capsys, monkeypatch)  # fmt: skip
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["passed"] and report["distributed_type"] == "DistributedType.MULTI_CPU" and report["trainable_fraction"] == 1.0
     for method in ("target", "clip"):
@@ -114,14 +121,11 @@ def test_ddp_on_two_cpu_processes_passes_every_check(tmp_path):
     assert report["reference_device"] == {"CUDA_VISIBLE_DEVICES": "", "cuda_device_count": 0}
 
 
-def test_fsdp2_with_lora_in_bf16_on_two_cpu_processes_passes_every_check(tmp_path):
+def test_fsdp2_with_lora_in_bf16_on_two_cpu_processes_passes_every_check(tmp_path, capsys, monkeypatch):
     """FSDP2 (torch's fully_shard over gloo) with a LoRA adapter and accelerate's bf16 policy: TRL's per-token KL
     is bf16 there, the case whose bf16 sums made clip's logged adapted_kl 5.9e-4 off on 2 GPUs (issue 24)."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "TOKENIZERS_PARALLELISM": "false"}
-    command = [sys.executable, os.path.join(EXAMPLE, "check_ranks.py"), "--config", os.path.join(EXAMPLE, "fsdp2.yaml"), "--cpu",
-               "--precision", "bf16", "--lora", "--out", str(tmp_path), "--steps", "2", "--methods", "clip", "--timeout", "240"]  # fmt: skip
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_checker(["--config", os.path.join(EXAMPLE, "fsdp2.yaml"), "--cpu", "--precision", "bf16", "--lora", "--out", str(tmp_path), "--steps", "2",
+                 "--methods", "clip", "--timeout", "240"], capsys, monkeypatch)  # fmt: skip
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["passed"] and report["distributed_type"] == "DistributedType.FSDP"
     assert report["wrapped_model"].startswith("FSDP")  # fully_shard's class, not DDP
