@@ -40,12 +40,12 @@ WORKER = os.path.join(os.path.dirname(__file__), "unsloth_worker.py")
 LOSS_TYPES = list(versions.ALL_LOSS_TYPES)
 #: The scenarios of one worker process, by (import order, compiled): the process imports and lets Unsloth generate its
 #: trainer once (~20 s of CPU), then runs each scenario in a child forked from that state (unsloth_worker.py). The first
-#: test that needs a scenario runs its whole group; ``-k`` on one test still runs its group.
+#: test that needs a scenario runs its whole group; ``-k`` on one test still runs its group. ``unpatch`` runs in the
+#: stock-first order: forked before the process imports this package (unsloth_worker.STOCK_FIRST).
 GROUPS = [
-    ("unsloth-first", ["config", "identity", "all_masked", "kl_part", "diagnostics", "subclass", "user_code", "renamed", "reward_placement", "monitor_reward"]),
+    ("unsloth-first", ["unpatch", "config", "identity", "all_masked", "kl_part", "diagnostics", "subclass", "user_code", "renamed", "reward_placement", "monitor_reward"]),
     ("unsloth-first", ["compiled", "compiled_loop"]),
     ("ours-first", ["config", "train", "resume"]),
-    ("stock-first", ["unpatch"]),
     ("config-before-unsloth", ["early_config"]),
 ]
 _cache = {}
@@ -81,7 +81,7 @@ def test_either_import_order_patches_the_generated_trainer_and_config(order, tmp
 
 def test_unpatch_restores_stock_config_arguments_and_patch_restores_ours(tmp_path_factory):
     # Unsloth memoises the arguments a config accepts: a stale memo raised a TypeError after unpatch().
-    r = run_worker("stock-first", "unpatch", tmp_path_factory)
+    r = run_worker("unsloth-first", "unpatch", tmp_path_factory)  # stock-first: a config built before this package's import
     stock, seq = r["never_patched"], r["sequence"]
     assert stock["value"] is None and len(stock["printed"]) == 1 and "will be IGNORED" in stock["printed"][0], stock
     patched = {"value": "ziegler", "printed": []}

@@ -8,9 +8,11 @@ then forks one child per SCENARIO: each child starts from that state, as a fresh
 runs its scenario alone and writes OUT_DIR/SCENARIO.json (or OUT_DIR/SCENARIO.error, its traceback). The scenarios of
 one call are all ``compiled*`` or none is (Unsloth's compile switch is read at import).
 
-ORDER is ``unsloth-first``, ``ours-first``, ``stock-first`` (unsloth first, and a config with
-an adaptive-KL field built before this package is imported: stock Unsloth's behaviour) or
-``config-before-unsloth`` (this package, a GRPOConfig, then unsloth). The script writes a JSON object of measured facts;
+ORDER is ``unsloth-first``, ``ours-first`` or ``config-before-unsloth`` (this package, a GRPOConfig, then unsloth).
+The scenarios in STOCK_FIRST run in the stock-first order (unsloth first, and a config with an adaptive-KL field built
+before this package is imported: stock Unsloth's behaviour): with ORDER ``unsloth-first`` the process forks them once
+Unsloth has generated its trainer, before it imports this package, so the two orders share one ``import unsloth``
+(~20 s of CPU). The script writes a JSON object of measured facts;
 the assertions live in test_unsloth.py.
 """
 
@@ -25,6 +27,10 @@ import tempfile
 import traceback
 
 ORDER, SCENARIOS, OUT = sys.argv[1], sys.argv[2].split(","), sys.argv[3]
+#: Scenarios of the stock-first order (see above): forked from an ``unsloth-first`` process before it imports this package.
+STOCK_FIRST = ("unpatch",)
+if ORDER != "unsloth-first" and set(SCENARIOS) & set(STOCK_FIRST):
+    sys.exit(f"{SCENARIOS}: {STOCK_FIRST} run stock-first, forked from an unsloth-first process")
 if len({name.startswith("compiled") for name in SCENARIOS}) != 1:
     sys.exit(f"{SCENARIOS}: compiled* scenarios and eager ones need separate processes (the compile switch is read at import)")
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -59,12 +65,25 @@ def probe_config():
 
 import_log = io.StringIO()
 with contextlib.redirect_stdout(import_log):
-    if ORDER in ("unsloth-first", "stock-first"):
+    if ORDER == "unsloth-first":
         import unsloth  # noqa: F401
         from unsloth.models.rl import _patch_trl_rl_trainers
 
         _patch_trl_rl_trainers("grpo_trainer")
-        never_patched = probe_config() if ORDER == "stock-first" else None
+        never_patched, STOCK_BRANCH = None, False
+        if set(SCENARIOS) & set(STOCK_FIRST):
+            # The stock-first branch: a child that builds a config with stock Unsloth, then imports this package (below)
+            # and runs the STOCK_FIRST scenarios; this process waits for it, then goes on with the others.
+            branch = [name for name in SCENARIOS if name in STOCK_FIRST]
+            sys.stdout.flush()
+            pid = os.fork()
+            if pid == 0:
+                STOCK_BRANCH, SCENARIOS = True, branch
+                never_patched = probe_config()
+            else:
+                _, status = os.waitpid(pid, 0)
+                BRANCH_FAILED = [] if os.waitstatus_to_exitcode(status) == 0 else [f"stock-first branch (exit {os.waitstatus_to_exitcode(status)})"]
+                SCENARIOS = [name for name in SCENARIOS if name not in STOCK_FIRST]
         import unsloth_adaptive_kl
     else:
         import unsloth_adaptive_kl
@@ -1013,7 +1032,7 @@ def run_in_child(name):
         os._exit(code)
 
 
-failed = []
+failed = list(globals().get("BRANCH_FAILED", []))
 for name in SCENARIOS:
     pid = os.fork()
     if pid == 0:
@@ -1021,4 +1040,8 @@ for name in SCENARIOS:
     _, status = os.waitpid(pid, 0)
     if os.waitstatus_to_exitcode(status) != 0:
         failed.append(f"{name} (exit {os.waitstatus_to_exitcode(status)})")
+if globals().get("STOCK_BRANCH"):  # a forked branch ends without running its parent's exit handlers
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1 if failed else 0)
 sys.exit(f"failed: {', '.join(failed)}" if failed else 0)
