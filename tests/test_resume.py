@@ -32,9 +32,24 @@ class RecordState(TrainerCallback):
             self.states[state.global_step] = json.loads(json.dumps(runtime.state_dict()))
 
 
-def train(checkpoint, out, resume_from=None, loss_class=None, **overrides):
+class StopAfterCheckpoint(TrainerCallback):
+    """Ends training once checkpoint-``step`` is written (a run kept only for that checkpoint). Set after the save,
+    the flag is not in the checkpoint, whose files are those of a run that goes on: max_steps, and with it the
+    learning-rate schedule, is the configured one; training stops at the end of that step."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            control.should_training_stop = True
+
+
+def train(checkpoint, out, resume_from=None, loss_class=None, stop_after_checkpoint=None, **overrides):
+    # two completions of one prompt per step: the claims are about the state a resume restores, whatever the group's
+    # size, and a step's cost on CPU goes with its tokens (TRL's log-prob kernel runs interpreted)
     fields = dict(
-        output_dir=str(out), use_cpu=True, bf16=False, report_to="none", per_device_train_batch_size=4, num_generations=4,
+        output_dir=str(out), use_cpu=True, bf16=False, report_to="none", per_device_train_batch_size=2, num_generations=2,
         max_completion_length=reference.MAX_COMPLETION, max_steps=STEPS, logging_steps=1, learning_rate=2e-2, beta=0.04,
         save_strategy="steps", save_steps=SAVED_AT, seed=0,
     )  # fmt: skip
@@ -45,6 +60,8 @@ def train(checkpoint, out, resume_from=None, loss_class=None, **overrides):
     )
     recorder = RecordState(trainer)
     trainer.add_callback(recorder)
+    if stop_after_checkpoint is not None:
+        trainer.add_callback(StopAfterCheckpoint(stop_after_checkpoint))
     trainer.train(resume_from_checkpoint=resume_from)
     betas = {h["step"]: h["adaptive_kl/current_beta"] for h in trainer.state.log_history if "adaptive_kl/current_beta" in h}
     return trainer, recorder.states, betas
@@ -88,9 +105,10 @@ EDITED_STEPS = 4  # the first run saves at SAVED_AT = 2; resumed runs train step
 
 @pytest.fixture(scope="module")
 def none_checkpoint(tiny_checkpoint, tmp_path_factory):
-    """checkpoint-2 of a run with method none and beta 0.04."""
+    """checkpoint-2 of a run with method none and beta 0.04 (configured for EDITED_STEPS, stopped once it is written)."""
     out = tmp_path_factory.mktemp("none_run")
-    train(tiny_checkpoint, out, max_steps=EDITED_STEPS)
+    _, _, betas = train(tiny_checkpoint, out, max_steps=EDITED_STEPS, stop_after_checkpoint=SAVED_AT)
+    assert sorted(betas) == [1, SAVED_AT]
     return str(out / f"checkpoint-{SAVED_AT}")
 
 
@@ -124,7 +142,7 @@ def test_resuming_none_with_a_changed_beta_trains_as_stock_trl_bit_for_bit(tiny_
 def test_a_controller_resumed_with_a_changed_beta_restarts_from_it_and_says_so(tiny_checkpoint, tmp_path, caplog):
     # reward_threshold 100: dynamic never decays, so only the resume decides the β of steps 3-4
     fields = dict(kl_adaptation_method="dynamic", reward_threshold=100.0, max_steps=EDITED_STEPS)
-    train(tiny_checkpoint, tmp_path / "run", **fields)
+    train(tiny_checkpoint, tmp_path / "run", **fields, stop_after_checkpoint=SAVED_AT)  # only its checkpoint is used
     checkpoint = str(tmp_path / "run" / f"checkpoint-{SAVED_AT}")
     with caplog.at_level(logging.INFO, logger="unsloth_adaptive_kl"):
         _, _, kept = train(tiny_checkpoint, tmp_path / "kept", resume_from=checkpoint, **fields)
@@ -136,15 +154,25 @@ def test_a_controller_resumed_with_a_changed_beta_restarts_from_it_and_says_so(t
     assert len(states[3]["controller"]["rewards"]) == 3  # the rest of the state (the reward window) was kept
 
 
+PAST_SCHEDULE = dict(kl_adaptation_method="dynamic", reward_threshold=100.0, beta_min=0.01, beta_schedule_steps=SAVED_AT, max_steps=EDITED_STEPS)
+
+
+@pytest.fixture(scope="module")
+def past_schedule_run(tiny_checkpoint, tmp_path_factory):
+    """The uninterrupted run of PAST_SCHEDULE (one for both cases below: the resumed runs only read it): its β series
+    and its checkpoint-2."""
+    out = tmp_path_factory.mktemp("past_schedule_run")
+    _, _, first = train(tiny_checkpoint, out, **PAST_SCHEDULE)
+    return first, str(out / f"checkpoint-{SAVED_AT}")
+
+
 @pytest.mark.parametrize("restart", [False, True])
-def test_a_dynamic_run_resumed_past_its_schedule_with_a_changed_beta_trains_at_the_floor_from_its_first_step(tiny_checkpoint, tmp_path, restart):
+def test_a_dynamic_run_resumed_past_its_schedule_with_a_changed_beta_trains_at_the_floor_from_its_first_step(tiny_checkpoint, past_schedule_run, tmp_path, restart):
     """beta_schedule_steps=2: from step 3 on β = beta_min. Resumed at step 2 with beta changed 0.04 -> 0.1 (restored
     or restarted), the first resumed step trained with 0.1 and only the next update dropped β to the floor."""
-    fields = dict(kl_adaptation_method="dynamic", reward_threshold=100.0, beta_min=0.01, beta_schedule_steps=SAVED_AT, max_steps=EDITED_STEPS)
-    _, _, first = train(tiny_checkpoint, tmp_path / "run", **fields)
+    first, checkpoint = past_schedule_run
     assert first == {1: 0.04, 2: 0.04, 3: 0.01, 4: 0.01}
-    checkpoint = str(tmp_path / "run" / f"checkpoint-{SAVED_AT}")
-    _, _, resumed = train(tiny_checkpoint, tmp_path / "resumed", resume_from=checkpoint, **fields, beta=0.1, restart_beta_controller=restart)
+    _, _, resumed = train(tiny_checkpoint, tmp_path / "resumed", resume_from=checkpoint, **PAST_SCHEDULE, beta=0.1, restart_beta_controller=restart)
     assert _resumed(resumed) == {3: 0.01, 4: 0.01}  # before the fix: {3: 0.1, 4: 0.01}
 
 

@@ -15,6 +15,7 @@ from unsloth_adaptive_kl import versions
 import toy
 from unsloth_adaptive_kl._source_patch import version_of
 from unsloth_adaptive_kl.backends import trl as trl_backend
+from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 LOSS_TYPES = list(versions.ALL_LOSS_TYPES)
@@ -23,6 +24,9 @@ MAX_COMPLETION = reference.MAX_COMPLETION
 TRL_VERSION = version_of("trl")
 OFFERED = versions.offered_loss_types(TRL_VERSION)  # loss type -> None where offered, else why not
 BIAS_CORRECTION = "use_bias_correction_kl" in GRPOConfig.__dataclass_fields__  # TRL >= 0.26
+# Where a test's claim is about the schedule of β and not about the group's size: two completions of one prompt per
+# micro-batch (a training step's cost on CPU goes with its tokens: TRL's log-prob kernel runs interpreted).
+SMALL_BATCH = dict(per_device_train_batch_size=2, num_generations=2)
 
 
 def grpo_config(tmp_path, **overrides):
@@ -233,8 +237,9 @@ def test_grpo_trains_end_to_end_logging_metrics_and_beta_trajectory(tiny_checkpo
 
 def test_beta_reaching_zero_skips_kl_and_reference_forward_with_reused_generations(tiny_checkpoint, tmp_path):
     overrides = dict(
-        kl_adaptation_method="dynamic", reward_threshold=100.0, beta_min=0.0, beta_schedule_steps=2, max_steps=6, steps_per_generation=2, num_iterations=2
-    )
+        kl_adaptation_method="dynamic", reward_threshold=100.0, beta_min=0.0, beta_schedule_steps=2, max_steps=6, steps_per_generation=2, num_iterations=2,
+        **SMALL_BATCH,
+    )  # fmt: skip
     trainer = make_trainer(tiny_checkpoint, tmp_path, **overrides)
     ref_calls = []
     trainer.ref_model.register_forward_hook(lambda *a: ref_calls.append(trainer.state.global_step))
@@ -247,11 +252,26 @@ def test_beta_reaching_zero_skips_kl_and_reference_forward_with_reused_generatio
     assert all(not missing(h["adaptive_kl/raw_kl"]) for h in logs[:2])
 
 
+class StopAfterCheckpoint(TrainerCallback):
+    """Ends training once checkpoint-``step`` is written; set after the save, so the checkpoint is that of a run
+    that goes on (max_steps and the learning-rate schedule as configured)."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            control.should_training_stop = True
+
+
 @pytest.mark.parametrize("method", reference.controller_names())
 def test_resume_from_checkpoint_continues_the_beta_series(tiny_checkpoint, tmp_path, method):
-    overrides = dict(kl_adaptation_method=method, **reference.RESUME_SETTINGS, max_steps=5, learning_rate=2e-2)
+    overrides = dict(kl_adaptation_method=method, **reference.RESUME_SETTINGS, max_steps=5, learning_rate=2e-2, **SMALL_BATCH)
     _, full = _run(tiny_checkpoint, tmp_path / "full", **overrides)
-    first, _ = _run(tiny_checkpoint, tmp_path / "resumed", **overrides, save_strategy="steps", save_steps=2)
+    first = make_trainer(tiny_checkpoint, tmp_path / "resumed", **overrides, save_strategy="steps", save_steps=2)
+    first.add_callback(StopAfterCheckpoint(2))  # only its checkpoint-2 is used: steps 3-5 are the resumed run's
+    first.train()
+    assert first.state.global_step == 2
     saved = first._adaptive_kl.state_dict()
     resumed = make_trainer(tiny_checkpoint, tmp_path / "resumed", **overrides)
     resumed.train(resume_from_checkpoint=str(tmp_path / "resumed" / "checkpoint-2"))
@@ -321,7 +341,7 @@ def _betas(trainer):
 
 
 def test_logged_beta_is_the_last_steps_beta_not_the_window_mean(tiny_checkpoint, tmp_path):
-    overrides = dict(kl_adaptation_method="dynamic", reward_threshold=-1.0, dynamic_beta_decay=0.5, max_steps=4, logging_steps=2)
+    overrides = dict(kl_adaptation_method="dynamic", reward_threshold=-1.0, dynamic_beta_decay=0.5, max_steps=4, logging_steps=2, **SMALL_BATCH)
     trainer, logs = _run(tiny_checkpoint, tmp_path, **overrides)
     # steps use 0.04, 0.02, 0.01, 0.005: the log at step 2 shows 0.02 (not 0.03), at step 4 0.005 (not 0.0075)
     assert [h["step"] for h in logs] == [2, 4]
@@ -342,7 +362,7 @@ def test_logged_beta_is_the_last_steps_beta_not_the_window_mean(tiny_checkpoint,
     ids=["steps_per_generation=4", "num_iterations=2", "spg=4,ga=2"],
 )
 def test_dynamic_decays_once_per_generation_batch(tiny_checkpoint, tmp_path, schedule, expected, generations):
-    overrides = dict(kl_adaptation_method="dynamic", reward_threshold=-1.0, dynamic_beta_decay=0.5, max_steps=6, **schedule)
+    overrides = {**dict(kl_adaptation_method="dynamic", reward_threshold=-1.0, dynamic_beta_decay=0.5, max_steps=6), **SMALL_BATCH, **schedule}
     trainer = make_trainer(tiny_checkpoint, tmp_path, **overrides)
     seen = []  # the optimizer step (global_step before it) at which each new reward arrived
     original = trainer._adaptive_kl.observe_reward
