@@ -76,8 +76,7 @@ def test_an_invalid_configured_beta_in_a_checkpoint_is_named_with_the_controller
     assert str(info.value) == "β-controller state of the 'ziegler' controller: configured_beta=-1.0 is not valid; allowed: a finite number >= 0"
 
 
-@pytest.mark.parametrize("name", ["schedule", "reward_conditioned"])
-def test_a_beta_at_the_top_of_its_range_is_the_configured_beta_and_resumes(name):
+def _top_of_range_resumes(name):
     """beta_min + (beta - beta_min) * 1 is one ulp above beta for these values (found by tests/test_fuzz.py): the
     controller's β stays within [beta_min, beta], so a checkpoint of it resumes instead of being refused."""
     beta, floor = 0.0857657750048584, 0.006867962451560926
@@ -91,3 +90,11 @@ def test_a_beta_at_the_top_of_its_range_is_the_configured_beta_and_resumes(name)
     resumed = make_controller(name, cfg)
     resumed.load_state_dict(saved.state_dict())
     assert resumed.beta == beta
+
+
+def test_schedule_at_its_first_step_is_the_configured_beta_and_resumes():
+    _top_of_range_resumes("schedule")
+
+
+def test_reward_conditioned_at_a_saturated_reward_is_the_configured_beta_and_resumes():
+    _top_of_range_resumes("reward_conditioned")
