@@ -195,11 +195,11 @@ class ControllerSpec:
 CONTROLLERS = Registry(KIND, order=lambda spec: spec.name, method_names=True)
 
 
-def within_floor_and_beta(config: "ControllerConfig", beta: float) -> float:
-    """``beta`` kept within [beta_min, beta]: in floating point ``beta_min + (beta - beta_min) * share`` can land one
-    ulp above the configured ``beta`` at ``share = 1``, a β that a resume then refuses as above the configured one
-    (found by tests/test_fuzz.py)."""
-    return min(max(beta, float(config.beta_min)), float(config.beta))
+def within_floor_and_beta(config: "ControllerConfig", value: float) -> float:
+    """``value`` (a β a controller computed) kept within [``config.beta_min``, ``config.beta``]: in floating point
+    ``beta_min + (beta - beta_min) * share`` can land one ulp above the configured ``beta`` at ``share = 1``, a β that a
+    resume then refuses as above the configured one (found by tests/test_fuzz.py)."""
+    return min(max(value, float(config.beta_min)), float(config.beta))
 
 
 def register_controller(name: str, *, parameters: tuple[Parameter, ...] = (), summary: str = "", _builtin: bool = False):
