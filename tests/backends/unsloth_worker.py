@@ -64,13 +64,15 @@ def probe_config():
 
 
 import_log = io.StringIO()
+# the stock-first branch (below): whether this process is it, and its exit status as seen by the parent
+STOCK_BRANCH, BRANCH_FAILED = False, []
 with contextlib.redirect_stdout(import_log):
     if ORDER == "unsloth-first":
         import unsloth  # noqa: F401
         from unsloth.models.rl import _patch_trl_rl_trainers
 
         _patch_trl_rl_trainers("grpo_trainer")
-        never_patched, STOCK_BRANCH = None, False
+        never_patched = None
         if set(SCENARIOS) & set(STOCK_FIRST):
             # The stock-first branch: a child that builds a config with stock Unsloth, then imports this package (below)
             # and runs the STOCK_FIRST scenarios; this process waits for it, then goes on with the others.
@@ -82,7 +84,8 @@ with contextlib.redirect_stdout(import_log):
                 never_patched = probe_config()
             else:
                 _, status = os.waitpid(pid, 0)
-                BRANCH_FAILED = [] if os.waitstatus_to_exitcode(status) == 0 else [f"stock-first branch (exit {os.waitstatus_to_exitcode(status)})"]
+                if os.waitstatus_to_exitcode(status) != 0:
+                    BRANCH_FAILED.append(f"stock-first branch (exit {os.waitstatus_to_exitcode(status)})")
                 SCENARIOS = [name for name in SCENARIOS if name not in STOCK_FIRST]
         import unsloth_adaptive_kl
     else:
@@ -1032,7 +1035,7 @@ def run_in_child(name):
         os._exit(code)
 
 
-failed = list(globals().get("BRANCH_FAILED", []))
+failed = list(BRANCH_FAILED)
 for name in SCENARIOS:
     pid = os.fork()
     if pid == 0:
@@ -1040,7 +1043,7 @@ for name in SCENARIOS:
     _, status = os.waitpid(pid, 0)
     if os.waitstatus_to_exitcode(status) != 0:
         failed.append(f"{name} (exit {os.waitstatus_to_exitcode(status)})")
-if globals().get("STOCK_BRANCH"):  # a forked branch ends without running its parent's exit handlers
+if STOCK_BRANCH:  # a forked branch ends without running its parent's exit handlers
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(1 if failed else 0)
