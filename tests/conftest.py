@@ -34,6 +34,13 @@ import sys  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+# Triton's interpreter without its per-call walk of triton.language (tests/_triton_interpreter.py: the same kernels,
+# the same results; tests/test_triton_interpreter.py checks both), in the test processes when no GPU is present.
+if os.environ.get("TRITON_INTERPRET") == "1":
+    import _triton_interpreter  # noqa: E402
+
+    _triton_interpreter.install()
+
 # The offline task, examples/toy.py (no part of the package since issue 54), is imported as ``toy`` by the tests, and
 # by the scripts and workers they start in subprocesses: examples/ goes on sys.path here and on their PYTHONPATH.
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
