@@ -7,12 +7,13 @@ UAKL_NODEPS=$(python3 unsloth_adaptive_kl/versions.py unsloth-2026.10 | sed -n 2
 python3 -m venv .venv
 source .venv/bin/activate
 python -m pip install -q --upgrade pip
-# Installs go through uv (a pinned release from PyPI): ~20 s where pip took ~100 s, the same versions (compared
-# package by package). uv does not read pip's configuration, so this machine's (its local wheels, its extra indexes,
-# its torch constraint: `pip config list`) is passed on as flags, with the best match across the indexes as pip
-# takes (uv's default takes a package from the first index that has it). --compile-bytecode as pip does: where
-# PYTHONDONTWRITEBYTECODE is set (as on CI), modules installed without their .pyc are compiled again by every process
-# that imports them (a fresh clone's suite took 1,515 CPU-s instead of ~950). If uv fails, pip installs the same set.
+# Installs go through uv (a pinned release from PyPI): the whole set-up ~90 s in a fresh clone with a cold cache
+# where pip took 134 s, the same versions (compared package by package). uv does not read pip's configuration, so
+# this machine's (its local wheels, its extra indexes, its torch constraint: `pip config list`) is passed on as
+# flags, with the best match across the indexes as pip takes (uv's default takes a package from the first index
+# that has it). --compile-bytecode as pip does: where PYTHONDONTWRITEBYTECODE is set (as on CI), modules installed
+# without their .pyc are compiled again by every process that imports them (a fresh clone's suite took 1,515 CPU-s
+# instead of ~950). If uv fails, pip installs the same set.
 python -m pip install -q "uv==0.13.9"
 UAKL_UV_ARGS=$(python - <<'PYEOF'
 import shlex, subprocess, sys
@@ -23,6 +24,7 @@ pairs = []
 for line in listed.splitlines():
     key, _, value = line.partition("=")
     flag = flags.get(key.rpartition(".")[2])
+    # pip prints each value quoted ('...'), a list of them space-separated inside the quotes
     for item in (shlex.split(shlex.split(value)[0]) if flag and value.strip() else []):
         if (flag, item) not in pairs:
             pairs.append((flag, item))

@@ -146,6 +146,21 @@ TRAINING_SETTINGS = dict(
 RESUME_SETTINGS = dict(beta_min=0.001, reward_threshold=0.1, reward_window=3, kl_target=0.01, kl_horizon=20.0, target_warmup_steps=0)
 
 
+def stop_after_checkpoint(step):
+    """A trainer callback that ends training once checkpoint-``step`` is written (a run kept only for that checkpoint).
+    Set after the save, the flag is not in the checkpoint, whose files are those of a run that goes on: max_steps, and
+    with it the learning-rate schedule, is the configured one; training stops at the end of that step. (transformers is
+    imported here, not with this module, which workers import before their import order is set.)"""
+    from transformers import TrainerCallback
+
+    class StopAfterCheckpoint(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            if state.global_step == step:
+                control.should_training_stop = True
+
+    return StopAfterCheckpoint()
+
+
 def training_settings() -> dict:
     """:data:`TRAINING_SETTINGS` for the registered controllers' fields."""
     return {name: value for name, value in TRAINING_SETTINGS.items() if name in FIELD_NAMES}

@@ -32,19 +32,6 @@ class RecordState(TrainerCallback):
             self.states[state.global_step] = json.loads(json.dumps(runtime.state_dict()))
 
 
-class StopAfterCheckpoint(TrainerCallback):
-    """Ends training once checkpoint-``step`` is written (a run kept only for that checkpoint). Set after the save,
-    the flag is not in the checkpoint, whose files are those of a run that goes on: max_steps, and with it the
-    learning-rate schedule, is the configured one; training stops at the end of that step."""
-
-    def __init__(self, step):
-        self.step = step
-
-    def on_save(self, args, state, control, **kwargs):
-        if state.global_step == self.step:
-            control.should_training_stop = True
-
-
 def train(checkpoint, out, resume_from=None, loss_class=None, stop_after_checkpoint=None, **overrides):
     # two completions of one prompt per step: the claims are about the state a resume restores, whatever the group's
     # size, and a step's cost on CPU goes with its tokens (TRL's log-prob kernel runs interpreted)
@@ -61,7 +48,7 @@ def train(checkpoint, out, resume_from=None, loss_class=None, stop_after_checkpo
     recorder = RecordState(trainer)
     trainer.add_callback(recorder)
     if stop_after_checkpoint is not None:
-        trainer.add_callback(StopAfterCheckpoint(stop_after_checkpoint))
+        trainer.add_callback(reference.stop_after_checkpoint(stop_after_checkpoint))
     trainer.train(resume_from_checkpoint=resume_from)
     betas = {h["step"]: h["adaptive_kl/current_beta"] for h in trainer.state.log_history if "adaptive_kl/current_beta" in h}
     return trainer, recorder.states, betas

@@ -15,9 +15,9 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _kernel_outputs(chunk_size):
-    """TRL's ChunkedLogProbFunction (its forward and backward kernels, and the jit helper they call) on fixed inputs:
-    every output and both gradients."""
+def _kernel_outputs():
+    """TRL's ChunkedLogProbFunction (its forward and backward kernels, and the jit helper they call) on fixed inputs,
+    chunks of 128 (three vocabulary tiles a row): every output and both gradients."""
     from trl.kernels.chunked_logprob import ChunkedLogProbFunction
 
     gen = torch.Generator().manual_seed(0)
@@ -25,7 +25,7 @@ def _kernel_outputs(chunk_size):
     weight = torch.randn(300, 16, generator=gen, requires_grad=True)
     targets = torch.randint(0, 300, (37,), generator=gen)
     outputs = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
-    logp, entropy, sq, mean, top1 = ChunkedLogProbFunction.apply(hidden, weight, None, targets, 0.7, chunk_size, None, 1.0, outputs)
+    logp, entropy, sq, mean, top1 = ChunkedLogProbFunction.apply(hidden, weight, None, targets, 0.7, 128, None, 1.0, outputs)
     (logp.sum() + 0.3 * entropy.sum()).backward()
     return [logp.detach(), entropy.detach(), sq, mean, top1, hidden.grad, weight.grad]
 
@@ -41,10 +41,10 @@ def test_the_kernels_give_the_same_bits_with_the_recorded_patches_and_leave_the_
     before = {name: getattr(tl, name) for name in dir(tl)}
     interpreter._patch_lang = recording._uakl_original  # Triton's own walk at every call
     try:
-        stock = _kernel_outputs(128)  # three vocabulary tiles a row
+        stock = _kernel_outputs()
     finally:
         interpreter._patch_lang = recording
-    ours, ours_again = _kernel_outputs(128), _kernel_outputs(128)  # the first launch records (if none did), the next replay
+    ours, ours_again = _kernel_outputs(), _kernel_outputs()  # the first launch records (if none did), the next replay
     for expected, got in ((stock, ours), (stock, ours_again)):
         for e, g in zip(expected, got):
             assert e.dtype == g.dtype and torch.equal(e, g)
@@ -59,4 +59,3 @@ def test_it_is_installed_in_the_test_processes_on_the_suites_triton():
     if not triton.__version__.startswith(_triton_interpreter.SUPPORTED):
         pytest.skip(f"Triton {triton.__version__}: the interpreter is left as it is")
     assert getattr(interpreter._patch_lang, "_uakl_recording", False)
-

@@ -15,7 +15,6 @@ from unsloth_adaptive_kl import versions
 import toy
 from unsloth_adaptive_kl._source_patch import version_of
 from unsloth_adaptive_kl.backends import trl as trl_backend
-from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 LOSS_TYPES = list(versions.ALL_LOSS_TYPES)
@@ -252,24 +251,12 @@ def test_beta_reaching_zero_skips_kl_and_reference_forward_with_reused_generatio
     assert all(not missing(h["adaptive_kl/raw_kl"]) for h in logs[:2])
 
 
-class StopAfterCheckpoint(TrainerCallback):
-    """Ends training once checkpoint-``step`` is written; set after the save, so the checkpoint is that of a run
-    that goes on (max_steps and the learning-rate schedule as configured)."""
-
-    def __init__(self, step):
-        self.step = step
-
-    def on_save(self, args, state, control, **kwargs):
-        if state.global_step == self.step:
-            control.should_training_stop = True
-
-
 @pytest.mark.parametrize("method", reference.controller_names())
 def test_resume_from_checkpoint_continues_the_beta_series(tiny_checkpoint, tmp_path, method):
     overrides = dict(kl_adaptation_method=method, **reference.RESUME_SETTINGS, max_steps=5, learning_rate=2e-2, **SMALL_BATCH)
     _, full = _run(tiny_checkpoint, tmp_path / "full", **overrides)
     first = make_trainer(tiny_checkpoint, tmp_path / "resumed", **overrides, save_strategy="steps", save_steps=2)
-    first.add_callback(StopAfterCheckpoint(2))  # only its checkpoint-2 is used: steps 3-5 are the resumed run's
+    first.add_callback(reference.stop_after_checkpoint(2))  # only its checkpoint-2 is used: steps 3-5 are the resumed run's
     first.train()
     assert first.state.global_step == 2
     saved = first._adaptive_kl.state_dict()
