@@ -4,8 +4,9 @@
     python research/study49/report.py research/data/study49-seed*-?      # the page's tables and criteria
 
 Each argument is a directory a ``study33:study49-seedS-X`` call wrote (its ``*-stream.jsonl[.gz]`` and
-``*-runs.tar.gz``, whose ``runs/<run>/log.txt`` holds the controller's warnings); the fixed-β comparators are read
-from ``research/data/study33-p1-*`` (``--phase1`` to change). Every number is computed with study 33's own
+``*-runs.tar.xz``, whose ``runs/<run>/log.txt`` holds the controller's warnings; research/data keeps the archives
+recompressed, a ``.tar.gz`` as a call returns it is read too); the fixed-β comparators are read from
+``research/data/study33-p1-*`` (``--phase1`` to change). Every number is computed with study 33's own
 functions (``research/harness/analysis.py``: final window, seed values over copies, runaway rule, TOST); nothing here
 defines a statistic the page does not.
 """
@@ -46,7 +47,7 @@ def warnings(directories: list[str]) -> dict[tuple, list[tuple[float, int]]]:
     """{(method, seed, β0, kl_target): [(the β the warning caps at, its step), ...]} from every run log in the calls'
     runs archives (one entry per copy that warned)."""
     out: dict[tuple, list[tuple[float, int]]] = {}
-    for archive in (p for d in directories for p in glob.glob(os.path.join(d, "*-runs.tar.gz"))):
+    for archive in (p for d in directories for p in glob.glob(os.path.join(d, "*-runs.tar.*"))):
         with tarfile.open(archive) as tar:
             for member in tar.getmembers():
                 name = RUN_DIR.search(member.name)

@@ -1021,9 +1021,9 @@ def reward_deltas(run):
 
 def logged_warnings():
     """{(seed, β0): (percent, kl_target, updates, last optimizer step)} of `target`'s warning in the run logs of
-    phase 2's `b` calls (each call's runs-*.tar.gz holds a log.txt a run, named target-seedS-bβ0)."""
+    phase 2's `b` calls (each call's *-runs.tar.xz holds a log.txt a run, named target-seedS-bβ0)."""
     found = {}
-    for path in sorted(ROOT.glob("research/data/study33-p2-seed*-b/*-runs.tar.gz")):
+    for path in sorted(ROOT.glob("research/data/study33-p2-seed*-b/*-runs.tar.*")):
         with tarfile.open(path) as archive:
             for member in archive.getmembers():
                 name = re.fullmatch(r"\./\d+/runs/target-seed(\d+)-b([\d.]+)/log\.txt", member.name)
