@@ -4,6 +4,7 @@
 # that this Unsloth accepts; transformers and datasets as it asks); scripts/compat.sh runs the others.
 UAKL_PINS=$(python3 unsloth_adaptive_kl/versions.py unsloth-2026.10 | sed -n 1p)
 UAKL_NODEPS=$(python3 unsloth_adaptive_kl/versions.py unsloth-2026.10 | sed -n 2p)
+unset PYTHONDONTWRITEBYTECODE
 python3 -m venv .venv
 source .venv/bin/activate
 python -m pip install -q --upgrade pip
@@ -11,9 +12,12 @@ python -m pip install -q --upgrade pip
 # where pip took 134 s, the same versions (compared package by package). uv does not read pip's configuration, so
 # this machine's (its local wheels, its extra indexes, its torch constraint: `pip config list`) is passed on as
 # flags, with the best match across the indexes as pip takes (uv's default takes a package from the first index
-# that has it). --compile-bytecode as pip does: where PYTHONDONTWRITEBYTECODE is set (as on CI), modules installed
-# without their .pyc are compiled again by every process that imports them (a fresh clone's suite took 1,515 CPU-s
-# instead of ~950). If uv fails, pip installs the same set.
+# that has it). If uv fails, pip installs the same set.
+# Bytecode: where PYTHONDONTWRITEBYTECODE is set (as on CI), modules installed without their .pyc are compiled again by
+# every process that imports them (a fresh clone's suite took 1,515 CPU-s instead of ~950). Compiling all of
+# site-packages at install (uv's --compile-bytecode, as pip does) took 42 of the install's 60 s (warm cache) for the
+# thousands of modules no run imports; instead the scripts unset it, so each module a run imports is compiled once,
+# its .pyc written beside it (.venv, and the tree's __pycache__, which git ignores).
 python -m pip install -q "uv==0.13.9"
 UAKL_UV_ARGS=$(python - <<'PYEOF'
 import shlex, subprocess, sys
@@ -33,7 +37,7 @@ PYEOF
 )
 uakl_install() {
   # shellcheck disable=SC2086
-  python -m uv pip install -q --compile-bytecode --python "$(command -v python)" --index-strategy unsafe-best-match $UAKL_UV_ARGS "$@" \
+  python -m uv pip install -q --python "$(command -v python)" --index-strategy unsafe-best-match $UAKL_UV_ARGS "$@" \
     || { echo "uv could not install $*; installing with pip" >&2; python -m pip install -q "$@"; }
 }
 # shellcheck disable=SC2086
