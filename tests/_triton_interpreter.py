@@ -8,12 +8,13 @@ interpreter took went to that walk, not to the kernels. With it gone from the te
 fell from 1,263 to 954 s (user; one run each on this 2-core machine).
 
 What it sets does not depend on the call: which modules the kernel's globals hold (``triton.language``,
-``triton.language.core``) and the interpreter's own module state. So the first call, on an unpatched
-``triton.language``, records every ``(object, name, value)`` the walk sets, and later calls set the same values again
-through the same :class:`_LangPatchScope` (its restore is unchanged); a call inside a launch, where they are in place
-already, sets nothing. The kernels then run on the same patched functions
-and give the same results; only the walk is saved. This touches no package code and no library outside the test
-processes: a GPU never runs the interpreter.
+``triton.language.core``) and the interpreter's own module state. So the first launch, on an unpatched
+``triton.language``, records every ``(object, name, value)`` the walk sets, and later launches set the same values
+again through the same :class:`_LangPatchScope` (its restore is unchanged, and also marks the launch ended); a jit
+helper's call inside a launch that patched its modules sets nothing (they are in place). The kernels then run on the
+same patched functions and give the same results; only the walk is saved. ``_get_np_dtype``, which builds a 19-entry
+dict at every call, becomes a lookup in a table filled from Triton's own answers. This touches no package code and no
+library outside the test processes: a GPU never runs the interpreter.
 
 Installed for Triton 3.9 (the suite's) only; on another release the interpreter is left as it is (slower, equal).
 """
@@ -22,7 +23,8 @@ SUPPORTED = ("3.9.",)
 
 
 def install() -> bool:
-    """Replace the interpreter's ``_patch_lang`` by the recording one; True if installed."""
+    """Replace the interpreter's ``_patch_lang`` by the recording one and its ``_get_np_dtype`` by a table lookup; True
+    if installed."""
     import importlib.metadata
 
     try:
@@ -38,32 +40,79 @@ def install() -> bool:
     if original is None or scope_class is None or getattr(original, "_uakl_recording", False):
         return False
     recorded = {}
+    #: The modules (ids of ``triton.language`` and/or ``.core``) whose patches the launch under way put in place.
+    launch = {"langs": None}
+
+    class _LaunchScope(scope_class):
+        """A launch's scope (GridExecutor restores it when the launch ends, even on an error): its restore also ends the
+        launch."""
+
+        def restore(self) -> None:
+            try:
+                super().restore()
+            finally:
+                launch["langs"] = None
+
+    def _launch(scope):
+        started = _LaunchScope()
+        started._changes = scope._changes
+        return started
 
     def _patch_lang(fn):
         tl = interpreter.tl
 
         langs = tuple(id(value) for value in fn.__globals__.values() if isinstance(value, type(tl)) and value in (tl, tl.core))
+        if launch["langs"] is not None and set(langs) <= set(launch["langs"]):
+            # a jit helper's call inside a launch that patched its modules already: Triton's walk would set wrappers
+            # equal to those in place (and never restore them)
+            return scope_class()
         changes = recorded.get(langs)
         if changes is None:
-            in_launch = any(_patched(other) for other in recorded.values())
+            in_launch = launch["langs"] is not None
             scope = original(fn)
-            if not in_launch:  # recorded from the unpatched module only
-                recorded[langs] = [(obj, name, getattr(obj, name)) for obj, name, _ in scope._changes]
-            return scope
-        scope = scope_class()
-        if not _patched(changes):  # inside a launch (a jit helper's call) the patches are in place already
+            if in_launch:  # a helper reaching modules the launch did not patch: Triton's own walk, as without this
+                return scope
+            recorded[langs] = [(obj, name, getattr(obj, name)) for obj, name, _ in scope._changes]
+        else:
+            scope = scope_class()
             for obj, name, value in changes:
                 scope.set_attr(obj, name, value)
-        return scope
+        launch["langs"] = langs
+        return _launch(scope)
 
     _patch_lang._uakl_recording = True
     _patch_lang._uakl_original = original
     interpreter._patch_lang = _patch_lang
+    interpreter._get_np_dtype = _np_dtype_table(interpreter)
     return True
 
 
-def _patched(changes) -> bool:
-    """Whether ``triton.language`` holds the recorded values now: a call inside a launch, where Triton walks the
-    patched module again (the device-function path) and sets wrappers equal to those in place, which it never
-    restores."""
-    return all(getattr(obj, name, None) is value for obj, name, value in changes)
+def _np_dtype_table(interpreter):
+    """``_get_np_dtype`` as one lookup: Triton's builds its 19-entry dict (hashing each dtype) at every call, ~10 % of the
+    interpreter's time in TRL's kernels. The table holds what Triton's own function answers for every scalar dtype
+    ``triton.language`` defines; pointers, blocks and anything not in the table take the same branches as Triton's, and
+    a dtype it does not know goes to Triton's function (which raises as before)."""
+    tl, original = interpreter.tl, interpreter._get_np_dtype
+    table = {}
+    for value in vars(tl).values():
+        if isinstance(value, tl.dtype) and not isinstance(value, (tl.pointer_type, tl.block_type)):
+            try:
+                table[value] = original(value)
+            except KeyError:
+                pass
+    pointer = original(tl.pointer_type(tl.float32))
+
+    def _get_np_dtype(tt_dtype):
+        if isinstance(tt_dtype, tl.pointer_type):
+            return pointer
+        if isinstance(tt_dtype, tl.block_type):
+            element = tt_dtype.element_ty
+            if isinstance(element, tl.pointer_type):
+                return pointer
+            found = table.get(element)
+        else:
+            found = table.get(tt_dtype)
+        return original(tt_dtype) if found is None else found
+
+    _get_np_dtype._uakl_original = original
+    return _get_np_dtype

@@ -39,11 +39,13 @@ def test_the_kernels_give_the_same_bits_with_the_recorded_patches_and_leave_the_
     if not getattr(recording, "_uakl_recording", False):
         pytest.skip(f"not installed on this Triton release ({__import__('triton').__version__})")
     before = {name: getattr(tl, name) for name in dir(tl)}
-    interpreter._patch_lang = recording._uakl_original  # Triton's own walk at every call
+    table = interpreter._get_np_dtype
+    # Triton's own walk at every call, and its own dtype function
+    interpreter._patch_lang, interpreter._get_np_dtype = recording._uakl_original, table._uakl_original
     try:
         stock = _kernel_outputs()
     finally:
-        interpreter._patch_lang = recording
+        interpreter._patch_lang, interpreter._get_np_dtype = recording, table
     ours, ours_again = _kernel_outputs(), _kernel_outputs()  # the first launch records (if none did), the next replay
     for expected, got in ((stock, ours), (stock, ours_again)):
         for e, g in zip(expected, got):
