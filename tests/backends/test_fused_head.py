@@ -4,6 +4,7 @@ and against the log-prob kernel path, for every loss type and method where it is
 where it is not exact; the kernels (Triton, interpreted here) against torch; the backward scaling."""
 
 import itertools
+import os
 import types
 import warnings
 
@@ -117,14 +118,44 @@ def test_fused_head_with_delta_vllm_ratio_num_items_and_beta_zero(loss_type):
         assert_same(ours, materialised(module(loss_type, method, **kwargs), inputs), 1e-12, 1e-10)
 
 
+@pytest.fixture
+def triton_kernels(monkeypatch):
+    """The fused head's Triton kernels, interpreted on the CPU (TRITON_INTERPRET=1), instead of torch's ops there; the
+    kernels' launches counted."""
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton runs on a GPU or in its interpreter (TRITON_INTERPRET=1)")
+    monkeypatch.setattr(fused, "INTERPRET_KERNELS", True)
+    kernels, launches = fused._kernels(), []
+    for name in ("row_stats", "logits_grad"):
+        kernel = getattr(kernels, name)
+
+        class Counted:
+            def __getitem__(self, grid, kernel=kernel, name=name):
+                launches.append(name)
+                return kernel[grid]
+
+        monkeypatch.setattr(kernels, name, Counted())
+    return launches
+
+
+def test_on_the_cpu_the_passes_are_torchs_and_on_a_gpu_or_when_asked_the_kernels(monkeypatch):
+    logits = torch.zeros(2, 3)
+    assert not fused._use_triton(logits)  # the CPU: torch, even with TRITON_INTERPRET=1 (set for TRL's kernel)
+    monkeypatch.setattr(fused, "INTERPRET_KERNELS", True)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert fused._use_triton(logits) and not fused._use_triton(logits.double())
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert not fused._use_triton(logits)
+
+
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo", "luspo", "sapo"])
-def test_fused_head_matches_the_log_prob_kernel_path_in_float32_through_the_triton_kernels(loss_type):
+def test_fused_head_matches_the_log_prob_kernel_path_in_float32_through_the_triton_kernels(loss_type, triton_kernels):
     """float32 runs the Triton kernels (interpreted on CPU); a vocabulary of 2.5 kernel blocks."""
     batch = make_batch(torch.float32, seed=3, vocab=2 * fused.BLOCK + 500)
     kernel = run(module(loss_type, "clip+length_normalized", use_bias_correction_kl=True), batch)
     mod = module(loss_type, "clip+length_normalized", use_bias_correction_kl=True, fused_head=True, fused_chunk_tokens=7)
     assert_same(run(mod, batch), kernel, atol=2e-5, rtol=1e-4)
-    assert mod.head_path == "fused"
+    assert mod.head_path == "fused" and {"row_stats", "logits_grad"} <= set(triton_kernels)
 
 
 def test_fused_head_compiled_matches_eager(monkeypatch):
@@ -148,7 +179,7 @@ def test_fused_head_with_a_reference_model_input_matches_the_kernel_path():
     assert_same(run(module("bnpo", "clip", fused_head=True), batch), run(module("bnpo", "clip"), batch), atol=2e-5, rtol=1e-4)
 
 
-def test_kernels_match_torch():
+def test_kernels_match_torch(triton_kernels):
     g = torch.Generator().manual_seed(6)
     logits = torch.randn(5, 2 * fused.BLOCK + 77, generator=g) * 4
     ids = torch.randint(0, logits.shape[1], (5,), generator=g)
@@ -161,6 +192,7 @@ def test_kernels_match_torch():
     in_place = logits.clone()
     fused.logits_to_grad_(in_place, ids, lse, grad_logp, 1 / 0.8)
     torch.testing.assert_close(in_place.double(), expected, atol=1e-6, rtol=1e-5)
+    assert triton_kernels == ["row_stats", "logits_grad"]
 
 
 # -- the backward ---------------------------------------------------------------------------------------------

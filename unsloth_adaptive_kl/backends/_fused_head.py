@@ -120,7 +120,17 @@ def default_chunk_tokens(tokens: int, vocab: int, weight_needs_grad: bool, hidde
 
 # -- the two passes over a chunk of logits -------------------------------------------------------------------
 def _use_triton(logits: torch.Tensor) -> bool:
-    return logits.dtype in TRITON_DTYPES and (logits.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+    """The Triton kernels on a GPU; torch's ops on the CPU, where Triton only interprets (TRITON_INTERPRET=1, which
+    TRL's own kernel needs there) one program at a time in Python: each pass is a row-wise logsumexp or softmax, which
+    torch computes in the same float32. ``INTERPRET_KERNELS`` (tests) runs the kernels in the interpreter instead."""
+    if logits.dtype not in TRITON_DTYPES:
+        return False
+    return logits.is_cuda or (INTERPRET_KERNELS and os.environ.get("TRITON_INTERPRET") == "1")
+
+
+#: Run the Triton kernels in Triton's CPU interpreter (TRITON_INTERPRET=1) instead of torch's ops on CPU tensors: the
+#: tests that check the kernels themselves set it.
+INTERPRET_KERNELS = False
 
 
 def row_logsumexp(logits: torch.Tensor, ids: torch.Tensor, inv_t: float) -> tuple[torch.Tensor, torch.Tensor]:
