@@ -181,8 +181,10 @@ def test_changing_beta_never_recompiles_the_fused_loss(tmp_path_factory):
     assert fixed["betas"] == [0.04] * 5
     assert dynamic["betas"] == pytest.approx([0.04 * 0.9**k for k in range(5)])
     assert to_zero["betas"] == pytest.approx([0.04, 0.036, 0.0324, 0.0, 0.0])
-    # A beta that changes every step compiles exactly the graphs a fixed beta does, step by step.
-    assert dynamic["graphs"] == fixed["graphs"]
+    # A beta that changes every step compiles exactly the graphs a fixed beta does, step by step. (Each run counts from
+    # its own start, after the worker's warm-up, which compiles transformers' mask and not the fused loss: the first
+    # step compiles the fused loss.)
+    assert fixed["graphs"][0] >= 1 and dynamic["graphs"] == fixed["graphs"], (fixed, dynamic)
     # The switch to 0 is one new constant (the gate): at most one graph more than the fixed run
     # at each step; and once beta is 0 no KL is computed.
     extra = [z - f for z, f in zip(to_zero["graphs"], fixed["graphs"])]
@@ -202,7 +204,10 @@ def test_a_loop_with_changing_shapes_compiles_no_more_than_stock_unsloth(tmp_pat
     and the second call compiled one graph more than stock.)"""
     runs = run_worker("unsloth-first", "compiled_loop", tmp_path_factory)["compiled_loop"]
     stock, stock_again = runs.pop("stock")["graphs"], runs.pop("stock_again")["graphs"]
-    assert stock[0] >= 1 and stock_again == stock  # the loop's position in the process changes nothing
+    # Each loop runs in a child forked from the same state, so its position among the loops cannot change dynamo's
+    # state; stock_again, after the patched loops, checks that what they left (the scenario's TorchInductor cache on
+    # disk, the one thing passed from loop to loop) changes nothing.
+    assert stock[0] >= 1 and stock_again == stock
     for method, run in runs.items():
         graphs = run["graphs"]
         assert graphs[0] >= 1 and sum(graphs[2:]) == 0, (method, graphs, stock, run["recompile_reasons"])

@@ -6,7 +6,10 @@ TRL's classes process-wide, so it must not happen inside the main test process.
 The process imports (in ORDER), lets Unsloth generate its trainer and builds the tiny checkpoint once (~20 s of CPU),
 then forks one child per SCENARIO: each child starts from that state, as a fresh process would after the same imports,
 runs its scenario alone and writes OUT_DIR/SCENARIO.json (or OUT_DIR/SCENARIO.error, its traceback). The scenarios of
-one call are all ``compiled*`` or none is (Unsloth's compile switch is read at import).
+one call are all ``compiled*`` or none is (Unsloth's compile switch is read at import). Before forking ``compiled*``
+scenarios the process compiles transformers' mask on the paths a training step takes (warm_up_compiled: not under test,
+and ~40 % of those scenarios' CPU when each run compiled it again); each scenario then runs each of its measured runs in
+a child forked from that state (``forked``), counting the graphs compiled from the run's own start.
 
 ORDER is ``unsloth-first``, ``ours-first`` or ``config-before-unsloth`` (this package, a GRPOConfig, then unsloth).
 The scenarios in STOCK_FIRST run in the stock-first order (unsloth first, and a config with an adaptive-KL field built
@@ -21,6 +24,7 @@ import io
 import json
 import math
 import os
+import pickle
 import sys
 import tempfile
 
@@ -44,6 +48,13 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="induct
 os.environ.setdefault("TORCHINDUCTOR_ERROR_ON_CUSTOM_OP_ALIASING", "0")
 if not SCENARIOS[0].startswith("compiled"):
     os.environ["UNSLOTH_COMPILE_DISABLE"] = "1"  # eager: exact comparisons and fast tests
+else:
+    # Inductor compiles in this process, not in a pool of threads and worker processes: the compiled scenarios fork
+    # after compiling (warm_up_compiled, forked), and a forked child inherits torch's thread pool without its threads
+    # (it then waited forever on a kernel's compile). Torch's default (read when torch is imported) and Unsloth's
+    # compile options (its switch, read at import: it sets it for pinned GPUs), whose compile_threads outranks torch's.
+    os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
+    os.environ["UNSLOTH_FORCE_SINGLE_COMPILE_WORKER"] = "1"
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for reference.py
 
 
@@ -656,8 +667,8 @@ def scenario_resume():
 
 def scenario_compiled():
     """Compiled fused loss: graphs compiled per step with a fixed beta, a beta that changes every
-    step, and a beta that reaches 0, without and with kl_monitor (dynamo state reset between runs)."""
-    import torch._dynamo
+    step, and a beta that reaches 0, without and with kl_monitor. Each run in a child forked from this scenario's
+    state (after warm_up_compiled), counting every graph compiled from its own start."""
     from torch._dynamo.utils import counters
     from transformers import TrainerCallback
 
@@ -676,25 +687,32 @@ def scenario_compiled():
             kl_adaptation_method="dynamic", reward_threshold=-1.0, beta_min=0.0, beta_schedule_steps=3, kl_monitor=True, kl_monitor_every=1,
         ),
     }
-    for name, overrides in runs.items():
-        torch._dynamo.reset()
+
+    def run(overrides):
         counters.clear()
         t = trainer(max_steps=5, **overrides)
         counter = GraphCounter()
         t.add_callback(counter)
         t.train()
         logs = [h for h in t.state.log_history if "adaptive_kl/current_beta" in h]
-        results[f"compiled_{name}"] = {
+        return {
             "graphs": counter.per_step,
             "betas": [h["adaptive_kl/current_beta"] for h in logs],
             "raw_kl": [h.get("adaptive_kl/raw_kl") for h in logs],  # absent once β is 0 (nothing observed)
         }
 
+    for name, overrides in runs.items():
+        results[f"compiled_{name}"] = forked(lambda overrides=overrides: run(overrides))
+
 
 def scenario_compiled_loop():
     """The compiled fused loss in a loop whose shapes change every call, as in training: a new completion length
     (max_completion_length at most), new valid-token counts and num_items_in_batch, and (patched) a new β.
-    Graphs compiled per call, for stock Unsloth (unpatched in place, fixed β) and each method (dapo)."""
+    Graphs compiled per call, for stock Unsloth (unpatched in place, fixed β) and each method (dapo): each loop in a
+    child forked from this scenario's state (after warm_up_compiled), so every loop starts from the same dynamo state
+    and its position among the loops cannot change what it compiles. stock_again, forked after the patched loops,
+    checks what still passes from loop to loop: the TorchInductor cache on disk (this scenario's, see forked) that
+    the loops before it wrote."""
     import logging
 
     from torch._dynamo.utils import counters
@@ -709,7 +727,6 @@ def scenario_compiled_loop():
     lengths = [reference.MAX_COMPLETION, 2, 4, 5, 3]
 
     def loop(vary_beta):
-        torch._dynamo.reset()
         reasons.clear()
         per_call = []
         for call, length in enumerate(lengths):
@@ -724,21 +741,19 @@ def scenario_compiled_loop():
             per_call.append(counters["stats"]["unique_graphs"] - before)
         return {"graphs": per_call, "recompile_reasons": list(reasons)}
 
-    set_method(t, "none", "dapo")
-    unsloth_adaptive_kl.unpatch()
-    try:
-        runs = {"stock": loop(vary_beta=False)}
-    finally:
-        unsloth_adaptive_kl.patch()
-    for method in ("none", "clip+sigmoid+length_normalized", "dynamic"):
+    def stock():
+        set_method(t, "none", "dapo")
+        unsloth_adaptive_kl.unpatch()  # in the forked child only: it ends there
+        return loop(vary_beta=False)
+
+    def patched(method):
         set_method(t, method, "dapo", reward_threshold=-1.0)
-        runs[method] = loop(vary_beta=True)
-    set_method(t, "none", "dapo")
-    unsloth_adaptive_kl.unpatch()
-    try:
-        runs["stock_again"] = loop(vary_beta=False)  # stock after a patched run: what a loop position alone gives
-    finally:
-        unsloth_adaptive_kl.patch()
+        return loop(vary_beta=True)
+
+    runs = {"stock": forked(stock)}
+    for method in ("none", "clip+sigmoid+length_normalized", "dynamic"):
+        runs[method] = forked(lambda method=method: patched(method))
+    runs["stock_again"] = forked(stock)  # stock after the patched loops: what the loop position alone gives
     results["compiled_loop"] = runs
 
 
@@ -1016,6 +1031,74 @@ def scenario_unpatch():
 SCENARIO_FUNCTIONS = {"early_config": scenario_early_config, "config": scenario_config, "unpatch": scenario_unpatch, "identity": scenario_identity, "all_masked": scenario_all_masked, "resume": scenario_resume, "kl_part": scenario_kl_part, "train": scenario_train, "subclass": scenario_subclass, "renamed": scenario_renamed, "compiled": scenario_compiled, "compiled_loop": scenario_compiled_loop, "reward_placement": scenario_reward_placement, "user_code": scenario_user_code, "diagnostics": scenario_diagnostics, "monitor_reward": scenario_monitor_reward}
 
 
+def forked(fn):
+    """``fn()`` in a child forked from this process, which ends there; what it returns, sent back through a pipe (its
+    traceback raised here if it failed). The compiled scenarios run each measured run in one, so every run starts from
+    the same state (no ``torch._dynamo.reset()`` between runs, which also dropped what warm_up_compiled compiled). The
+    children run one at a time and share this scenario's TorchInductor cache directory (run_in_child), as the runs of
+    one scenario process did before."""
+    read, write = os.pipe()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        try:
+            payload = pickle.dumps((True, fn()))
+        except BaseException:
+            payload = pickle.dumps((False, traceback.format_exc()))
+        with os.fdopen(write, "wb") as f:
+            f.write(payload)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as f:
+        payload = f.read()
+    _, status = os.waitpid(pid, 0)
+    if not payload:
+        raise RuntimeError(f"forked run died (exit {os.waitstatus_to_exitcode(status)}) without a result")
+    ok, value = pickle.loads(payload)
+    if not ok:
+        raise RuntimeError(f"forked run failed:\n{value}")
+    return value
+
+
+def warm_up_compiled():
+    """Compile once, before the compiled* scenarios fork, what their runs share and do not test: transformers'
+    create_causal_mask, which Unsloth wraps in torch.compile(dynamic=True) (~1 s of CPU per variant, ~8 variants per
+    training run: generation, the log-prob forwards, the training forward). Three steps of a trainer as the runs build
+    it and the compiled_loop's calls, with the fused loss run eagerly (torch.compiler.set_stance("force_eager") inside
+    UnslothEfficientGRPO.forward), so the fused loss, and anything it calls, is compiled by the runs themselves and
+    counted there. A mask variant this misses is compiled, and counted, in each run that needs it, as before (Unsloth
+    sets dynamo's recompile_limit to 1024: the warm-up's variants leave it room)."""
+    from unsloth_zoo.temporary_patches.common import torch_compile_options
+
+    threads = (torch._inductor.config.compile_threads, torch_compile_options.get("compile_threads"))
+    if threads != (1, 1):
+        raise RuntimeError(f"compile_threads (torch's, Unsloth's) = {threads}: a forked child would wait on this process's compile threads")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-cache-")  # a private one (see above)
+    cls = generated.UnslothEfficientGRPO
+    inner = cls.forward
+
+    def eager(*args, **kwargs):
+        with torch.compiler.set_stance("force_eager"):
+            return inner(*args, **kwargs)
+
+    cls.forward = staticmethod(eager)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            trainer(max_steps=3).train()
+            t = trainer(loss_type="dapo")
+            t.model.train()
+            for call, length in enumerate([reference.MAX_COMPLETION, 2]):
+                loss_and_grads(t, reference.loss_inputs(
+                    t.model.config.vocab_size, seed=call, completion=length, ref_spread=2.0, ref_offset=3.0, pad_token_id=TOKENIZER.pad_token_id
+                ))  # fmt: skip
+    finally:
+        cls.forward = inner
+
+
 def run_in_child(name):
     """The forked child: ``name`` alone, its results (or its traceback) written, then the child ends without running the
     parent's exit handlers. Its own TorchInductor cache, as a fresh process had (see TORCHINDUCTOR_CACHE_DIR above)."""
@@ -1036,6 +1119,8 @@ def run_in_child(name):
 
 
 failed = list(BRANCH_FAILED)
+if SCENARIOS and SCENARIOS[0].startswith("compiled"):
+    warm_up_compiled()
 for name in SCENARIOS:
     pid = os.fork()
     if pid == 0:
