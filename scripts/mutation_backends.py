@@ -206,7 +206,10 @@ def _pytest(target: Target, copy: str, timeout: float) -> int | str:
     """Exit code of ``target``'s tests in ``copy``, or "timeout"; a timed-out run is ended with the processes it
     started (the Unsloth tests' workers), not only pytest."""
     path = copy + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")  # a site stays behind it
-    env = dict(os.environ, PYTHONPATH=path, TRITON_INTERPRET="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+    # No bytecode written: a mutant and the pristine source can have the same size and modification second, and a .pyc
+    # written for one would then be taken for the other (seen: the baseline after a "*" -> "/" mutant read killed).
+    env = dict(os.environ, PYTHONPATH=path, TRITON_INTERPRET="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1",
+               PYTHONDONTWRITEBYTECODE="1")
     proc = subprocess.Popen([sys.executable, *PYTEST, *target.tests], cwd=copy, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
     try:
