@@ -1035,7 +1035,7 @@ def forked(fn):
     """``fn()`` in a child forked from this process, which ends there; what it returns, sent back through a pipe (its
     traceback raised here if it failed). The compiled scenarios run each measured run in one, so every run starts from
     the same state (no ``torch._dynamo.reset()`` between runs, which also dropped what warm_up_compiled compiled). The
-    children run one at a time and share this scenario's TorchInductor cache directory (run_in_child), as the runs of
+    children run one at a time and share this scenario's TorchInductor cache directory (scenario_in_child), as the runs of
     one scenario process did before."""
     read, write = os.pipe()
     sys.stdout.flush()
@@ -1099,35 +1099,28 @@ def warm_up_compiled():
         cls.forward = inner
 
 
-def run_in_child(name):
-    """The forked child: ``name`` alone, its results (or its traceback) written, then the child ends without running the
-    parent's exit handlers. Its own TorchInductor cache, as a fresh process had (see TORCHINDUCTOR_CACHE_DIR above)."""
-    code = 1
-    try:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-cache-")
-        SCENARIO_FUNCTIONS[name]()
-        with open(os.path.join(OUT, name + ".json"), "w") as f:
-            json.dump(results, f, default=lambda o: None if isinstance(o, float) and math.isnan(o) else str(o))
-        code = 0
-    except BaseException:
-        with open(os.path.join(OUT, name + ".error"), "w") as f:
-            f.write(traceback.format_exc())
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+def scenario_in_child(name):
+    """``name`` alone, in a child forked from this process (``forked``), as a fresh process would run it after the same
+    imports: its results as JSON text. Its own TorchInductor cache, as a fresh process had (see TORCHINDUCTOR_CACHE_DIR
+    above)."""
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-cache-")
+    SCENARIO_FUNCTIONS[name]()
+    return json.dumps(results, default=lambda o: None if isinstance(o, float) and math.isnan(o) else str(o))
 
 
 failed = list(BRANCH_FAILED)
 if SCENARIOS and SCENARIOS[0].startswith("compiled"):
     warm_up_compiled()
-for name in SCENARIOS:
-    pid = os.fork()
-    if pid == 0:
-        run_in_child(name)
-    _, status = os.waitpid(pid, 0)
-    if os.waitstatus_to_exitcode(status) != 0:
-        failed.append(f"{name} (exit {os.waitstatus_to_exitcode(status)})")
+for name in SCENARIOS:  # each written as OUT/NAME.json, or its traceback as OUT/NAME.error
+    try:
+        text = forked(lambda name=name: scenario_in_child(name))
+    except RuntimeError as error:
+        with open(os.path.join(OUT, name + ".error"), "w") as f:
+            f.write(str(error))
+        failed.append(name)
+    else:
+        with open(os.path.join(OUT, name + ".json"), "w") as f:
+            f.write(text)
 if STOCK_BRANCH:  # a forked branch ends without running its parent's exit handlers
     sys.stdout.flush()
     sys.stderr.flush()

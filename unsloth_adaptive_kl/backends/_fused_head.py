@@ -65,6 +65,9 @@ from ._liger_parts import VOCAB_TILE
 KERNEL_TILE = 4096 * VOCAB_TILE  # values in TRL 1.15's log-prob kernel tile (TOKEN_CHUNK_SIZE × the package's VOCAB_TILE)
 BLOCK = 1024  # vocabulary columns per Triton program
 TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+#: Run the Triton kernels in Triton's CPU interpreter (TRITON_INTERPRET=1) instead of torch's ops on CPU tensors: the
+#: tests that check the kernels themselves set it.
+INTERPRET_KERNELS = False
 
 
 def check_fused_arguments(fused_head, chunk_tokens) -> None:
@@ -126,11 +129,6 @@ def _use_triton(logits: torch.Tensor) -> bool:
     if logits.dtype not in TRITON_DTYPES:
         return False
     return logits.is_cuda or (INTERPRET_KERNELS and os.environ.get("TRITON_INTERPRET") == "1")
-
-
-#: Run the Triton kernels in Triton's CPU interpreter (TRITON_INTERPRET=1) instead of torch's ops on CPU tensors: the
-#: tests that check the kernels themselves set it.
-INTERPRET_KERNELS = False
 
 
 def row_logsumexp(logits: torch.Tensor, ids: torch.Tensor, inv_t: float) -> tuple[torch.Tensor, torch.Tensor]:
