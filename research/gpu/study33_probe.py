@@ -4,7 +4,8 @@ Two demo invocations on the long task (research/study_cli.py --task long), one a
 each warm-starting seed 0 inside the call (nothing is kept between calls):
   k1: one run alone (`none` at β 0.04), for the step time of a run that has the GPU to itself;
   k8: eight runs at once (`none` and `target` at four initial β), for the throughput of a shared GPU.
-Both warm starts must give the same weights (sha256): the study pairs runs of different calls by seed.
+Both warm starts must give the same weights (sha256): the study pairs runs of different calls by seed. With --tiny
+(a CPU) the warm start runs on one thread in both invocations: a CPU's sums, so the bits, depend on the thread count.
 Writes to --out: study33-probe.md and .json (the record: warm start time, loss, tokens a second, accuracy,
 reward and length distribution at step 0; step times; the projected cost of the study's run list), the two
 streams, and study33-probe-runs.tar.gz (logs, summaries, warm-start records): at most 5 files.
@@ -54,10 +55,13 @@ def run_phase(name: str, extra: list[str], limit: int, out: str, work: str, tiny
     argv = [sys.executable, DEMO, "--task", "long", "--loss-type", "dapo", "--seeds", "1", "--steps",
             str(2 if tiny else STEPS), "--keep-going", "--stream", stream, "--output-dir", folder, *extra, *(TINY if tiny else []),
             *(["--warm-start-lr", repr(warm_start_lr)] if warm_start_lr else [])]
+    # --tiny, on a CPU: the warm start on one thread in both invocations, so its bits depend on nothing the machine
+    # decides (a CPU's sums depend on the thread count); the runs' own threads are the scheduler's, as before
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1") if tiny else None
     started = time.perf_counter()
     with open(os.path.join(work, f"{name}.log"), "w") as log:
         try:
-            rc = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, timeout=limit, cwd=ROOT).returncode
+            rc = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, timeout=limit, cwd=ROOT, env=env).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
     wall = time.perf_counter() - started

@@ -196,6 +196,7 @@ def build_task_checkpoint(path: str, settings: Settings, seed: int, device: str,
             "loss_curve": {i + 1: losses[i] for i in sorted({*range(0, len(losses), max(1, len(losses) // 20)), len(losses) - 1})}
             if losses else {},
             "style_shares": [styles.count(i) / len(styles) for i in range(len(weights))] if styles else [],
+            "device": device, "torch_threads": torch.get_num_threads(),  # on a CPU the sums, so the bits, depend on it
             "weights_sha256": digest.hexdigest()}
 
 

@@ -36,10 +36,12 @@ def test_the_probe_returns_at_most_five_files(tiny):
 
 def test_both_invocations_warm_start_the_same_model_and_record_it(tiny):
     _, record = tiny
-    assert record["same_warm_start"] is True
+    assert record["same_warm_start"] is True, {name: {k: (ph["warm_start"] or {}).get(k) for k in (
+        "weights_sha256", "torch_threads", "device", "loss_curve")} for name, ph in record["phases"].items()}
     for name in ("k1", "k8"):
         warm = record["phases"][name]["warm_start"]
         assert warm["warm_start_steps"] == 3 and len(warm["loss_curve"]) >= 2 and warm["tokens_per_s"] > 0
+        assert (warm["device"], warm["torch_threads"]) == ("cpu", 1)  # --tiny: the warm start on one CPU thread
         start = warm["start"]
         assert start["n"] == 256 and 0 <= start["accuracy"] <= 1 and 0 <= start["truncated"] <= 1
         assert start["length"]["p10"] <= start["length"]["median"] <= start["length"]["p90"] <= start["length"]["max"] <= 40
