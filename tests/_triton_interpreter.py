@@ -39,7 +39,9 @@ def install() -> bool:
     scope_class = getattr(interpreter, "_LangPatchScope", None)
     if original is None or scope_class is None or getattr(original, "_uakl_recording", False):
         return False
-    recorded = {}
+    recorded = {}  # a launch's modules -> what Triton's walk set for it
+    helper_recorded = {}  # (the launch's modules, a helper's modules) -> what the helper's walk set
+    walks = [0]  # Triton's own walks so far (each records)
     #: The modules (ids of ``triton.language`` and/or ``.core``) whose patches the launch under way put in place.
     launch = {"langs": None}
 
@@ -62,16 +64,27 @@ def install() -> bool:
         tl = interpreter.tl
 
         langs = tuple(id(value) for value in fn.__globals__.values() if isinstance(value, type(tl)) and value in (tl, tl.core))
-        if launch["langs"] is not None and set(langs) <= set(launch["langs"]):
-            # a jit helper's call inside a launch that patched its modules already: Triton's walk would set wrappers
-            # equal to those in place (and never restore them)
+        if launch["langs"] is not None:  # a jit helper's call inside a launch (Triton drops the scope it gets back)
+            if set(langs) <= set(launch["langs"]):
+                # the launch patched its modules already: Triton's walk would set wrappers equal to those in place
+                return scope_class()
+            # A helper reaching a module the launch did not patch (triton.language's own helpers, tl.max or tl.sum, see
+            # only triton.language.core): Triton's walk wraps that module's builtins and never restores them. The first
+            # call under this launch's modules records what the walk set; a later one sets the same values again.
+            key = (launch["langs"], langs)
+            changes = helper_recorded.get(key)
+            if changes is None:
+                walks[0] += 1
+                scope = original(fn)
+                helper_recorded[key] = [(obj, name, getattr(obj, name)) for obj, name, _ in scope._changes]
+                return scope
+            for obj, name, value in changes:
+                setattr(obj, name, value)
             return scope_class()
         changes = recorded.get(langs)
         if changes is None:
-            in_launch = launch["langs"] is not None
+            walks[0] += 1
             scope = original(fn)
-            if in_launch:  # a helper reaching modules the launch did not patch: Triton's own walk, as without this
-                return scope
             recorded[langs] = [(obj, name, getattr(obj, name)) for obj, name, _ in scope._changes]
         else:
             scope = scope_class()
@@ -82,6 +95,7 @@ def install() -> bool:
 
     _patch_lang._uakl_recording = True
     _patch_lang._uakl_original = original
+    _patch_lang._uakl_walks = walks
     interpreter._patch_lang = _patch_lang
     interpreter._get_np_dtype = _np_dtype_table(interpreter)
     return True

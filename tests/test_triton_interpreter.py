@@ -1,5 +1,6 @@
 """tests/_triton_interpreter.py, the test processes' faster Triton interpreter: TRL's fused log-prob kernel gives
-bit-identical results with and without it, and a launch still leaves ``triton.language`` as it found it."""
+bit-identical results with and without it, a second run walks ``triton.language`` nowhere, and a launch still leaves
+``triton.language`` as it found it."""
 
 import importlib.util
 import os
@@ -46,7 +47,10 @@ def test_the_kernels_give_the_same_bits_with_the_recorded_patches_and_leave_the_
         stock = _kernel_outputs()
     finally:
         interpreter._patch_lang, interpreter._get_np_dtype = recording, table
-    ours, ours_again = _kernel_outputs(), _kernel_outputs()  # the first launch records (if none did), the next replay
+    ours = _kernel_outputs()  # the first launch, and the first call of each jit helper in it, record (if none did)
+    walks = recording._uakl_walks[0]
+    ours_again = _kernel_outputs()  # replayed: no walk of triton.language, in a launch or in a helper's call (tl.max)
+    assert recording._uakl_walks[0] == walks
     for expected, got in ((stock, ours), (stock, ours_again)):
         for e, g in zip(expected, got):
             assert e.dtype == g.dtype and torch.equal(e, g)
