@@ -16,9 +16,9 @@ the launch did not patch (``tl.max``, ``tl.sum``: triton.language's own helpers 
 walked by Triton at every call, its wrappers never restored; here its first call under a launch's modules records what
 the walk set and later calls set the same values again (2026-11-29: 778 walks in one forward and backward of TRL's
 kernel; test_trl.py 77 -> 52 user-s). The kernels then run on the same patched functions and give the same results;
-only the walk is saved. ``_get_np_dtype``, which builds a 19-entry
-dict at every call, becomes a lookup in a table filled from Triton's own answers. This touches no package code and no
-library outside the test processes: a GPU never runs the interpreter.
+only the walk is saved. ``_get_np_dtype``, which builds a 19-entry dict at every call, becomes a lookup in a table
+filled from Triton's own answers. This touches no package code and no library outside the test processes: a GPU never
+runs the interpreter.
 
 Installed for Triton 3.9 (the suite's) only; on another release the interpreter is left as it is (slower, equal).
 """
