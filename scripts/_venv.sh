@@ -9,7 +9,8 @@ python3 -m venv .venv
 source .venv/bin/activate
 python -m pip install -q --upgrade pip
 # Installs go through uv (a pinned release from PyPI): the whole set-up ~20 s in a fresh clone, uv's cache cold or
-# warm (~90 s while it also compiled every module's bytecode, below), where pip took 134 s, the same versions (compared package by package). uv does not read pip's configuration, so
+# warm (~90 s while it also compiled every module's bytecode, below), where pip took 134 s, the same versions
+# (compared package by package). uv does not read pip's configuration, so
 # this machine's (its local wheels, its extra indexes, its torch constraint: `pip config list`) is passed on as
 # flags, with the best match across the indexes as pip takes (uv's default takes a package from the first index
 # that has it). If uv fails, pip installs the same set.

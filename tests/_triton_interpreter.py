@@ -43,8 +43,8 @@ def install() -> bool:
     scope_class = getattr(interpreter, "_LangPatchScope", None)
     if original is None or scope_class is None or getattr(original, "_uakl_recording", False):
         return False
-    recorded = {}  # a launch's modules -> what Triton's walk set for it
-    helper_recorded = {}  # (the launch's modules, a helper's modules) -> what the helper's walk set
+    #: (the modules of the launch under way, None for a launch itself; the function's modules) -> what Triton's walk set
+    recorded = {}
     walks = [0]  # Triton's own walks so far (each records)
     #: The modules (ids of ``triton.language`` and/or ``.core``) whose patches the launch under way put in place.
     launch = {"langs": None}
@@ -64,6 +64,13 @@ def install() -> bool:
         started._changes = scope._changes
         return started
 
+    def _walk(fn, key):
+        """Triton's own walk, and what it set recorded under ``key``."""
+        walks[0] += 1
+        scope = original(fn)
+        recorded[key] = [(obj, name, getattr(obj, name)) for obj, name, _ in scope._changes]
+        return scope
+
     def _patch_lang(fn):
         tl = interpreter.tl
 
@@ -76,20 +83,15 @@ def install() -> bool:
             # only triton.language.core): Triton's walk wraps that module's builtins and never restores them. The first
             # call under this launch's modules records what the walk set; a later one sets the same values again.
             key = (launch["langs"], langs)
-            changes = helper_recorded.get(key)
+            changes = recorded.get(key)
             if changes is None:
-                walks[0] += 1
-                scope = original(fn)
-                helper_recorded[key] = [(obj, name, getattr(obj, name)) for obj, name, _ in scope._changes]
-                return scope
+                return _walk(fn, key)
             for obj, name, value in changes:
                 setattr(obj, name, value)
             return scope_class()
-        changes = recorded.get(langs)
+        changes = recorded.get((None, langs))
         if changes is None:
-            walks[0] += 1
-            scope = original(fn)
-            recorded[langs] = [(obj, name, getattr(obj, name)) for obj, name, _ in scope._changes]
+            scope = _walk(fn, (None, langs))
         else:
             scope = scope_class()
             for obj, name, value in changes:
