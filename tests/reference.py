@@ -230,7 +230,8 @@ class HeldTargetReference:
     m = KL (first update) or m + 0.2 (KL - m); e = clip(ln(m / kl_target), ±1) (-1 when m = 0);
     s = clip(gain * e, ln max_fall, ln max_rise), and s >= 0 in the first warmup_steps updates; outside the band
     |e| <= ln 1.25 an episode (direction sign(e), anchor β) runs: once ln(β / anchor) + s would reach ln 2 in its
-    direction, s may not go that way (frozen); above the target, at `patience` frozen updates, if the mean of their raw
+    direction, or β already sits at its bound that way (design 2: the range's top or the cap above, its floor below),
+    s may not go that way (frozen); above the target, at `patience` frozen updates, if the mean of their raw
     KL × 1.25 <= m when the freeze began the KL responded (a new episode from this β, s unfrozen), else the target is
     unreachable: cap = the β at which m (above the target) was least, β cut to it, reachable = False.
     ln β <- ln β + s, clipped to [max(beta_min, beta / range), min(beta * range, cap)]."""
@@ -257,9 +258,11 @@ class HeldTargetReference:
             d = 1 if e > 0 else -1
             if d == 1 and self.m < self.least[0]:
                 self.least = (self.m, beta)
+            lower, upper = max(c.beta_min, c.beta / c.target_beta_range), min(c.beta * c.target_beta_range, self.cap)
+            at_bound = beta >= upper if d == 1 else beta <= lower
             if self.episode is None or self.episode["d"] != d:
                 self.episode = {"d": d, "anchor": beta, "ref": None, "kls": []}
-            elif d * (math.log(beta / self.episode["anchor"]) + s) >= math.log(2.0):
+            elif at_bound or d * (math.log(beta / self.episode["anchor"]) + s) >= math.log(2.0):
                 if self.episode["ref"] is None:
                     self.episode["ref"] = self.m
                 self.episode["kls"].append(kl)

@@ -75,10 +75,11 @@ def test_the_held_target_survives_other_noise_draws(seed):
 
 def stated_updates(ratio, cfg):
     """The stated number of updates within which a KL staying at ``ratio`` × kl_target, not responding to β, is
-    declared unreachable: β must first move ×2 (at the step ln β rises by, ``min(gain · min(ln ratio, 1), ln
-    max_rise)``), then stay frozen for ``target_patience`` updates (docs/methods.md)."""
+    declared unreachable: β must first move ×2 or reach the top of its range, whichever is nearer (at the step ln β
+    rises by, ``min(gain · min(ln ratio, 1), ln max_rise)``; at least the one update that starts the episode), then
+    stay frozen for ``target_patience`` updates (docs/methods.md)."""
     rise = min(cfg.target_gain * min(math.log(ratio), 1.0), math.log(cfg.target_max_rise))
-    return math.ceil(math.log(2.0) / rise) + cfg.target_patience
+    return max(1, math.ceil(min(math.log(2.0), math.log(cfg.target_beta_range)) / rise)) + cfg.target_patience
 
 
 @pytest.mark.parametrize("ratio", [1.3, 1.6, 3.0, 10.0])
@@ -98,6 +99,55 @@ def test_a_kl_that_does_not_respond_is_declared_unreachable_within_the_stated_up
     assert "kl_target=0.01 is not reachable" in message and f"({ratio * 0.01:.4g}, the KL this run could reach)" in message
     assert "stopped responding to beta at beta=0.1" in message  # the least KL was seen at the start
     assert set(betas[declared - 1:]) == {0.1} and max(betas) < 0.2  # capped where it stopped; never pushed to ×2
+
+
+class DesignOne(HeldTargetKL):
+    """``target`` as study 49's first design ran it on the GPU: a push the range's bound blocks is not frozen."""
+
+    freeze_at_bounds = False
+
+
+@pytest.mark.parametrize("beta_range, ratio", [(1.5, 3.0), (1.2, 1.6), (1.0, 10.0)])
+def test_a_kl_above_the_target_with_beta_at_the_top_of_its_range_is_declared_within_the_stated_updates(beta_range, ratio):
+    """Design 2 (study 49, Amendment 1). With β's range narrower than ×2 the push is blocked at the range's top before
+    β has moved ×2; the blocked updates count as frozen, so a KL that does not respond is declared unreachable within
+    the updates to the top plus ``target_patience``. Design 1, fed the same KL, never declares it: the failure seen on
+    the GPU (β at 5 × β0 for 130 updates, the KL 2-14 × a target below every KL the run reached, never declared)."""
+    cfg = ControllerConfig(0.1, kl_target=0.01, target_beta_range=beta_range)
+    for cls, should_declare in ((HeldTargetKL, True), (DesignOne, False)):
+        c, declared = cls(cfg), None
+        for step in range(1, 301):
+            c.update(global_step=step, kl=ratio * 0.01, num_completions=N)
+            assert c.beta <= 0.1 * beta_range * (1 + 1e-12)
+            if declared is None and c.metrics()[TARGET_REACHABLE] == 0.0:
+                declared = step
+        if should_declare:
+            assert declared is not None and declared <= stated_updates(ratio, cfg), (declared, stated_updates(ratio, cfg))
+            assert c.beta == c.ceiling == 0.1  # the least KL (the first) was seen at β0
+        else:
+            assert declared is None and c.beta == pytest.approx(0.1 * beta_range)
+
+
+def test_a_kl_that_wanders_into_the_band_while_beta_sits_at_its_top_is_still_declared():
+    """The GPU's case: the KL answers β at first (0.05 × 0.1 / β: β climbs, each ×2 freeze sees a response), reaches
+    the target with β at the top of its range (5 × β0 = 0.5; the KL in the ±25 % band ends the episode), then grows
+    to 3 × the target (the run's own growth, from step 101). The new episode's anchor is the top, so β can never move
+    ×2 from it. Design 2 freezes there and declares the target within ``target_patience`` + 2 updates of the KL's
+    jump (the smoothed KL leaves the band at the 2nd); design 1 never does."""
+    for cls, should_declare in ((HeldTargetKL, True), (DesignOne, False)):
+        c, declared = cls(ControllerConfig(0.1, kl_target=0.01)), None
+        for step in range(1, 201):
+            c.update(global_step=step, kl=0.05 * (0.1 / c.beta) if step <= 100 else 0.03, num_completions=N)
+            assert c.beta <= 0.5
+            if step == 100:
+                assert c.beta == 0.5 and c.episode is None and c.reachable  # at the top, held: no episode
+            if declared is None and not c.reachable:
+                declared = step
+        if should_declare:
+            assert 100 < declared <= 100 + c.config.target_patience + 2, declared
+            assert c.beta == c.ceiling < 0.5
+        else:
+            assert declared is None and c.beta == 0.5
 
 
 def test_a_target_below_a_non_monotone_kl_caps_beta_where_the_kl_was_least():
@@ -140,8 +190,9 @@ def test_a_run_resumed_from_its_json_state_gives_the_identical_beta_series(split
     assert whole.reachable is False  # the series covers a declaration
 
 
-def test_target_matches_its_float64_reference_step_by_step():
-    cfg = ControllerConfig(0.1, kl_target=0.01, beta_min=0.03)
+@pytest.mark.parametrize("settings", [dict(beta_min=0.03), dict(target_beta_range=1.5)])  # the second sits at its top
+def test_target_matches_its_float64_reference_step_by_step(settings):
+    cfg = ControllerConfig(0.1, kl_target=0.01, **settings)
     c, step, beta = make_controller("target", cfg), reference.stepper("target"), 0.1
     for s, kl in enumerate(open_loop_kls(seed=5), start=1):
         beta = step(beta, cfg, kl, None, N, step=s)

@@ -21,8 +21,9 @@ token-weighted raw KL with weight :attr:`HeldTargetKL.smoothing`)::
                                                             # upper = beta * target_beta_range
 
 *Anti-wind-up*: a run of updates pushing β one way (an *episode*: the error's sign unchanged, outside the ±ln 1.25
-band) starts at an anchor β. Once β would move past ``response_factor`` (2) × the anchor, it stops moving further that
-way (it is *frozen*): pushing harder before the KL has answered would only wind up. Above the target, after
+band) starts at an anchor β. Once β would move past ``response_factor`` (2) × the anchor, or β already sits at the
+bound of its range that way (the range's end, or the cap below), it stops moving further that way (it is *frozen*):
+pushing harder before the KL has answered would only wind up. Above the target, after
 ``target_patience`` frozen updates the raw KL's mean over them is compared with the smoothed KL when the freeze began:
 20 % lower, the KL responded and a new episode starts from the current β (β may rise ×2 again). Below the target
 nothing counts as a response (a KL that rises while β falls may be the run's own growth, study 33's failure): β falls
@@ -33,6 +34,12 @@ target is declared unreachable: one warning names the least smoothed KL the run 
 responding (the β of that least KL), β returns to that β and never rises above it again, and
 ``adaptive_kl/target_reachable`` (logged every step) goes from 1 to 0. A KL below the target with β at its floor is
 not declared unreachable (the KL of a run grows; the floor bounds the fall).
+
+*Design 2* (issue 49, study 49's Amendment 1): a push that the range's bound blocks counts as frozen. Design 1 froze
+only after a ×2 move from the anchor, so an episode anchored within ×2 of the range's top (a KL that wandered into the
+band and out again while β sat at its top) could never freeze: on the GPU, with a target below every KL the run
+reached, β sat at 5 × β0 for 130 updates with the KL 2-14 × the target and the target was never declared
+(:attr:`freeze_at_bounds`; False is design 1, kept for the study's replays).
 
 All of it is deterministic in the global statistics every process is given, so β is the same on every rank, and the
 whole state round-trips through :meth:`state_dict` (a resumed run continues the same β series).
@@ -113,7 +120,7 @@ _STATE_KEYS = ("updates", "kl_mean", "episode", "ceiling", "reachable", "least_k
     parameters=TARGET_PARAMETERS,
     summary="Steers ln β by the smoothed KL's log error toward kl_target, rising faster than falling, within "
     "target_beta_range of beta, stopping where the KL does not respond; a target no β reaches is warned about once "
-    "(adaptive_kl/target_reachable 0). Not yet checked on a GPU.",
+    "(adaptive_kl/target_reachable 0). Under GPU test (study 49).",
     _builtin=True,
 )
 class HeldTargetKL(BetaController):
@@ -130,6 +137,8 @@ class HeldTargetKL(BetaController):
     response_factor = 2.0
     #: The KL responded when its mean over the frozen updates × this is at most the smoothed KL when they began.
     response = 1.25
+    #: A push the range's bound (or the cap) blocks counts as frozen, as one past ×response_factor does (design 2).
+    freeze_at_bounds = True
 
     def __init__(self, config: ControllerConfig):
         super().__init__(config)
@@ -194,9 +203,10 @@ class HeldTargetKL(BetaController):
         if self.episode is None or self.episode[0] != direction:
             self.episode = [direction, self.beta, None, 0, 0.0]  # direction, anchor β, reference KL, frozen, their KL sum
             return step
-        if direction * (math.log(self.beta / self.episode[1]) + step) < math.log(self.response_factor):
+        at_bound = self.freeze_at_bounds and (self.beta >= self.upper() if direction > 0 else self.beta <= self.lower())
+        if not at_bound and direction * (math.log(self.beta / self.episode[1]) + step) < math.log(self.response_factor):
             return step
-        # β has moved ×2 from the anchor: go no further that way until the KL responds
+        # β has moved ×2 from the anchor, or sits at its bound: go no further that way until the KL responds
         if self.episode[2] is None:
             self.episode[2] = self.kl_mean  # the smoothed KL when the freeze began
         self.episode[3] += 1

@@ -35,14 +35,34 @@ K_NAT = 0.0247  # study 33's natural KL (docs/evidence.md §7, Amendment 12): it
 GRID = np.logspace(-3, math.log10(0.3), 31)
 
 
-class NoAntiWindUp(HeldTargetKL):
+class DesignOne(HeldTargetKL):
+    """``target`` as designed first (study 49's pre-registration): a push the range's bound blocks is not frozen. The
+    candidates A-J and the sweep below were compared on it, before design 2 existed (docs/simulator.md)."""
+
+    freeze_at_bounds = False
+
+
+class FallsAgain(HeldTargetKL):
+    """Design 2 plus, below the target, a new episode after ``target_patience`` frozen updates: β may halve again,
+    down to its floor (rejected for design 2: it winds up on tests/test_target_controller.py's lagged plant)."""
+
+    def anti_wind_up(self, step, error, global_step):
+        out = super().anti_wind_up(step, error, global_step)
+        episode = self.episode
+        if episode is not None and episode[0] < 0 and episode[3] >= self.config.target_patience and self.beta > self.lower():
+            self.episode = [-1, self.beta, None, 0, 0.0]  # no response below: β may halve again
+            return step
+        return out
+
+
+class NoAntiWindUp(DesignOne):
     """The log-β integral controller with no freeze and no unreachable detection."""
 
     def anti_wind_up(self, step, error, global_step):
         return step
 
 
-class WithProportional(HeldTargetKL):
+class WithProportional(DesignOne):
     """Adds a proportional term kp (e_t - e_{t-1}) to the velocity form (a PI controller in ln β)."""
 
     kp = 0.5
@@ -61,11 +81,11 @@ class WithProportional(HeldTargetKL):
 
 
 def constant(name, value):
-    """target with one class constant changed (the constants the module docstring names)."""
-    return type(f"{name}_{value}", (HeldTargetKL,), {name: value})
+    """target's design 1 with one class constant changed (the constants the module docstring names)."""
+    return type(f"{name}_{value}", (DesignOne,), {name: value})
 
 
-#: target's defaults (H below), the base of the candidates and of the sweep.
+#: target's defaults (H below: design 1; K: design 2), the base of the candidates and of the sweep.
 DEFAULT = dict(target_beta_range=5.0, target_warmup_steps=20, target_gain=0.2, target_max_rise=1.1, target_max_fall=0.98, target_patience=10)
 #: The first candidates' settings: a gentler controller (±5 %/step) with a wider range and more patience.
 BASE = dict(target_beta_range=10.0, target_warmup_steps=20, target_gain=0.05, target_max_rise=1.05, target_max_fall=0.98, target_patience=20)
@@ -73,29 +93,31 @@ NO_RANGE = 1e9
 CANDIDATES = {
     "Z: ziegler (study 33's settings: kl_horizon 640)": (TargetKLBeta, dict(kl_horizon=640.0)),
     "A: log-β integral, gain 0.05, ±5 %/step, no range, no warm-up": (NoAntiWindUp, {**BASE, "target_beta_range": NO_RANGE, "target_warmup_steps": 0, "target_max_fall": 1 / 1.05}),
-    "B: A + anti-wind-up (freeze, unreachable cap, patience 20)": (HeldTargetKL, {**BASE, "target_beta_range": NO_RANGE, "target_warmup_steps": 0, "target_max_fall": 1 / 1.05}),
-    "C: B + range [β0/10, 10 β0]": (HeldTargetKL, {**BASE, "target_warmup_steps": 0, "target_max_fall": 1 / 1.05}),
-    "D: C + warm-up 20 (no fall)": (HeldTargetKL, {**BASE, "target_max_fall": 1 / 1.05}),
-    "E: D + falls ≤ 2 %/step (rises ≤ 5 %)": (HeldTargetKL, BASE),
+    "B: A + anti-wind-up (freeze, unreachable cap, patience 20)": (DesignOne, {**BASE, "target_beta_range": NO_RANGE, "target_warmup_steps": 0, "target_max_fall": 1 / 1.05}),
+    "C: B + range [β0/10, 10 β0]": (DesignOne, {**BASE, "target_warmup_steps": 0, "target_max_fall": 1 / 1.05}),
+    "D: C + warm-up 20 (no fall)": (DesignOne, {**BASE, "target_max_fall": 1 / 1.05}),
+    "E: D + falls ≤ 2 %/step (rises ≤ 5 %)": (DesignOne, BASE),
     "F: E + proportional term (PI, kp 0.5)": (WithProportional, BASE),
-    "G: E, gain 0.1, range 5, patience 10": (HeldTargetKL, {**BASE, "target_gain": 0.1, "target_beta_range": 5.0, "target_patience": 10}),
-    "H: G, gain 0.2, rises ≤ 10 % = target's defaults": (HeldTargetKL, DEFAULT),
-    "I: H, falls ≤ 5 %": (HeldTargetKL, {**DEFAULT, "target_max_fall": 0.95}),
+    "G: E, gain 0.1, range 5, patience 10": (DesignOne, {**BASE, "target_gain": 0.1, "target_beta_range": 5.0, "target_patience": 10}),
+    "H: G, gain 0.2, rises ≤ 10 % = target's defaults (design 1)": (DesignOne, DEFAULT),
+    "I: H, falls ≤ 5 %": (DesignOne, {**DEFAULT, "target_max_fall": 0.95}),
     "J: H + proportional term (PI, kp 0.5)": (WithProportional, DEFAULT),
+    "K: H + a push blocked at the range's bound counts as frozen = target's design 2": (HeldTargetKL, DEFAULT),
+    "L: K + below the target β may halve again after target_patience updates (rejected)": (FallsAgain, DEFAULT),
 }
 SWEEP = {
-    "target_gain 0.1": (HeldTargetKL, {**DEFAULT, "target_gain": 0.1}),
-    "target_gain 0.4": (HeldTargetKL, {**DEFAULT, "target_gain": 0.4}),
-    "target_beta_range 3": (HeldTargetKL, {**DEFAULT, "target_beta_range": 3.0}),
-    "target_beta_range 10": (HeldTargetKL, {**DEFAULT, "target_beta_range": 10.0}),
-    "target_warmup_steps 0": (HeldTargetKL, {**DEFAULT, "target_warmup_steps": 0}),
-    "target_warmup_steps 50": (HeldTargetKL, {**DEFAULT, "target_warmup_steps": 50}),
-    "target_max_rise 1.05": (HeldTargetKL, {**DEFAULT, "target_max_rise": 1.05}),
-    "target_max_rise 1.2": (HeldTargetKL, {**DEFAULT, "target_max_rise": 1.2}),
-    "target_max_fall 0.95": (HeldTargetKL, {**DEFAULT, "target_max_fall": 0.95}),
-    "target_max_fall 0.99": (HeldTargetKL, {**DEFAULT, "target_max_fall": 0.99}),
-    "target_patience 5": (HeldTargetKL, {**DEFAULT, "target_patience": 5}),
-    "target_patience 20": (HeldTargetKL, {**DEFAULT, "target_patience": 20}),
+    "target_gain 0.1": (DesignOne, {**DEFAULT, "target_gain": 0.1}),
+    "target_gain 0.4": (DesignOne, {**DEFAULT, "target_gain": 0.4}),
+    "target_beta_range 3": (DesignOne, {**DEFAULT, "target_beta_range": 3.0}),
+    "target_beta_range 10": (DesignOne, {**DEFAULT, "target_beta_range": 10.0}),
+    "target_warmup_steps 0": (DesignOne, {**DEFAULT, "target_warmup_steps": 0}),
+    "target_warmup_steps 50": (DesignOne, {**DEFAULT, "target_warmup_steps": 50}),
+    "target_max_rise 1.05": (DesignOne, {**DEFAULT, "target_max_rise": 1.05}),
+    "target_max_rise 1.2": (DesignOne, {**DEFAULT, "target_max_rise": 1.2}),
+    "target_max_fall 0.95": (DesignOne, {**DEFAULT, "target_max_fall": 0.95}),
+    "target_max_fall 0.99": (DesignOne, {**DEFAULT, "target_max_fall": 0.99}),
+    "target_patience 5": (DesignOne, {**DEFAULT, "target_patience": 5}),
+    "target_patience 20": (DesignOne, {**DEFAULT, "target_patience": 20}),
     "smoothing 0.1": (constant("smoothing", 0.1), DEFAULT),
     "smoothing 0.5": (constant("smoothing", 0.5), DEFAULT),
     "response_factor 4": (constant("response_factor", 4.0), DEFAULT),
@@ -218,7 +240,7 @@ def main():
         tables[name] = rows
         held, worst, low, detect, top = summary(rows)
         print(f"| {name} | {held:.0%} | {worst:.0%} | {low:.0%} | {detect} | {top:.3g} |", flush=True)
-    for name in (n for n in tables if n.startswith(("Z:", "H:"))):
+    for name in (n for n in tables if n.startswith(("Z:", "H:", "K:"))):
         print(f"\n{name}, per cell:\n")
         print("| β0 | target (× natural) | reachable plants | held (all) | held (reachable) | >= 10 steps at β < 0.002 | median final β / β0 | declared unreachable (of targets below every fixed β's KL) |")
         print("|---|---|---|---|---|---|---|---|")
