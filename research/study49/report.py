@@ -2,6 +2,7 @@
 ``target``) at kl_target 0.04, 0.099 and 0.0062, against study 33's phase-1 fixed-β runs paired by seed.
 
     python research/study49/report.py research/data/study49-seed*-?      # the page's tables and criteria
+    python research/study49/report.py research/data/study49-seed*-? --design2 research/data/study49d2-*   # Amendment 1
 
 Each argument is a directory a ``study33:study49-seedS-X`` call wrote (its ``*-stream.jsonl[.gz]`` and
 ``*-runs.tar.xz``, whose ``runs/<run>/log.txt`` holds the controller's warnings; research/data keeps the archives
@@ -15,11 +16,14 @@ from __future__ import annotations
 
 import argparse
 import glob
+import gzip
+import json
 import math
 import os
 import re
 import sys
 import tarfile
+import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if ROOT not in sys.path:
@@ -78,8 +82,60 @@ def held(kl: float | None, kl_target: float) -> bool:
     return kl is not None and kl > 0 and abs(math.log(kl / kl_target)) <= A.KL_RATIO_MARGIN
 
 
-def report(directories: list[str], phase1: list[str]) -> str:
-    runs, planned = A.study_cells(streams(directories) + phase1)
+def design_two(directories: list[str], design2: list[str], workdir: str) -> tuple[list[str], dict, list[str]]:
+    """Amendment 1: design 2's runs. A design-1 ``target`` run whose logged KL, replayed through design 2, gives the
+    same β at every step (research/study49/replay.py) is design 2's run: it is kept, its ``adaptive_kl/target_reachable``
+    set from the replay (0 from the step design 2 declares at) and the replay's warning (cap, step) added. A run whose
+    replay diverges is replaced by its rerun from ``design2`` (the calls that ran design 2; their logs hold the
+    warnings). Returns (the stream paths to read, the added warnings, one line per replaced or relabelled run)."""
+    from research.study49 import replay
+
+    diverging, declared, notes = set(), {}, []
+    for (beta0, kl_target, seed, _copy), rows in replay.target_runs(directories).items():
+        same, diverges, step, _one, cap = replay.compare_designs(rows)
+        if not same:
+            raise ValueError(f"design 1 does not reproduce the logged β of target β0 {beta0:g} kl_target {kl_target:g} seed {seed}")
+        if diverges is not None:
+            diverging.add((beta0, kl_target, seed))
+        elif step is not None:
+            declared[(beta0, kl_target, seed)] = (step, cap)
+    reruns = {(r[0], r[1], r[2]) for r in replay.target_runs(design2)}
+    missing = sorted(diverging - reruns)
+    if missing:
+        raise ValueError(f"design 2 trains these runs differently and they have no rerun in {design2}: {missing}")
+    merged = os.path.join(workdir, "design2-stream.jsonl")
+    with open(merged, "w") as out:
+        for path in streams(directories):
+            with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
+                for line in f:
+                    row = json.loads(line)
+                    key = (row.get("beta0"), row.get("kl_target"), row.get("seed"))
+                    if row.get("method") == "target":
+                        if key in diverging:
+                            continue
+                        if key in declared:
+                            row[metrics.TARGET_REACHABLE] = 0.0 if row["step"] >= declared[key][0] else 1.0
+                    out.write(json.dumps(row) + "\n")
+    warned = {("target", seed, beta0, kt): [(float(f"{cap:.4g}"), step)] for (beta0, kt, seed), (step, cap) in declared.items()}
+    notes += [f"target β0 {b:g} kl_target {kt:g} seed {s}: design 1's run (identical β under design 2), declared by design 2 "
+              f"at step {st} (replayed)" for (b, kt, s), (st, _) in sorted(declared.items())]
+    notes += [f"target β0 {b:g} kl_target {kt:g} seed {s}: design 2's rerun (design 1's run diverges under design 2)"
+              for (b, kt, s) in sorted(diverging)]
+    return [merged] + streams(design2), warned, notes
+
+
+def report(directories: list[str], phase1: list[str], design2: list[str] | None = None) -> str:
+    if design2 is not None:
+        with tempfile.TemporaryDirectory() as workdir:
+            paths, replayed, notes = design_two(directories, design2, workdir)
+            warned = {**warnings(directories + design2), **replayed}
+            text = _report(paths, phase1, warned, "design 2 (Amendment 1)")
+        return text + "\n## Design 2's runs\n\n" + "\n".join(f"- {n}" for n in notes) + "\n"
+    return _report(streams(directories), phase1, warnings(directories), "design 1")
+
+
+def _report(paths: list[str], phase1: list[str], warned: dict, design: str) -> str:
+    runs, planned = A.study_cells(paths + phase1)
     if len(runs) != 1:
         raise ValueError(f"expected one family of settings (study 33's long task), got {sorted(runs)}")
     (family, cells), = runs.items()
@@ -88,8 +144,7 @@ def report(directories: list[str], phase1: list[str]) -> str:
     threshold = A.RUNAWAY_KL_FACTOR * natural
     fixed = {k.beta: v for k, v in A.fixed_cells(cells).items()}
     controlled = {k: v for k, v in cells.items() if k.kl_target is not None and k.default_placement}
-    warned = warnings(directories)
-    out = [f"# Study 49 ({family}; {steps} planned steps, final window {A.final_window_start(steps) + 1}-{steps})", "",
+    out = [f"# Study 49, {design} ({family}; {steps} planned steps, final window {A.final_window_start(steps) + 1}-{steps})", "",
            f"K_nat (best fixed β > 0 of phase 1, {natural_key.beta:g}): {natural:.4g}; runaway threshold "
            f"{A.RUNAWAY_KL_FACTOR:g} x = {threshold:.4g}.", "",
            "| method | β0 | kl_target | seeds | copies (complete) | held (±25 %) | KL / kl_target: mean | 90 % CI | verdict "
@@ -202,9 +257,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("directories", nargs="+", help="the study49-seedS-X directories a call wrote")
     parser.add_argument("--phase1", nargs="*", default=None,
                         help="study 33's phase-1 streams (default: research/data/study33-p1-*/*-stream.jsonl.gz)")
+    parser.add_argument("--design2", nargs="+", default=None, metavar="DIR",
+                        help="Amendment 1: report design 2, from these reruns (study49d2-*) and the design-1 runs that "
+                        "design 2 trains identically (their declarations replayed)")
     args = parser.parse_args(argv)
     phase1 = args.phase1 if args.phase1 is not None else sorted(glob.glob(os.path.join(ROOT, "research/data/study33-p1-*/*-stream.jsonl*")))
-    print(report(args.directories, phase1), end="")
+    print(report(args.directories, phase1, args.design2), end="")
 
 
 if __name__ == "__main__":

@@ -185,3 +185,60 @@ def test_a_beta0_below_four_of_five_fails_h1_and_an_incomplete_study_says_so(tmp
     h1 = line(report.report([str(d)], phase1), "- **H1")
     assert "`target` 13 of 15 runs" in h1 and "1: 3/5" in h1 and "(≥ 4 each: no)" in h1
     assert "**not met** (incomplete: not all 15 + 15 runs yet)." in h1  # no ziegler runs were given
+
+
+def controlled_rows(cls, seed, beta0, kl_target, kl_of, reward=0.7, copy="design1"):
+    """A run whose β is the controller ``cls``'s own on the KL ``kl_of(step, β)`` (so research/study49/replay.py can
+    replay it), with the fields the report and the replay read; returns the rows and the controller."""
+    from unsloth_adaptive_kl.target_controller import HeldTargetKL  # noqa: F401 (cls is it or its design 1)
+
+    controller, out = cls(ControllerConfig(beta0, kl_target=kl_target)), []
+    for step in range(1, STEPS + 1):
+        kl = kl_of(step, controller.beta)
+        row = rows("target", seed, beta0, kl_target, kl, reward)[step - 1]
+        row.update({RAW_KL: kl, CURRENT_BETA: controller.beta, "completions_per_step": 64, "copy": f"{copy}-{seed}-{kl_target}"})
+        controller.update(global_step=step, kl=kl, num_completions=64)
+        row[TARGET_REACHABLE] = controller.metrics()[TARGET_REACHABLE]
+        out.append(row)
+    return out, controller
+
+
+def test_design_two_keeps_the_runs_it_trains_identically_and_takes_the_reruns_of_the_others(tmp_path, caplog):
+    """Amendment 1's report: seed 0's 0.0062 run (the KL answers β until β reaches its top, then grows to 3 × the
+    target: design 2 declares and cuts β, so its replay diverges) is replaced by its rerun; seed 1's (the KL stays at
+    1.3 × the target with β at its top: design 2 declares with the cap at that same β, so its β series is design 1's)
+    is kept with design 2's declaration from the replay; the 0.04 runs (the KL held) are kept unchanged."""
+    from research.controller_sim.compare import DesignOne
+    from unsloth_adaptive_kl.target_controller import HeldTargetKL
+
+    phase1 = []
+    for beta, (kls, rewards) in PHASE1.items():
+        write(tmp_path / "p1", f"p1-b{beta:g}", [r for s in SEEDS for r in rows("none", s, beta, 0.1, kls[s], rewards[s])])
+    phase1 = sorted(str(p) for p in (tmp_path / "p1").glob("*-stream.jsonl.gz"))
+    grows = lambda step, beta: 0.05 * (0.1 / beta) * (0.0062 / 0.01) if step <= 100 else 0.0186  # noqa: E731
+    stays = lambda step, beta: 0.05 * (0.1 / beta) * (0.0062 / 0.01) if step <= 40 else 0.0062 * 1.3  # noqa: E731
+    held = lambda step, beta: 0.04  # noqa: E731
+    d1, d2 = tmp_path / "study49-seed0-a", tmp_path / "study49d2-seed0"
+    design1 = {0: controlled_rows(DesignOne, 0, 0.1, 0.0062, grows)[0], 1: controlled_rows(DesignOne, 1, 0.1, 0.0062, stays)[0]}
+    write(d1, d1.name, design1[0] + design1[1] + [r for s in (0, 1) for r in controlled_rows(DesignOne, s, 0.1, 0.04, held)[0]])
+    with caplog.at_level(logging.WARNING, logger="unsloth_adaptive_kl"):
+        rerun, controller = controlled_rows(HeldTargetKL, 0, 0.1, 0.0062, grows, reward=0.6, copy="rerun")
+    (warning,) = [r.getMessage() for r in caplog.records if "not reachable" in r.getMessage()]
+    write(d2, d2.name, rerun, {"target-seed0-b0.1-kt0.0062": warning + "\n"})
+    kept_step = next(i for i in range(STEPS) if controlled_rows(HeldTargetKL, 1, 0.1, 0.0062, stays)[0][i][TARGET_REACHABLE] == 0) + 1
+    rerun_step = next(r["step"] for r in rerun if r[TARGET_REACHABLE] == 0)
+    assert [r[CURRENT_BETA] for r in controlled_rows(HeldTargetKL, 1, 0.1, 0.0062, stays)[0]] == [r[CURRENT_BETA] for r in design1[1]]
+
+    text = report.report([str(d1)], phase1, design2=[str(d2)])
+    assert text.startswith("# Study 49, design 2 (Amendment 1)")
+    assert f"seed 0: declared at {rerun_step}, warning caps β at {controller.ceiling:.4g}" in text  # the rerun's
+    assert f"seed 1: declared at {kept_step}, warning caps β at 0.5" in text  # design 1's run, declared by the replay
+    assert "target β0 0.1 kl_target 0.0062 seed 0: design 2's rerun" in text
+    assert f"target β0 0.1 kl_target 0.0062 seed 1: design 1's run (identical β under design 2), declared by design 2 at step {kept_step}" in text
+    assert "| 2/2 |" in line(text, "| `target` | 0.1 | 0.04 |")
+    assert "| 2 (2) |" in line(text, "| `target` | 0.1 | 0.0062 |")  # two copies: the rerun replaced seed 0's run
+    assert "| 0.650 ± " in line(text, "| `target` | 0.1 | 0.0062 |")  # its final reward 0.6, seed 1's kept 0.7
+    # design 1's report of the same runs: seed 1 never declared, seed 0 its own run
+    assert "seed 1: declared at never" in report.report([str(d1)], phase1)
+    with pytest.raises(ValueError, match=r"no rerun in .*\(0.1, 0.0062, 0\)"):
+        report.report([str(d1)], phase1, design2=[str(tmp_path / "empty")])
