@@ -38,7 +38,7 @@ not declared unreachable (the KL of a run grows; the floor bounds the fall).
 *Design 2* (issue 49, study 49's Amendment 1): a push that the range's bound blocks counts as frozen. Design 1 froze
 only after a ×2 move from the anchor, so an episode anchored within ×2 of the range's top (a KL that wandered into the
 band and out again while β sat at its top) could never freeze: on the GPU, with a target below every KL the run
-reached, β sat at 5 × β0 for 130 updates with the KL 2-14 × the target and the target was never declared
+reached, β sat at 5 × β0 from updates 39-68 to 200 with the smoothed KL up to 5-20 × the target, never declared
 (:attr:`freeze_at_bounds`; False is design 1, kept for the study's replays).
 
 All of it is deterministic in the global statistics every process is given, so β is the same on every rank, and the
