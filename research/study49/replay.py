@@ -91,7 +91,16 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("dirs", nargs="+", help="study-49 data directories (research/data/study49-seedS-X)")
     args = parser.parse_args(argv)
-    logging.getLogger("unsloth_adaptive_kl").setLevel(logging.ERROR)  # the replays' own warnings
+    logger = logging.getLogger("unsloth_adaptive_kl")
+    level = logger.level
+    logger.setLevel(logging.ERROR)  # the replays' own warnings
+    try:
+        return _main(args)
+    finally:
+        logger.setLevel(level)
+
+
+def _main(args) -> int:
     print("| β0 | kl_target | seed | steps | design 1 replayed exactly | design 2 first differs at step | design 2 declares "
           "unreachable at | (cap) | design 1 declared at |")
     print("|---|---|---|---|---|---|---|---|---|")
