@@ -54,6 +54,16 @@ class Settings:
     # (kl_estimator, a name the package's estimator registry knows); per run with --runs METHOD@BETA:placement=...
     kl_placement: str = "loss"
     kl_estimator: str = "k3"
+    # The learning rate's schedule (TRL's lr_scheduler_type, no warm-up): "constant", every study's before issue 51, or
+    # "linear" / "cosine" from learning_rate down to 0 at the run's last step; per run with --runs ...:sched=NAME
+    # (and :lr=FLOAT for the rate).
+    lr_schedule: str = "constant"
+    # The package's kl_monitor (every step: kl_monitor_every 1): at β = 0 the KL is still computed and logged, the loss
+    # left as β = 0's; per run with --runs none@0:monitor=on.
+    kl_monitor: bool = False
+    # β-controller parameters set per run (--runs ...:NAME=VALUE, NAME a registered controller parameter), over
+    # method_fields' values: ((name, value), ...) sorted by name.
+    controller_params: tuple = ()
     # The model trained: "tiny-llama" (the offline tiny Llama, warm-started here), "smollm2" (SmolLM2-135M-Instruct,
     # pretrained: --model smollm2, SMOLLM2 below) or a hub name or path (--model NAME).
     model: str = "tiny-llama"
@@ -62,6 +72,10 @@ class Settings:
     addition_low: int | None = None
     addition_high: int | None = None
     addition_style: str | None = None
+
+    def __post_init__(self):
+        # a run's spec holds its settings as JSON: its controller parameters come back as lists
+        object.__setattr__(self, "controller_params", tuple(tuple(pair) for pair in self.controller_params))
 
     def check(self) -> None:
         """ValueError naming the field when the batch cannot be split as asked, or the addition task is malformed."""
@@ -72,6 +86,8 @@ class Settings:
         if self.gradient_accumulation_steps < 1 or completions % self.gradient_accumulation_steps:
             raise ValueError(f"gradient_accumulation_steps={self.gradient_accumulation_steps}: it must be >= 1 and divide "
                              f"prompts_per_step x num_generations = {completions}, the completions of an optimizer step")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"lr_schedule={self.lr_schedule!r}: allowed one of {list(LR_SCHEDULES)}")
         if not self.kl_horizon_steps > 0.2:
             raise ValueError(f"kl_horizon_steps={self.kl_horizon_steps}: allowed > 0.2 (target's factor 1 - 0.2 / "
                              "kl_horizon_steps must stay positive)")
@@ -119,6 +135,9 @@ TASKS = {
 SOLUTIONS = {"long": (toy.column_solution, (0.2, 0.2, 0.6))}
 DEFAULT_SOLUTION = (toy.worked_solution, (1.0, 1.0, 1.0))
 
+#: The learning-rate schedules a run may take (TRL's lr_scheduler_type names).
+LR_SCHEDULES = ("constant", "linear", "cosine")
+
 # The settings a task brings with it where the command line does not say otherwise (--task long): a
 # Llama of 35.4 M parameters (768 x 6, 12 heads; a token step of decoding costs per layer, so few wide
 # layers), completions up to 192 tokens (room above the longest warm-start completion, 132).
@@ -157,7 +176,8 @@ def method_fields(settings: Settings, *, completions_per_step: int) -> dict:
     Package defaults, except two that are tied to this run's length: the reward window (10 of
     120 steps is most of the run) and the target controller's horizon, ``kl_horizon_steps`` steps of
     completions, so that it can move β by up to 0.2 / kl_horizon_steps a step (2 % by default; with the
-    package's 10 000 completions it could barely move in the run)."""
+    package's 10 000 completions it could barely move in the run). A run's own controller parameters
+    (``settings.controller_params``, from ``--runs ...:NAME=VALUE``) replace these."""
     return dict(
         kl_estimator=settings.kl_estimator,
         kl_placement=settings.kl_placement,
@@ -169,7 +189,7 @@ def method_fields(settings: Settings, *, completions_per_step: int) -> dict:
         beta_min=0.0,
         beta_schedule_steps=1_000_000,
         kl_horizon=settings.kl_horizon_steps * completions_per_step,
-    )
+    ) | dict(settings.controller_params)
 
 
 def default_tag(settings: Settings) -> str:
@@ -183,6 +203,17 @@ def default_tag(settings: Settings) -> str:
             + (f"-wlr{settings.warm_start_lr:g}" if settings.warm_start_lr != Settings.warm_start_lr else "")
             + (f"-kt{settings.kl_target:g}" if settings.kl_target != Settings.kl_target else "")
             + placement_suffix(settings))
+
+
+def option_suffix(one: Settings, base: Settings) -> str:
+    """The tag's part for a run's other options (``--runs ...:lr=, :sched=, :monitor=, :NAME=``): ``-lrX`` where its
+    learning rate is not the invocation's, ``-schedNAME`` for a schedule other than constant, ``-mon`` with kl_monitor,
+    ``-NAMEvalue`` for each controller parameter; empty without them, so the tags of every earlier run are unchanged."""
+    return ((f"-lr{one.learning_rate:g}" if one.learning_rate != base.learning_rate else "")
+            + (f"-sched{one.lr_schedule}" if one.lr_schedule != Settings.lr_schedule else "")
+            + ("-mon" if one.kl_monitor else "")
+            + "".join(f"-{name}{value:g}" if isinstance(value, (int, float)) and not isinstance(value, bool)
+                      else f"-{name}{value}" for name, value in one.controller_params))
 
 
 def placement_suffix(settings: Settings) -> str:
@@ -214,7 +245,8 @@ def beta_settings(args, settings: Settings) -> list[tuple[Settings, str]]:
                 raise ValueError(f"--runs: {first[key].text()} and {made[one].text()} are the same setting (kl_target "
                                  f"{settings.kl_target:g} is the invocation's); allowed: give :kt= only where it differs")
             made[one] = first[key]
-            tag = (f"{args.tag}-b{one.beta:g}" + override_suffix(one, settings)) if args.tag else default_tag(one)
+            tag = ((f"{args.tag}-b{one.beta:g}" + override_suffix(one, settings)) if args.tag else default_tag(one)) \
+                + option_suffix(one, settings)
             out.append((one, tag))
         return _distinct_tags(out)
     if not args.betas:
@@ -243,7 +275,9 @@ def _distinct_tags(settings_list: list[tuple[Settings, str]]) -> list[tuple[Sett
 def run_settings(run: "RunSpec", base: Settings) -> Settings:
     """The settings of one ``--runs`` entry: the invocation's, with its initial β and its overrides."""
     return replace(base, beta=run.beta, kl_target=base.kl_target if run.kl_target is None else run.kl_target,
-                   kl_placement=run.kl_placement, kl_estimator=run.kl_estimator)
+                   kl_placement=run.kl_placement, kl_estimator=run.kl_estimator,
+                   learning_rate=base.learning_rate if run.learning_rate is None else run.learning_rate,
+                   lr_schedule=run.lr_schedule, kl_monitor=run.kl_monitor, controller_params=run.controller_params)
 
 
 def run_keys(runs: list["RunSpec"]) -> list["RunSpec"]:
@@ -271,8 +305,10 @@ def parse_betas(text: str) -> list[float]:
     return betas
 
 
-RUNS_HELP = ("comma-separated METHOD@BETA[:kt=FLOAT][:placement=loss|reward][:estimator=NAME], e.g. "
-             "none@0,none@0.04,clip@0.04,target@0.1:kt=0.02,none@0.04:placement=reward:estimator=k1")
+RUNS_HELP = ("comma-separated METHOD@BETA[:kt=FLOAT][:placement=loss|reward][:estimator=NAME][:lr=FLOAT]"
+             "[:sched=constant|linear|cosine][:monitor=on][:NAME=VALUE for a β-controller parameter], e.g. "
+             "none@0,none@0.04,clip@0.04,target@0.1:kt=0.02,none@0.04:placement=reward:estimator=k1,none@0:monitor=on,"
+             "none@0.04:lr=5e-5:sched=cosine,schedule@1:beta_min=0.02:beta_schedule=cosine")
 
 
 class RunSpec(NamedTuple):
@@ -284,18 +320,34 @@ class RunSpec(NamedTuple):
     kl_target: float | None = None
     kl_placement: str = Settings.kl_placement
     kl_estimator: str = Settings.kl_estimator
+    learning_rate: float | None = None  # None: the invocation's
+    lr_schedule: str = Settings.lr_schedule
+    kl_monitor: bool = False
+    controller_params: tuple = ()  # ((name, value), ...) sorted by name
 
     def text(self) -> str:
         """As written on the command line, the defaults left out."""
         return (f"{self.method}@{self.beta:g}" + (f":kt={self.kl_target:g}" if self.kl_target is not None else "")
                 + (f":placement={self.kl_placement}" if self.kl_placement != Settings.kl_placement else "")
-                + (f":estimator={self.kl_estimator}" if self.kl_estimator != Settings.kl_estimator else ""))
+                + (f":estimator={self.kl_estimator}" if self.kl_estimator != Settings.kl_estimator else "")
+                + (f":lr={self.learning_rate:g}" if self.learning_rate is not None else "")
+                + (f":sched={self.lr_schedule}" if self.lr_schedule != Settings.lr_schedule else "")
+                + (":monitor=on" if self.kl_monitor else "")
+                + "".join(f":{name}={value}" for name, value in self.controller_params))
+
+
+MONITOR_ON = ("on", "true", "1")
 
 
 def _override(where: str, key: str, value: str):
     """One ``:KEY=VALUE`` of a run, checked: kt a finite number > 0; placement one of the package's kl_placement
-    values; estimator a name the package's estimator registry knows (its canonical name: an alias counts as it)."""
+    values; estimator a name the package's estimator registry knows (its canonical name: an alias counts as it); lr
+    a finite number > 0; sched one of LR_SCHEDULES; monitor on; any other KEY a registered β-controller parameter
+    (kl_target is kt), its value read as the parameter's type and checked by its declaration. Returns (the RunSpec
+    field, the value); a controller parameter as ("controller_params", (name, value))."""
     from unsloth_adaptive_kl.config import PLACEMENTS
+    from unsloth_adaptive_kl.controllers import controller_parameters
+    from unsloth_adaptive_kl.declarations import check_parameter
     from unsloth_adaptive_kl.estimators import get_estimator
 
     if key == "kt":
@@ -315,13 +367,45 @@ def _override(where: str, key: str, value: str):
             return "kl_estimator", get_estimator(value).name
         except ValueError as e:
             raise ValueError(f"{where}: estimator={value!r}: {e}") from e
-    raise ValueError(f"{where}: unknown key {key!r}; allowed: kt, placement, estimator")
+    if key == "lr":
+        try:
+            lr = float(value)
+        except ValueError:
+            lr = None
+        if lr is None or not (lr > 0 and lr != float("inf")):
+            raise ValueError(f"{where}: lr={value!r}; allowed: a finite number > 0 (the run's learning rate)")
+        return "learning_rate", lr
+    if key == "sched":
+        if value not in LR_SCHEDULES:
+            raise ValueError(f"{where}: sched={value!r}; allowed: one of {list(LR_SCHEDULES)} (the learning rate's schedule)")
+        return "lr_schedule", value
+    if key == "monitor":
+        if value not in MONITOR_ON:
+            raise ValueError(f"{where}: monitor={value!r}; allowed: on (the package's kl_monitor; leave it out for off)")
+        return "kl_monitor", True
+    declared = {p.name: p for p in controller_parameters() if p.name != "kl_target"}
+    if key in declared:
+        parameter = declared[key]
+        if parameter.type in (int, float):
+            try:
+                number = float(value)
+            except ValueError:
+                raise ValueError(f"{where}: {key}={value!r} is not a number; allowed: {parameter.allowed}") from None
+            typed = int(number) if parameter.type is int and number.is_integer() else number
+        else:
+            typed = value
+        try:
+            return "controller_params", (key, check_parameter(parameter, typed))
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from e
+    raise ValueError(f"{where}: unknown key {key!r}; allowed: kt, placement, estimator, lr, sched, monitor, or a β-controller "
+                     f"parameter ({', '.join(sorted(declared))})")
 
 
 def parse_runs(text: str) -> list[RunSpec]:
     """``--runs``: an explicit list of runs, in the order given: METHOD@BETA and optional ``:KEY=VALUE`` overrides
-    (kt, placement, estimator; :func:`_override`). β >= 0; β = 0 (TRL's default: no reference model, no KL
-    computed or logged) only with ``none``, as the package refuses an adaptive method at β = 0; the package's own
+    (kt, placement, estimator, lr, sched, monitor, a β-controller parameter; :func:`_override`). β >= 0; β = 0
+    (TRL's default: no reference model, no KL computed or logged; with ``:monitor=on`` the KL is logged) only with ``none``, as the package refuses an adaptive method at β = 0; the package's own
     check of the fields (``config.validate``) refuses what it would refuse in the run (e.g. placement=reward at
     β = 0); no run twice."""
     from types import SimpleNamespace
@@ -358,14 +442,17 @@ def parse_runs(text: str) -> list[RunSpec]:
             if not eq or not key or not value:
                 raise ValueError(f"{where}: {option!r} is not KEY=VALUE; allowed: {RUNS_HELP}")
             name, checked = _override(where, key, value)
+            if name == "controller_params":
+                name, checked = checked
             if name in fields:
                 raise ValueError(f"{where}: key {key!r} is given twice; allowed: each key once per run")
             fields[name] = checked
-        run = RunSpec(method, beta, **fields)
+        params = {k: fields.pop(k) for k in list(fields) if k not in RunSpec._fields}
+        run = RunSpec(method, beta, **fields, controller_params=tuple(sorted(params.items())))
         try:  # what the run's trainer would refuse at its start, refused here, before the warm start
             validate(SimpleNamespace(**{**DEFAULTS, "kl_adaptation_method": method, "kl_estimator": run.kl_estimator,
-                                        "kl_placement": run.kl_placement,
-                                        "kl_target": run.kl_target or DEFAULTS["kl_target"]}, beta=beta))
+                                        "kl_placement": run.kl_placement, "kl_monitor": run.kl_monitor,
+                                        "kl_target": run.kl_target or DEFAULTS["kl_target"], **params}, beta=beta))
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from e
         if run in runs:

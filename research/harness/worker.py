@@ -223,14 +223,15 @@ def build_trainer(spec: dict, cuda: bool):
         per_device_train_batch_size=settings.per_device_train_batch_size,
         gradient_accumulation_steps=settings.gradient_accumulation_steps,
         num_generations=settings.num_generations, max_completion_length=settings.max_completion_length,
-        temperature=settings.temperature, learning_rate=settings.learning_rate, lr_scheduler_type="constant",
+        temperature=settings.temperature, learning_rate=settings.learning_rate, lr_scheduler_type=settings.lr_schedule,
         warmup_steps=0, loss_type=settings.loss_type, beta=settings.beta, optim=settings.optim,
         weight_decay=settings.weight_decay, mask_truncated_completions=settings.mask_truncated_completions,
         epsilon_high=settings.epsilon_high,
     )
     probe = GRPOConfig(**common)  # what the backend's config class makes of these arguments
     planned = StepBatch.of_args(probe, probe.world_size)
-    config = GRPOConfig(**common, kl_adaptation_method=spec["method"],
+    monitor = dict(kl_monitor=True, kl_monitor_every=1) if settings.kl_monitor else {}  # the KL of every step, also at β = 0
+    config = GRPOConfig(**common, kl_adaptation_method=spec["method"], **monitor,
                         **method_fields(settings, completions_per_step=planned.completions_per_step))
     trainer = GRPOTrainer(model=model, reward_funcs=rewards, args=config, train_dataset=dataset,
                           processing_class=tokenizer, peft_config=peft_config)
@@ -268,6 +269,15 @@ def train_one(spec_path: str) -> None:
     model = model_record(trainer, spec)
     recorded = {**trained.fields(), "kl_horizon": trainer.args.kl_horizon, "kl_placement": trainer.args.kl_placement,
                 "kl_estimator": trainer.args.kl_estimator, "model": model["model"], "copy": uuid.uuid4().hex[:12]}
+    # a run's other options (--runs ...:sched=, :monitor=, :NAME=), as its trainer holds them, only where given: the rows
+    # of every run before them are unchanged (its learning rate is in every row already, as the trainer logs it)
+    settings = Settings(**spec["settings"])
+    if settings.lr_schedule != Settings.lr_schedule:
+        recorded["lr_scheduler_type"] = str(getattr(trainer.args.lr_scheduler_type, "value", trainer.args.lr_scheduler_type))
+    if settings.kl_monitor:
+        recorded["kl_monitor"] = trainer.args.kl_monitor
+    if settings.controller_params:
+        recorded["controller_params"] = {name: getattr(trainer.args, name) for name, _ in settings.controller_params}
     clock = GenerationClock(trainer.model, cuda)
     trainer.add_callback(step_logger(spec["metrics_path"], spec, recorded, clock, CompletionLengths(trainer)))
     print(f"{spec['method']} seed {spec['seed']}: {type(trainer).__module__}.{type(trainer).__name__}", flush=True)
@@ -279,7 +289,6 @@ def train_one(spec_path: str) -> None:
           f"{model['padding_side']})", flush=True)
     with open(os.path.join(spec["run_dir"], "trained.json"), "w") as f:
         json.dump({**recorded, "args": trained_args(trainer), "trainer": type(trainer).__name__, **model}, f, indent=1)
-    settings = Settings(**spec["settings"])
     if trained.completions_per_step != settings.prompts_per_step * settings.num_generations:
         print(f"NOTE: the settings ask for {settings.prompts_per_step} prompts x {settings.num_generations} per optimizer "
               f"step; the trainer trains {trained.completions_per_step} completions", flush=True)

@@ -2,6 +2,7 @@
 default: no KL computed or logged) through training and the study's analysis, and the phase-1 GPU lists
 (research/runlists/study33-p1-seed*.txt) against the settings docs/evidence.md section 7 pre-registers."""
 
+import dataclasses
 import json
 import math
 import os
@@ -91,6 +92,73 @@ def test_make_runs_writes_one_spec_per_listed_pair_and_seed(tmp_path):
         assert (spec["method"], spec["settings"]["beta"], spec["seed"]) == (run.method, run.beta, run.seed)
         assert spec["model"] == f"ckpt{run.seed}" and grid.split_tag(spec["tag"])[1] == run.beta
         assert run.spec_path.startswith(str(tmp_path / "runs" / f"{run.method}-seed{run.seed}-b{run.beta:g}"))
+
+
+# -- a run's own learning rate, schedule, kl_monitor and controller parameters (issue 51's arms) ----------------
+def test_run_options_make_their_own_settings_tags_and_controller_fields():
+    args = parse_args(["--runs", "none@0:monitor=on,none@0.04:lr=5e-5:sched=cosine,none@0.04,"
+                       "schedule@1:beta_min=0.02:beta_schedule=cosine:beta_schedule_steps=200"])
+    assert args.runs[3] == settings.RunSpec("schedule", 1.0, controller_params=(("beta_min", 0.02), ("beta_schedule", "cosine"),
+                                                                                   ("beta_schedule_steps", 200)))
+    assert [run.text() for run in args.runs] == ["none@0:monitor=on", "none@0.04:lr=5e-05:sched=cosine", "none@0.04",
+                                                 "schedule@1:beta_min=0.02:beta_schedule=cosine:beta_schedule_steps=200"]
+    base = settings.settings_from(args)
+    (monitor, t0), (cosine, t1), (plain, t2), (schedule, t3) = settings.beta_settings(args, base)
+    assert (monitor.kl_monitor, cosine.learning_rate, cosine.lr_schedule, plain.learning_rate) == (True, 5e-5, "cosine", base.learning_rate)
+    assert t0.endswith("-b0-h128x4-L48-s120-mon") and t1.endswith("-lr5e-05-schedcosine") and t2 == settings.default_tag(plain)
+    assert t3.endswith("-beta_min0.02-beta_schedulecosine-beta_schedule_steps200") and grid.split_tag(t3)[1] == 1.0
+    fields = settings.method_fields(schedule, completions_per_step=64)
+    assert (fields["beta_min"], fields["beta_schedule"], fields["beta_schedule_steps"]) == (0.02, "cosine", 200)
+    assert settings.method_fields(plain, completions_per_step=64)["beta_schedule_steps"] == 1_000_000  # the default kept
+    # a spec's JSON round trip gives the same settings (the parameters come back as lists)
+    assert settings.Settings(**json.loads(json.dumps(dataclasses.asdict(schedule)))) == schedule
+
+
+@pytest.mark.parametrize("text, message", [
+    ("none@0.04:lr=-1", "lr='-1'; allowed: a finite number > 0"),
+    ("none@0.04:sched=exp", "sched='exp'; allowed: one of ['constant', 'linear', 'cosine']"),
+    ("none@0:monitor=off", "monitor='off'; allowed: on"),
+    ("schedule@1:beta_min=2", "beta_min=2.0 is not valid; allowed: a number >= 0, and <= beta=1.0"),
+    ("schedule@1:beta_schedule_steps=2.5", "beta_schedule_steps=2.5 is not valid; allowed: an integer"),
+    ("schedule@1:beta_schedule=wave", "beta_schedule='wave' is not valid; allowed: 'linear' or 'cosine'"),
+    ("none@0.1:foo=1", "unknown key 'foo'; allowed: kt, placement, estimator, lr, sched, monitor, or a β-controller parameter"),
+    ("none@0.1:kl_target=0.1", "unknown key 'kl_target'"),  # the target is :kt=
+    ("none@0.1:lr=1e-4:lr=2e-4", "key 'lr' is given twice"),
+])
+def test_a_bad_run_option_names_the_value_and_what_is_allowed(text, message):
+    with pytest.raises(ValueError) as e:
+        settings.parse_runs(text)
+    assert f"--runs={text!r}" in str(e.value) and message in str(e.value)
+
+
+@pytest.fixture(scope="module")
+def option_runs(tmp_path_factory):
+    from demo_script import run_smoke
+
+    return run_smoke(tmp_path_factory.mktemp("demo-options"), "--runs", "none@0:monitor=on,none@0.04:lr=0.01:sched=cosine,"
+                     "schedule@1:beta_min=0.02:beta_schedule=cosine:beta_schedule_steps=3")
+
+
+def test_the_options_act_in_the_trainer_a_monitored_kl_a_cosine_rate_and_a_scheduled_beta(option_runs):
+    out, _ = option_runs
+    rows = [json.loads(line) for line in (out / "stream.jsonl").read_text().splitlines()]
+    steps = settings.SMOKE["steps"]
+    by = {m: sorted((r for r in rows if r["tag"].endswith(m)), key=lambda r: r["step"])
+          for m in ("-mon", "-schedcosine", "-beta_schedule_steps3")}
+    assert all(len(v) == steps for v in by.values())
+    # kl_monitor at β = 0: β stays 0 and the KL is logged every step (0 at step 1, where the policy is the reference)
+    assert all(r["adaptive_kl/current_beta"] == 0.0 and r["kl_monitor"] is True for r in by["-mon"])
+    assert by["-mon"][0]["adaptive_kl/raw_kl"] == 0.0 and all(r["adaptive_kl/raw_kl"] > 0 for r in by["-mon"][1:])
+    # TRL's cosine schedule without warm-up: lr × (1 + cos(π t / T)) / 2 at the t-th of T steps, t from 0
+    for r in by["-schedcosine"]:
+        assert r["learning_rate"] == pytest.approx(0.01 * (1 + math.cos(math.pi * (r["step"] - 1) / steps)) / 2, rel=1e-9)
+        assert r["lr_scheduler_type"] == "cosine"
+    # the schedule controller with the run's parameters: β0 1 to 0.02 over 3 steps, cosine (written from its definition)
+    for r in by["-beta_schedule_steps3"]:
+        done = min((r["step"] - 1) / 3, 1.0)
+        assert r["adaptive_kl/current_beta"] == pytest.approx(0.02 + 0.98 * (1 + math.cos(math.pi * done)) / 2, rel=1e-12)
+        assert r["controller_params"] == {"beta_min": 0.02, "beta_schedule": "cosine", "beta_schedule_steps": 3}
+    assert not any(k in r for r in by["-schedcosine"] for k in ("kl_monitor", "controller_params"))
 
 
 # -- a β = 0 run trains (CPU smoke) -----------------------------------------------------------------------
