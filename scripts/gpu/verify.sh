@@ -37,6 +37,10 @@
 # and EVIDENCE_TIMEOUT=560, then --analyze --study of its stream; writes NAME-stream.jsonl, NAME.log, NAME-analysis.md,
 # NAME-runs.tar.gz and NAME-study.md. study33-pair:A,B (a 2-GPU machine): study33:A on GPU 0 and study33:B on GPU 1 at
 # once; writes A-stream.jsonl, B-stream.jsonl, A-study.md, B-study.md and study33-pair.tar.gz (everything else).
+# study51:NAME (issue 51's study on SmolLM2, one GPU, <= ~575 s; after smollm2-head and smollm2-join on the same
+# machine): evidence:NAME with UNSLOTH_GRPO_SEQ_PACKING=0 and EVIDENCE_TIMEOUT=560; writes NAME-stream.jsonl, NAME.log,
+# NAME-analysis.md and NAME-runs.tar.gz. study51-pair:A,B (a 2-GPU machine): study51:A on GPU 0 and study51:B on GPU 1
+# at once; writes A-stream.jsonl, B-stream.jsonl, A-analysis.md, B-analysis.md and study51-pair.tar.gz (the rest).
 # study33-probe (issue 33, one GPU, <= 560 s): the long task's warm start and GRPO step time before its study
 # (research/gpu/study33_probe.py: one run alone, then eight at once, 8 steps each, each invocation warm-starting
 # seed 0); writes study33-probe.md, study33-probe.json, study33-probe-k1-stream.jsonl, study33-probe-k8-stream.jsonl
@@ -261,6 +265,11 @@ for stage in "$@"; do
     study33-pair:*)  # study33-pair:A,B (a 2-GPU machine): study33:A on GPU 0 and study33:B on GPU 1 at once; writes
       # A-stream.jsonl and B-stream.jsonl (as they grow), A-study.md, B-study.md and study33-pair.tar.gz (the rest)
       pair study33 study "${stage#study33-pair:}" "head -20" ;;
+    study51:*)  # issue 51's study on SmolLM2 (docs/evidence/study51-real-model.md): its model joined on this machine first
+      [ -n "${UAKL_SMOLLM2_GGUF:-}" ] || { echo "study51: no SmolLM2 on this machine: run smollm2-head, then smollm2-join, first"; exit 1; }
+      UNSLOTH_GRPO_SEQ_PACKING=0 EVIDENCE_TIMEOUT=560 evidence "${stage#study51:}" ;;
+    study51-pair:*)  # study51-pair:A,B (a 2-GPU machine): study51:A on GPU 0 and study51:B on GPU 1 at once
+      pair study51 analysis "${stage#study51-pair:}" "tail -20" ;;
     study33-probe)
       timeout 570 python research/gpu/study33_probe.py --out "$OUT" 2>&1 | tail -60 ;;
     study33-probe:*)
