@@ -157,6 +157,7 @@ def test_the_options_act_in_the_trainer_a_monitored_kl_a_cosine_rate_and_a_sched
     for r in by["-beta_schedule_steps3"]:
         done = min((r["step"] - 1) / 3, 1.0)
         assert r["adaptive_kl/current_beta"] == pytest.approx(0.02 + 0.98 * (1 + math.cos(math.pi * done)) / 2, rel=1e-12)
+        # not a registry list: the three parameters this run was given on its --runs entry
         assert r["controller_params"] == {"beta_min": 0.02, "beta_schedule": "cosine", "beta_schedule_steps": 3}
     assert not any(k in r for r in by["-schedcosine"] for k in ("kl_monitor", "controller_params"))
 
