@@ -22,12 +22,12 @@ token-weighted raw KL with weight :attr:`HeldTargetKL.smoothing`)::
 
 *Anti-wind-up*: a run of updates pushing β one way (an *episode*: the error's sign unchanged, outside the ±ln 1.25
 band) starts at an anchor β. Once β would move past ``response_factor`` (2) × the anchor, or β already sits at the
-bound of its range that way (the range's end, or the cap below), it stops moving further that way (it is *frozen*):
-pushing harder before the KL has answered would only wind up. Above the target, after
-``target_patience`` frozen updates the raw KL's mean over them is compared with the smoothed KL when the freeze began:
-20 % lower, the KL responded and a new episode starts from the current β (β may rise ×2 again). Below the target
-nothing counts as a response (a KL that rises while β falls may be the run's own growth, study 33's failure): β falls
-at most ×1/2 until the KL is back within the band or above it.
+bound of its range that way (the range's end, or the cap set when a target is declared unreachable, below), it stops
+moving further that way (it is *frozen*): pushing harder before the KL has answered would only wind up. Above the
+target, after ``target_patience`` frozen updates the raw KL's mean over them is compared with the smoothed KL when the
+freeze began: 20 % lower, the KL responded and a new episode starts from the current β (β may rise ×2 again). Below
+the target nothing counts as a response (a KL that rises while β falls may be the run's own growth, study 33's
+failure): β falls at most ×1/2 until the KL is back within the band or above it.
 
 *An unreachable target*: if, above the target, the KL has not responded after ``target_patience`` frozen updates, the
 target is declared unreachable: one warning names the least smoothed KL the run reached and the β where the KL stopped
