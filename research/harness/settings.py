@@ -209,8 +209,12 @@ def option_suffix(one: Settings, base: Settings) -> str:
     """The tag's part for a run's other options (``--runs ...:lr=, :sched=, :monitor=, :NAME=``): ``-lrX`` where its
     learning rate is not the invocation's, ``-schedNAME`` for a schedule other than constant, ``-mon`` with kl_monitor,
     ``-NAMEvalue`` for each controller parameter; empty without them, so the tags of every earlier run are unchanged."""
-    return ((f"-lr{one.learning_rate:g}" if one.learning_rate != base.learning_rate else "")
-            + (f"-sched{one.lr_schedule}" if one.lr_schedule != Settings.lr_schedule else "")
+    return (f"-lr{one.learning_rate:g}" if one.learning_rate != base.learning_rate else "") + run_option_suffix(one)
+
+
+def run_option_suffix(one: Settings) -> str:
+    """The options beyond the learning rate: ``-schedNAME``, ``-mon``, ``-NAMEvalue`` (:func:`option_suffix`)."""
+    return ((f"-sched{one.lr_schedule}" if one.lr_schedule != Settings.lr_schedule else "")
             + ("-mon" if one.kl_monitor else "")
             + "".join(f"-{name}{value:g}" if isinstance(value, (int, float)) and not isinstance(value, bool)
                       else f"-{name}{value}" for name, value in one.controller_params))
@@ -288,10 +292,18 @@ def run_keys(runs: list["RunSpec"]) -> list["RunSpec"]:
 
 def setting_labels(settings_list: list[tuple[Settings, str]]) -> dict[str, str]:
     """{tag: a short name} per setting, for its runs' directories and progress lines: ``bβ``, then ``-ktK`` where
-    the invocation's settings differ in kl_target, and the placement and estimator where not the defaults."""
+    the invocation's settings differ in kl_target, the placement and estimator where not the defaults, and
+    ``-lrX`` where they differ in learning rate, then the other run options (:func:`option_suffix`). Two settings
+    with one label raise ValueError (their runs would share a directory)."""
     several_kt = len({one.kl_target for one, _ in settings_list}) > 1
-    return {tag: f"b{one.beta:g}" + (f"-kt{one.kl_target:g}" if several_kt else "") + placement_suffix(one)
-            for one, tag in settings_list}
+    several_lr = len({one.learning_rate for one, _ in settings_list}) > 1
+    labels = {tag: f"b{one.beta:g}" + (f"-kt{one.kl_target:g}" if several_kt else "") + placement_suffix(one)
+              + (f"-lr{one.learning_rate:g}" if several_lr else "") + run_option_suffix(one)
+              for one, tag in settings_list}
+    if len(set(labels.values())) != len(labels):
+        raise ValueError(f"settings {sorted(labels)} share a run label ({sorted(labels.values())}); allowed: settings "
+                         "that differ in β, kl_target, placement, estimator, learning rate or another run option")
+    return labels
 
 
 def parse_betas(text: str) -> list[float]:

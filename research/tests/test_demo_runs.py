@@ -114,6 +114,21 @@ def test_run_options_make_their_own_settings_tags_and_controller_fields():
     assert settings.Settings(**json.loads(json.dumps(dataclasses.asdict(schedule)))) == schedule
 
 
+def test_runs_that_differ_only_in_their_learning_rate_or_schedule_get_their_own_directories(tmp_path):
+    """Study 51's probe lists: one β, three learning rates (and two schedules): each run its own directory and name
+    (before the labels carried the rate, the three runs of a list would have shared one)."""
+    for name in ("study51-lr-a", "study51-lr-b"):
+        with open(os.path.join(ROOT, "research", "runlists", f"{name}.txt")) as f:
+            (line,) = [ln.split() for ln in f if ln.strip() and not ln.startswith("#")]
+        args = parse_args(line + ["--output-dir", str(tmp_path / name)])
+        runs = scheduler.make_runs(args, settings.beta_settings(args, settings.settings_from(args)), "trl", {0: "ckpt0"})
+        assert len({r.name for r in runs}) == len({r.spec_path for r in runs}) == len(args.runs) >= 2
+    assert [r.name for r in runs] == ["none/seed0/b0.04-lr5e-05-schedcosine", "none/seed0/b0.04-lr0.0001-schedcosine"]
+    one = settings.Settings()
+    with pytest.raises(ValueError, match="share a run label"):
+        settings.setting_labels([(one, "tag-a"), (one, "tag-b")])
+
+
 @pytest.mark.parametrize("text, message", [
     ("none@0.04:lr=-1", "lr='-1'; allowed: a finite number > 0"),
     ("none@0.04:sched=exp", "sched='exp'; allowed: one of ['constant', 'linear', 'cosine']"),
