@@ -417,9 +417,9 @@ def _override(where: str, key: str, value: str):
 def parse_runs(text: str) -> list[RunSpec]:
     """``--runs``: an explicit list of runs, in the order given: METHOD@BETA and optional ``:KEY=VALUE`` overrides
     (kt, placement, estimator, lr, sched, monitor, a β-controller parameter; :func:`_override`). β >= 0; β = 0
-    (TRL's default: no reference model, no KL computed or logged; with ``:monitor=on`` the KL is logged) only with ``none``, as the package refuses an adaptive method at β = 0; the package's own
-    check of the fields (``config.validate``) refuses what it would refuse in the run (e.g. placement=reward at
-    β = 0); no run twice."""
+    (TRL's default: no reference model, no KL computed or logged; with ``:monitor=on`` the KL is logged) only with
+    ``none``, as the package refuses an adaptive method at β = 0; the package's own check of the fields
+    (``config.validate``) refuses what it would refuse in the run (e.g. placement=reward at β = 0); no run twice."""
     from types import SimpleNamespace
 
     from unsloth_adaptive_kl.config import DEFAULTS, validate
