@@ -103,7 +103,9 @@ def test_the_header_says_the_model_and_the_task():
     assert task.startswith("task: SmolLM2-135M-Instruct (pretrained") and "'What is {a} + {b}?'" in task
     assert "a, b in [1, 9] (style short)" in task and "LoRA r=16" in task
     recorded = json.loads(next(line for line in text.splitlines() if line.startswith("settings: "))[len("settings: "):])
-    assert recorded == asdict(s) and recorded["model"] == "smollm2" and recorded["addition_style"] == "short"
+    # as JSON holds them (a tuple comes back a list), and they rebuild the same settings
+    assert recorded == json.loads(json.dumps(asdict(s))) and settings.Settings(**recorded) == s
+    assert recorded["model"] == "smollm2" and recorded["addition_style"] == "short"
 
 
 def test_each_run_spec_records_the_model_and_its_sequence_length(tmp_path):
