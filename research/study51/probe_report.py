@@ -50,12 +50,15 @@ def mean(values: list[float]) -> float | None:
 
 
 def readout(rows: list[dict], planned: int) -> dict:
+    complete = len(rows) == planned and rows[-1]["step"] == planned
+    if len(rows) < WINDOW:  # cut before one window: nothing to read but its length
+        return dict(start=None, best=None, best_ends=None, final=None, hold=None, kl=None, median=None,
+                    last_lr=rows[-1]["learning_rate"], steps=rows[-1]["step"], complete=complete, learns=False, holds=False)
     rewards = [r["reward"] for r in rows]
     windows = [mean(rewards[i:i + WINDOW]) for i in range(len(rewards) - WINDOW + 1)]
     best = max(windows)
     final = mean(rewards[-WINDOW:])
     start = mean(rewards[:WINDOW])
-    complete = len(rows) == planned and rows[-1]["step"] == planned
     return dict(start=start, best=best, best_ends=rows[windows.index(best) + WINDOW - 1]["step"], final=final,
                 hold=final - best, kl=mean([r.get(KL) for r in rows[-WINDOW:]]), median=mean([r.get(MEDIAN) for r in rows[-WINDOW:]]),
                 last_lr=rows[-1]["learning_rate"], steps=rows[-1]["step"], complete=complete,
@@ -78,6 +81,9 @@ def report(directories: list[str], planned: int = 100) -> str:
            "holds (≥ -0.05) | final KL | final median length | last step's rate |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for (lr, schedule), v in table.items():
+        if v["best"] is None:
+            out.append(f"| {lr:g} | {schedule} | {v['steps']} (cut) | — | — | — | — | no | no | — | — | {v['last_lr']:.3g} |")
+            continue
         kl = "—" if v["kl"] is None else f"{v['kl']:.4g}"
         median = "—" if v["median"] is None else f"{v['median']:.1f}"
         out.append(f"| {lr:g} | {schedule} | {v['steps']}{'' if v['complete'] else ' (cut)'} | {v['start']:.3f} | "

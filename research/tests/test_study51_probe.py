@@ -83,6 +83,28 @@ def test_no_arm_that_learns_and_holds_chooses_none(tmp_path):
     assert "**Chosen**: none (no complete arm learns and holds)" in probe_report.report([str(tmp_path / "a")])
 
 
+def test_an_arm_cut_before_one_window_is_listed_and_left_out(tmp_path):
+    write(tmp_path / "a", "x", [(2e-5, "constant", curve(0.5), "c2"), (5e-5, "cosine", curve(0.9)[:6], "c4")])
+    text = probe_report.report([str(tmp_path / "a")])
+    assert row(text, "| 5e-05 | cosine |")[2:4] == ["6 (cut)", "—"]
+    assert text.rstrip().endswith("learning rate 2e-05, constant schedule.")
+
+
+def test_it_reads_the_harness_stream_of_the_real_model_on_the_cpu(tmp_path):
+    """The rows the harness writes for --model smollm2 with per-run rates (a 2-step CPU run's stream, as it wrote it,
+    reduced to the keys the readout reads): 2 of 100 planned steps, so both arms are cut."""
+    rows = [{"tag": "smollm2-explain1-9-dapo-b0.04-L16-s2-lr1e-05", "copy": "a", "step": s, "reward": 0.0,
+             "learning_rate": 1e-05, "completions/median_length": 10.0} for s in (1, 2)]
+    rows += [{"tag": "smollm2-explain1-9-dapo-b0.04-L16-s2-lr5e-05-schedcosine", "copy": "b", "step": s, "reward": 0.0,
+              "learning_rate": lr, "lr_scheduler_type": "cosine"} for s, lr in ((1, 5e-05), (2, 2.5e-05))]
+    os.makedirs(tmp_path / "a")
+    with gzip.open(tmp_path / "a" / "x-stream.jsonl.gz", "wt") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    text = probe_report.report([str(tmp_path / "a")])
+    assert row(text, "| 1e-05 | constant |")[2] == "2 (cut)" and row(text, "| 5e-05 | cosine |")[11] == "2.5e-05"
+    assert "**Chosen**: none" in text
+
+
 def test_a_second_copy_of_an_arm_is_refused(tmp_path):
     write(tmp_path / "a", "x", [(2e-5, "constant", curve(0.5), "c2"), (2e-5, "constant", curve(0.5), "again")])
     with pytest.raises(ValueError, match="two copies of the arm"):
