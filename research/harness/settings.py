@@ -351,6 +351,17 @@ class RunSpec(NamedTuple):
 MONITOR_ON = ("on", "true", "1")
 
 
+def _positive_number(where: str, key: str, value: str, what: str) -> float:
+    """``value`` as a finite number > 0, or ValueError naming the run, the key, the value and what is allowed."""
+    try:
+        number = float(value)
+    except ValueError:
+        number = None
+    if number is None or not (number > 0 and number != float("inf")):
+        raise ValueError(f"{where}: {key}={value!r}; allowed: a finite number > 0 ({what})")
+    return number
+
+
 def _override(where: str, key: str, value: str):
     """One ``:KEY=VALUE`` of a run, checked: kt a finite number > 0; placement one of the package's kl_placement
     values; estimator a name the package's estimator registry knows (its canonical name: an alias counts as it); lr
@@ -363,13 +374,7 @@ def _override(where: str, key: str, value: str):
     from unsloth_adaptive_kl.estimators import get_estimator
 
     if key == "kt":
-        try:
-            kt = float(value)
-        except ValueError:
-            kt = None
-        if kt is None or not (kt > 0 and kt != float("inf")):
-            raise ValueError(f"{where}: kt={value!r}; allowed: a finite number > 0 (the run's kl_target)")
-        return "kl_target", kt
+        return "kl_target", _positive_number(where, key, value, "the run's kl_target")
     if key == "placement":
         if value not in PLACEMENTS:
             raise ValueError(f"{where}: placement={value!r}; allowed: one of {list(PLACEMENTS)} (the package's kl_placement)")
@@ -380,13 +385,7 @@ def _override(where: str, key: str, value: str):
         except ValueError as e:
             raise ValueError(f"{where}: estimator={value!r}: {e}") from e
     if key == "lr":
-        try:
-            lr = float(value)
-        except ValueError:
-            lr = None
-        if lr is None or not (lr > 0 and lr != float("inf")):
-            raise ValueError(f"{where}: lr={value!r}; allowed: a finite number > 0 (the run's learning rate)")
-        return "learning_rate", lr
+        return "learning_rate", _positive_number(where, key, value, "the run's learning rate")
     if key == "sched":
         if value not in LR_SCHEDULES:
             raise ValueError(f"{where}: sched={value!r}; allowed: one of {list(LR_SCHEDULES)} (the learning rate's schedule)")

@@ -104,15 +104,15 @@ def _main(args) -> int:
     print("| β0 | kl_target | seed | steps | design 1 replayed exactly | design 2 first differs at step | design 2 declares "
           "unreachable at | (cap) | design 1 declared at |")
     print("|---|---|---|---|---|---|---|---|---|")
-    exact, rerun = True, []
-    for (beta0, kl_target, seed, _copy), rows in sorted(target_runs(args.dirs).items()):
+    exact, rerun, runs = True, [], target_runs(args.dirs)
+    for (beta0, kl_target, seed, _copy), rows in sorted(runs.items()):
         same, diverges, declared_two, declared_one, cap = compare_designs(rows)
         exact &= same
         if diverges is not None:
             rerun.append(f"target@{beta0:g}:kt={kl_target:g} seed {seed}")
         print(f"| {beta0:g} | {kl_target:g} | {seed} | {len(rows)} | {'yes' if same else 'NO'} | {diverges or '—'} | "
               f"{declared_two or '—'} | {f'{cap:.4g}' if cap else '—'} | {declared_one or '—'} |")
-    pairs = determinism(target_runs(args.dirs))
+    pairs = determinism(runs)
     print("\nDeterminism: runs of one seed and β0 at two targets (different lists and calls) train alike until β differs:\n")
     print("| β0 | seed | targets | leading steps with equal β | their KL bit-identical |")
     print("|---|---|---|---|---|")

@@ -190,12 +190,9 @@ def test_a_beta0_below_four_of_five_fails_h1_and_an_incomplete_study_says_so(tmp
 def controlled_rows(cls, seed, beta0, kl_target, kl_of, reward=0.7, copy="design1"):
     """A run whose β is the controller ``cls``'s own on the KL ``kl_of(step, β)`` (so research/study49/replay.py can
     replay it), with the fields the report and the replay read; returns the rows and the controller."""
-    from unsloth_adaptive_kl.target_controller import HeldTargetKL  # noqa: F401 (cls is it or its design 1)
-
     controller, out = cls(ControllerConfig(beta0, kl_target=kl_target)), []
-    for step in range(1, STEPS + 1):
+    for step, row in enumerate(rows("target", seed, beta0, kl_target, 0.0, reward), start=1):  # the KL set below
         kl = kl_of(step, controller.beta)
-        row = rows("target", seed, beta0, kl_target, kl, reward)[step - 1]
         row.update({RAW_KL: kl, CURRENT_BETA: controller.beta, "completions_per_step": 64, "copy": f"{copy}-{seed}-{kl_target}"})
         controller.update(global_step=step, kl=kl, num_completions=64)
         row[TARGET_REACHABLE] = controller.metrics()[TARGET_REACHABLE]
@@ -225,9 +222,10 @@ def test_design_two_keeps_the_runs_it_trains_identically_and_takes_the_reruns_of
         rerun, controller = controlled_rows(HeldTargetKL, 0, 0.1, 0.0062, grows, reward=0.6, copy="rerun")
     (warning,) = [r.getMessage() for r in caplog.records if "not reachable" in r.getMessage()]
     write(d2, d2.name, rerun, {"target-seed0-b0.1-kt0.0062": warning + "\n"})
-    kept_step = next(i for i in range(STEPS) if controlled_rows(HeldTargetKL, 1, 0.1, 0.0062, stays)[0][i][TARGET_REACHABLE] == 0) + 1
+    kept = controlled_rows(HeldTargetKL, 1, 0.1, 0.0062, stays)[0]  # seed 1 under design 2: the same β as design 1's
+    kept_step = next(r["step"] for r in kept if r[TARGET_REACHABLE] == 0)
     rerun_step = next(r["step"] for r in rerun if r[TARGET_REACHABLE] == 0)
-    assert [r[CURRENT_BETA] for r in controlled_rows(HeldTargetKL, 1, 0.1, 0.0062, stays)[0]] == [r[CURRENT_BETA] for r in design1[1]]
+    assert [r[CURRENT_BETA] for r in kept] == [r[CURRENT_BETA] for r in design1[1]]
 
     text = report.report([str(d1)], phase1, design2=[str(d2)])
     assert text.startswith("# Study 49, design 2 (Amendment 1)")
