@@ -40,7 +40,10 @@ U_BETA0, U1_BY_UPDATE, U2_RANGE = 0.1, 60, (0.02, 0.5)  # the unreachable cell's
 NUMBER = r"\d+(?:\.\d+)?(?:e[+-]?\d+)?"
 WARNING = re.compile(rf"kl_target=(?P<kt>{NUMBER}) is not reachable in this run.*?Beta is capped at (?P<cap>{NUMBER}) "
                      r"from optimizer step (?P<step>\d+)", re.S)
-RUN_DIR = re.compile(rf"(?:^|/)runs/(?P<method>[a-z_+]+)-seed(?P<seed>\d+)-b(?P<beta>{NUMBER})(?:-kt(?P<kt>{NUMBER}))?[^/]*/log\.txt$")
+# A run's log; its spec.json beside it names the run (a list of one run names its directory "<method>-seed<S>" alone,
+# several runs add "-b<β0>[-kt<kl_target>]...": the name is read only where an archive has no spec.json)
+RUN_LOG = re.compile(r"(?:^|/)runs/(?P<run>[^/]+)/log\.txt$")
+RUN_DIR = re.compile(rf"^(?P<method>[a-z_+]+)-seed(?P<seed>\d+)-b(?P<beta>{NUMBER})(?:-kt(?P<kt>{NUMBER}))?")
 
 
 def streams(directories: list[str]) -> list[str]:
@@ -53,15 +56,36 @@ def warnings(directories: list[str]) -> dict[tuple, list[tuple[float, int]]]:
     out: dict[tuple, list[tuple[float, int]]] = {}
     for archive in (p for d in directories for p in glob.glob(os.path.join(d, "*-runs.tar.*"))):
         with tarfile.open(archive) as tar:
-            for member in tar.getmembers():
-                name = RUN_DIR.search(member.name)
-                if not (member.isfile() and name):
+            members = {m.name: m for m in tar.getmembers() if m.isfile()}
+            for path, member in members.items():
+                log = RUN_LOG.search(path)
+                if not log:
                     continue
-                text = tar.extractfile(member).read().decode("utf-8", "replace")
-                for w in WARNING.finditer(text):
-                    key = (name["method"], int(name["seed"]), float(name["beta"]), float(w["kt"]))
+                found = list(WARNING.finditer(tar.extractfile(member).read().decode("utf-8", "replace")))
+                if not found:
+                    continue
+                run = _run_of(tar, members.get(path[: -len("log.txt")] + "spec.json"), log["run"], archive)
+                for w in found:
+                    key = (run[0], run[1], run[2], float(w["kt"]))
                     out.setdefault(key, []).append((float(w["cap"]), int(w["step"])))
     return out
+
+
+def _run_of(tar: tarfile.TarFile, spec: tarfile.TarInfo | None, name: str, archive: str) -> tuple[str, int, float]:
+    """(method, seed, β0) of a run: from its spec.json (the harness's record of what it trained), else its name."""
+    if spec is not None:
+        record = json.load(tar.extractfile(spec))
+        return record["method"], int(record["seed"]), float(record["settings"]["beta"])
+    named = RUN_DIR.match(name)
+    if not named:
+        raise ValueError(f"{archive}: run {name!r} has no spec.json and its name does not give its β0")
+    return named["method"], int(named["seed"]), float(named["beta"])
+
+
+def within_cap(beta: float, cap: float) -> bool:
+    """U2's "never above the warning's cap": the warning prints its cap to 4 significant digits (``%.4g``), so β is
+    compared at that precision (β 0.191111 is within a cap printed 0.1911; 0.19116 rounds to 0.1912 and is not)."""
+    return float(f"{beta:.4g}") <= cap
 
 
 def declared_step(rows: list[dict]) -> int | None:
@@ -240,7 +264,7 @@ def criteria(summary: dict, fixed: dict, steps: int, threshold: float, warned: d
                 cap = named[0][0] if named else None
                 after = [r[metrics.CURRENT_BETA] for r in rows if step is not None and r["step"] > step
                          and r.get(metrics.CURRENT_BETA) is not None]
-                capped = cap is None or all(b <= cap * (1 + 1e-9) for b in after)
+                capped = cap is None or all(within_cap(b, cap) for b in after)
                 u1, u2 = u1 and ok1, u2 and in_range and capped
                 detail.append(f"seed {seed}{f' copy {i + 1}' if len(copies) > 1 else ''}: declared at "
                               f"{step if step is not None else 'never'}, warning {'caps β at %.4g' % cap if cap else 'none'}, "

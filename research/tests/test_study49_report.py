@@ -47,19 +47,27 @@ def rows(method, seed, beta0, kl_target, final_kl, final_reward, *, runaway=Fals
     return out
 
 
-def write(directory, name, all_rows, logs=None, archive="xz"):
+def write(directory, name, all_rows, logs=None, archive="xz", specs=None):
     """A call's folder as research/data keeps it: the runs archive ``xz`` (recompressed when committed), or ``gz`` as a
-    call's archive comes back."""
+    call's archive comes back; ``specs`` ({run: (method, seed, β0, kl_target)}) adds the harness's spec.json beside a
+    run's log, with the fields the harness writes there."""
     os.makedirs(directory, exist_ok=True)
     with gzip.open(os.path.join(directory, f"{name}-stream.jsonl.gz"), "wt") as f:
         f.writelines(json.dumps(r) + "\n" for r in all_rows)
     if logs:
         with tarfile.open(os.path.join(directory, f"{name}-runs.tar.{archive}"), f"w:{archive}") as tar:
             for run, text in logs.items():
-                data = text.encode()
-                info = tarfile.TarInfo(f"./1/runs/{run}/log.txt")
-                info.size = len(data)
-                tar.addfile(info, io.BytesIO(data))
+                files = {"log.txt": text}
+                if specs and run in specs:
+                    method, seed, beta0, kl_target = specs[run]
+                    files["spec.json"] = json.dumps({"method": method, "seed": seed, "backend": "unsloth",
+                                                     "settings": {"steps": STEPS, "beta": beta0, "kl_target": kl_target},
+                                                     "run_dir": f"/tmp/x/1/runs/{run}"}, indent=1)
+                for leaf, content in files.items():
+                    data = content.encode()
+                    info = tarfile.TarInfo(f"./1/runs/{run}/{leaf}")
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
 
 
 # phase 1: fixed β's final KL and reward by seed; K_nat = β 0.1's seed-mean KL 0.02 (its reward is the best at β > 0),
@@ -221,7 +229,8 @@ def test_design_two_keeps_the_runs_it_trains_identically_and_takes_the_reruns_of
     with caplog.at_level(logging.WARNING, logger="unsloth_adaptive_kl"):
         rerun, controller = controlled_rows(HeldTargetKL, 0, 0.1, 0.0062, grows, reward=0.6, copy="rerun")
     (warning,) = [r.getMessage() for r in caplog.records if "not reachable" in r.getMessage()]
-    write(d2, d2.name, rerun, {"target-seed0-b0.1-kt0.0062": warning + "\n"})
+    # a list of one run: the harness names its directory "target-seed0" (no β0), its spec.json says what it trained
+    write(d2, d2.name, rerun, {"target-seed0": warning + "\n"}, specs={"target-seed0": ("target", 0, 0.1, 0.0062)})
     kept = controlled_rows(HeldTargetKL, 1, 0.1, 0.0062, stays)[0]  # seed 1 under design 2: the same β as design 1's
     kept_step = next(r["step"] for r in kept if r[TARGET_REACHABLE] == 0)
     rerun_step = next(r["step"] for r in rerun if r[TARGET_REACHABLE] == 0)
@@ -240,3 +249,14 @@ def test_design_two_keeps_the_runs_it_trains_identically_and_takes_the_reruns_of
     assert "seed 1: declared at never" in report.report([str(d1)], phase1)
     with pytest.raises(ValueError, match=r"no rerun in .*\(0.1, 0.0062, 0\)"):
         report.report([str(d1)], phase1, design2=[str(tmp_path / "empty")])
+
+
+def test_u2_reads_the_cap_at_the_precision_the_warning_prints_it():
+    """The rerun of seed 0 (study49d2-seed0) held β at 0.19111102467695817 after a warning that printed its cap as
+    0.1911 (``%.4g``): within the cap as stated; a β that prints above it is not."""
+    warning_cap = float("%.4g" % 0.19111102467695817)
+    assert warning_cap == 0.1911
+    assert report.within_cap(0.19111102467695817, warning_cap)
+    assert report.within_cap(0.1911, warning_cap) and report.within_cap(0.1, warning_cap)
+    assert not report.within_cap(0.19116, warning_cap)  # prints 0.1912
+    assert not report.within_cap(0.5, warning_cap)
