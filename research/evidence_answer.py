@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 INDEX = ROOT / "docs" / "evidence.md"
 STUDY_26 = ROOT / "docs" / "evidence" / "study26-beta-grid.md"
 STUDY_33 = ROOT / "docs" / "evidence" / "study33-long-task.md"
+STUDY_49 = ROOT / "docs" / "evidence" / "study49-target.md"
 MARKER = "<!-- answer -->"
 MAX_LINES = 10  # one screen
 
@@ -98,7 +99,28 @@ def study_26(text: str) -> dict:
     return out
 
 
-def answer(s26: dict, s33: dict) -> str:
+def study_49(text: str) -> dict:
+    """Study 49's results: runs held within ±25 % of the reachable target (0.04), runaways at both targets, by method;
+    the fixed β that held 0.04 in the most seeds; and design 2's declarations of the unreachable target."""
+    held = table_after(text, "**Held, at 0.04 and 0.099**")
+    out: dict = {"held": {}, "runs": {}, "runaways": {}}
+    for r in held:
+        if not r["method"].startswith("fixed β"):  # the study's two arms; the fixed-β rows are study 33's
+            got, of = (int(x) for x in r["held (±25 %)"].split("/"))
+            if number(r["kl_target"]) == 0.04:
+                out["held"][r["method"]] = out["held"].get(r["method"], 0) + got
+                out["runs"][r["method"]] = out["runs"].get(r["method"], 0) + of
+            out["runaways"][r["method"]] = out["runaways"].get(r["method"], 0) + number(r["runaways"])
+    fixed = [(int(r["held (±25 %)"].split("/")[0]), int(r["held (±25 %)"].split("/")[1]), number(r["method"]))
+             for r in held if r["method"].startswith("fixed β")]
+    out["fixed"] = max(fixed)
+    (design2,) = [r for r in table_after(text, "**The unreachable target, 0.0062 from β0 0.1:**") if r["design"] == "design 2"]
+    steps = [int(x) for x in re.findall(r"\d+", design2["declared at update (seeds 0-4)"])]
+    out["declared"] = (len(steps), len(design2["declared at update (seeds 0-4)"].split(",")), min(steps), max(steps))
+    return out
+
+
+def answer(s26: dict, s33: dict, s49: dict) -> str:
     b1, b2 = s33["best"]
     lo_b, hi_b = sorted((b1, b2))
     toy_reward = s26["dapo"]["none_reward"] + s26["grpo"]["none_reward"]
@@ -121,13 +143,20 @@ def answer(s26: dict, s33: dict) -> str:
         f"- **β = 0 (TRL's default):** study 33: {z_mean:+.3f} {z_ci} reward against β {b1:g}, "
         + (f"{'lower' if z_mean < 0 else 'higher'} in all {z_seeds} seeds, " if z_sign_p == 2 / 2**z_seeds else "")
         + f"{z_verdict} ([correction]({correction})).",
-        f"- **`target`: only for a KL you know you want, with a `beta_min`.** Study 26 held it under `grpo` from every "
+        f"- **`target`: it held no chosen KL on the long task; it does say when one is out of reach.** "
+        f"[Study 49](evidence/study49-target.md#results) (study 33's task, 5 seeds): a reachable target (0.04) ended within "
+        f"±25 % in {s49['held']['target']} of {s49['runs']['target']} runs (`ziegler` {s49['held']['ziegler']} of "
+        f"{s49['runs']['ziegler']}; a fixed β {s49['fixed'][2]:g}: {s49['fixed'][0]} of {s49['fixed'][1]} seeds), "
+        f"runaways in {s49['runaways']['target']:g} of {2 * s49['runs']['target']} runs (`ziegler` {s49['runaways']['ziegler']:g}); "
+        f"a target below every KL reached said in {s49['declared'][0]} of {s49['declared'][1]} seeds (updates "
+        f"{s49['declared'][2]}-{s49['declared'][3]}).",
+        f"- **`ziegler` (`target` before issue 49): only for a KL you know you want, with a `beta_min`.** Study 26 held it under `grpo` from every "
         f"initial β ({span(s26['grpo']['target_ratio'], '.2f')} × the target; `dapo`: "
         f"{span(s26['dapo']['target_ratio'], '.2f')}); study 33 held neither of its targets "
         f"({span(s33['target_ratio'], '.2f')} × in {s33['target_cells']} cells), reward "
         f"{min(s33['target_reward']):+.3f} to {max(s33['target_reward']):+.3f} against the best fixed β.",
         f"- **`dynamic`, `clip`: no gain.** Study 26: final-KL spread across initial β "
-        f"{span(spread('dynamic') + spread('clip'), '.1f')}× (`none` {span(spread('none'), '.1f')}×, `target` "
+        f"{span(spread('dynamic') + spread('clip'), '.1f')}× (`none` {span(spread('none'), '.1f')}×, `ziegler` "
         f"{span(spread('target'), '.2f')}×), and runaway seeds of their own; study 33, β 0.04: `clip` "
         f"{s33['runaways']['clip']:g} runaways in 5 seeds, `none` {s33['none_0.04_runaways']:g}.",
         "- **" + ", ".join(name for name, _, _ in others) + ":** study 33, β 0.04: Δ reward against `none` "
@@ -142,7 +171,7 @@ def answer(s26: dict, s33: dict) -> str:
 
 
 def current() -> str:
-    return answer(study_26(STUDY_26.read_text()), study_33(STUDY_33.read_text()))
+    return answer(study_26(STUDY_26.read_text()), study_33(STUDY_33.read_text()), study_49(STUDY_49.read_text()))
 
 
 def with_answer(index: str, block: str) -> str:

@@ -119,8 +119,8 @@ _STATE_KEYS = ("updates", "kl_mean", "episode", "ceiling", "reachable", "least_k
     "target",
     parameters=TARGET_PARAMETERS,
     summary="Steers ln β by the smoothed KL's log error toward kl_target, rising faster than falling, within "
-    "target_beta_range of beta, stopping where the KL does not respond; a target no β reaches is warned about once "
-    "(adaptive_kl/target_reachable 0). Under GPU test (study 49).",
+    "target_beta_range of beta; warns once of a target no β reaches and caps β there (adaptive_kl/target_reachable 0). "
+    "GPU, study 49: held 0.04 in 3 of 15 runs, as ziegler.",
     _builtin=True,
 )
 class HeldTargetKL(BetaController):

@@ -101,6 +101,28 @@ def test_the_index_holds_the_answer_made_from_the_studies_tables():
     assert len(block.split("\n")) <= evidence_answer.MAX_LINES
 
 
+S49 = evidence_answer.study_49(evidence_answer.STUDY_49.read_text())
+
+
+def test_the_answer_reads_study_49s_results_tables():
+    """Study 49's held counts, runaways and declarations come from its Results tables: a row changed in a copy of the
+    page comes out changed."""
+    text = evidence_answer.STUDY_49.read_text()
+    s26 = evidence_answer.study_26(evidence_answer.STUDY_26.read_text())
+    s33 = evidence_answer.study_33(evidence_answer.STUDY_33.read_text())
+    row = "| `target` | 1 | 0.04 | 2.19, 0.81, 0.68, 0.87, 0.62 | 2/5 | 0 |"
+    declared = "| design 2 | 92, 91, 56, 23, 49 | 3 of 5 |"
+    assert row in text and declared in text
+    edited = text.replace(row, "| `target` | 1 | 0.04 | 2.19, 0.81, 0.98, 0.87, 0.92 | 4/5 | 2 |").replace(
+        declared, "| design 2 | 92, never, 56, 23, 49 | 3 of 5 |")
+    before = evidence_answer.answer(s26, s33, S49)
+    after = evidence_answer.answer(s26, s33, evidence_answer.study_49(edited))
+    assert "in 3 of 15 runs (`ziegler` 3 of 15; a fixed β 0.3: 4 of 5 seeds), runaways in 1 of 30 runs (`ziegler` 4)" in before
+    assert "said in 5 of 5 seeds (updates 23-92)" in before
+    assert "in 5 of 15 runs (`ziegler` 3 of 15; a fixed β 0.3: 4 of 5 seeds), runaways in 3 of 30 runs" in after
+    assert "said in 4 of 5 seeds (updates 23-92)" in after
+
+
 def test_the_answer_reads_the_tables_it_names():
     """A table's number moves the answer: the best fixed β's reward and `target`'s KL / kl_target, changed in a copy
     of study 33's text, come out changed."""
@@ -108,7 +130,7 @@ def test_the_answer_reads_the_tables_it_names():
     s26 = evidence_answer.study_26(evidence_answer.STUDY_26.read_text())
     edited = text.replace("| **0.762 ± 0.035** |", "| **0.771 ± 0.035** |").replace("| 0.17 | [0.12, 0.23] |", "| 0.15 | [0.12, 0.23] |")
     assert edited != text
-    before, after = evidence_answer.answer(s26, evidence_answer.study_33(text)), evidence_answer.answer(s26, evidence_answer.study_33(edited))
+    before, after = evidence_answer.answer(s26, evidence_answer.study_33(text), S49), evidence_answer.answer(s26, evidence_answer.study_33(edited), S49)
     assert "(0.762, 0.757)" in before and "(0.771, 0.757)" in after
     assert "0.17-10.09 ×" in before and "0.15-10.09 ×" in after
 
@@ -116,12 +138,12 @@ def test_the_answer_reads_the_tables_it_names():
 def test_the_answer_refuses_more_than_one_screen():
     s26 = evidence_answer.study_26(evidence_answer.STUDY_26.read_text())
     s33 = evidence_answer.study_33(evidence_answer.STUDY_33.read_text())
-    lines = evidence_answer.answer(s26, s33).split("\n")
+    lines = evidence_answer.answer(s26, s33, S49).split("\n")
     assert len(lines) <= evidence_answer.MAX_LINES
     original, evidence_answer.MAX_LINES = evidence_answer.MAX_LINES, len(lines) - 1
     try:
         with pytest.raises(ValueError, match=f"the answer has {len(lines)} lines: allowed: at most {len(lines) - 1}"):
-            evidence_answer.answer(s26, s33)
+            evidence_answer.answer(s26, s33, S49)
     finally:
         evidence_answer.MAX_LINES = original
 
@@ -136,5 +158,5 @@ def test_a_controller_that_beat_the_best_fixed_beta_would_change_the_headline():
     s33 = evidence_answer.study_33(evidence_answer.STUDY_33.read_text())
     edited = text.replace("| `target` | 0.1 | -0.008 [-0.072, 0.055] |", "| `target` | 0.1 | 0.108 [0.072, 0.155] |")
     assert edited != text
-    assert "no controller has been shown to beat it" in evidence_answer.answer(evidence_answer.study_26(text), s33)
-    assert "beaten by target from β 0.1" in evidence_answer.answer(evidence_answer.study_26(edited), s33)
+    assert "no controller has been shown to beat it" in evidence_answer.answer(evidence_answer.study_26(text), s33, S49)
+    assert "beaten by target from β 0.1" in evidence_answer.answer(evidence_answer.study_26(edited), s33, S49)

@@ -260,3 +260,21 @@ def test_u2_reads_the_cap_at_the_precision_the_warning_prints_it():
     assert report.within_cap(0.1911, warning_cap) and report.within_cap(0.1, warning_cap)
     assert not report.within_cap(0.19116, warning_cap)  # prints 0.1912
     assert not report.within_cap(0.5, warning_cap)
+
+
+def test_the_study_page_holds_the_reports_of_research_data_as_they_print_now(capsys):
+    """docs/evidence/study49-target.md's raw output is what report.py prints on the committed data, both designs
+    (the page's tables and criteria were written from it)."""
+    import glob as _glob
+    from pathlib import Path
+
+    root = Path(report.ROOT)
+    page = (root / "docs" / "evidence" / "study49-target.md").read_text()
+    data = str(root / "research" / "data")
+    design1 = sorted(d for d in _glob.glob(os.path.join(data, "study49-seed*-?")))
+    assert len(design1) == 20  # seeds 0-4, lists a-d
+    for name, extra in (("design 1", []), ("design 2", ["--design2", *sorted(_glob.glob(os.path.join(data, "study49d2-*")))])):
+        report.main(design1 + extra)
+        printed = capsys.readouterr().out
+        _, block, _ = page.split(f"<!-- report: {name} -->")
+        assert block.strip() == "```text\n" + printed.rstrip("\n") + "\n```", name
