@@ -103,7 +103,7 @@ def study_49(text: str) -> dict:
     """Study 49's results: runs held within ±25 % of the reachable target (0.04), runaways at both targets, by method;
     the fixed β that held 0.04 in the most seeds; and design 2's declarations of the unreachable target."""
     held = table_after(text, "**Held, at 0.04 and 0.099**")
-    out: dict = {"held": {}, "runs": {}, "runaways": {}}
+    out: dict = {"held": {}, "runs": {}, "runaways": {}, "all_runs": {}}
     for r in held:
         if not r["method"].startswith("fixed β"):  # the study's two arms; the fixed-β rows are study 33's
             got, of = (int(x) for x in r["held (±25 %)"].split("/"))
@@ -111,6 +111,7 @@ def study_49(text: str) -> dict:
                 out["held"][r["method"]] = out["held"].get(r["method"], 0) + got
                 out["runs"][r["method"]] = out["runs"].get(r["method"], 0) + of
             out["runaways"][r["method"]] = out["runaways"].get(r["method"], 0) + number(r["runaways"])
+            out["all_runs"][r["method"]] = out["all_runs"].get(r["method"], 0) + of
     fixed = [(int(r["held (±25 %)"].split("/")[0]), int(r["held (±25 %)"].split("/")[1]), number(r["method"]))
              for r in held if r["method"].startswith("fixed β")]
     out["fixed"] = max(fixed)
@@ -147,7 +148,7 @@ def answer(s26: dict, s33: dict, s49: dict) -> str:
         f"[Study 49](evidence/study49-target.md#results) (study 33's task, 5 seeds): a reachable target (0.04) ended within "
         f"±25 % in {s49['held']['target']} of {s49['runs']['target']} runs (`ziegler` {s49['held']['ziegler']} of "
         f"{s49['runs']['ziegler']}; a fixed β {s49['fixed'][2]:g}: {s49['fixed'][0]} of {s49['fixed'][1]} seeds), "
-        f"runaways in {s49['runaways']['target']:g} of {2 * s49['runs']['target']} runs (`ziegler` {s49['runaways']['ziegler']:g}); "
+        f"runaways in {s49['runaways']['target']:g} of {s49['all_runs']['target']} runs (`ziegler` {s49['runaways']['ziegler']:g}); "
         f"a target below every KL reached said in {s49['declared'][0]} of {s49['declared'][1]} seeds (updates "
         f"{s49['declared'][2]}-{s49['declared'][3]}).",
         f"- **`ziegler` (`target` before issue 49): only for a KL you know you want, with a `beta_min`.** Study 26 held it under `grpo` from every "
