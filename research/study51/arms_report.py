@@ -14,11 +14,11 @@ the planned steps, study 33's; the KL over the steps that logged one, so at β 0
 ``adaptive_kl/runaway_alarm`` turned 1: the package's alarm, docs/runaway.md's definition, which works at β 0 through
 ``kl_monitor``). The **best fixed β** is the `none` arm with the highest mean final reward. Every other arm is
 compared with it on the final reward, paired by seed: Δ mean and its 95 % t interval; the paired t test's two-sided p,
-Holm-adjusted over the family of all these comparisons (m = arms - 1); TOST with margin ±0.05, its p (the larger
-of its two one-sided p) Holm-adjusted over the same family. **Verdict** at family-wise α 0.05: *beat* (adjusted p
-< α and Δ > 0), *lost* (adjusted p < α, Δ < 0), either with ", within ±0.05" where TOST's adjusted p < α too (a
-difference smaller than the margin), *matched* (TOST's adjusted p < α alone), else *inconclusive*; and for an
-inconclusive comparison the seeds at which a paired t test at Holm's strictest level (α / m) would detect its
+Holm-adjusted over the family of these comparisons (the m of them with two or more paired seeds); TOST with margin
+±0.05, its p (the larger of its two one-sided p) Holm-adjusted over the same family. **Verdict** at family-wise
+α 0.05: *beat* (adjusted p < α and Δ > 0), *lost* (adjusted p < α, Δ < 0), either with ", within ±0.05" where
+TOST's adjusted p < α too (a difference smaller than the margin), *matched* (TOST's adjusted p < α alone), else
+*inconclusive*; and for an inconclusive comparison the seeds at which a paired t test at Holm's strictest level (α / m) would detect its
 observed Δ with power 0.8, at its observed spread (research/study51/stats.py).
 """
 
@@ -118,7 +118,7 @@ def table(directories: list[str], planned: int = 100) -> tuple[list[dict], dict 
         valid = [i for i, t in enumerate(tests) if t[key] is not None]
         for i, adjusted in zip(valid, stats.holm([tests[i][key] for i in valid])):
             tests[i][key + "_holm"] = adjusted
-    m = len(tests)
+    m = sum(t["p"] is not None for t in tests)  # the family: the comparisons with a p (two or more paired seeds)
     for a, t in zip(others, tests):
         a["test"] = t
         t["verdict"] = _verdict(t)
@@ -159,13 +159,13 @@ def _f(value, fmt: str) -> str:
 
 def report(directories: list[str], planned: int = 100) -> str:
     arms_, best = table(directories, planned)
-    m = sum("test" in a for a in arms_)
+    m = sum("test" in a and a["test"]["p"] is not None for a in arms_)
     out = [f"# Study 51, part B ({planned} planned steps; final window: the last {FRACTION:.0%} of them; best window: "
            f"{WINDOW} steps)", ""]
     if best is None:
         return "\n".join(out + ["No `none` arm has a final reward: no best fixed β, no comparison."]) + "\n"
     out += [f"Best fixed β: **{best['label']}** (mean final reward {best['reward']:.3f}). Every other arm against it, "
-            f"paired by seed; p-values Holm-adjusted over the family of these {m} comparisons (family-wise α "
+            f"paired by seed; p-values Holm-adjusted over the family of {m} comparison{'s' if m != 1 else ''} (family-wise α "
             f"{ALPHA:g}); matched: TOST ±{MARGIN:g}, Holm-adjusted; seeds needed: a paired t test at α/{m} with power "
             f"{POWER:g} for the observed Δ and spread.", "",
             "| arm | seeds (complete) | final reward | best window | final KL | median length | runaways | "

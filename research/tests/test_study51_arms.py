@@ -143,7 +143,7 @@ def test_each_arm_is_compared_with_the_best_fixed_beta_holm_corrected(study):
 def test_the_report_prints_one_row_an_arm_and_names_the_family(study):
     text = arms_report.report([str(study / "study51-b-1")])
     assert "Best fixed β: **none β 0.04** (mean final reward 0.520)" in text
-    assert "Holm-adjusted over the family of these 6 comparisons" in text
+    assert "Holm-adjusted over the family of 6 comparisons" in text
     assert "| none β 0.04 | 5 (5) | 0.520 | 0.520 | 0.01 | 60.0 | 0 | best fixed β | — | — | — | — |" in text
     row = next(line for line in text.splitlines() if line.startswith("| target β 0.01"))
     assert "| inconclusive |" in row and not row.endswith("| — |")
@@ -162,3 +162,20 @@ def test_a_cut_run_has_no_final_numbers_and_is_not_complete(tmp_path):
     arms, _best = arms_report.table([str(tmp_path / "d")])
     cut = next(a for a in arms if a["beta0"] == 0.1)
     assert cut["complete"] == 0 and cut["reward"] is None and cut["best"] == pytest.approx(0.4)
+
+
+def test_an_arm_with_one_paired_seed_is_outside_the_family(tmp_path):
+    """Holm's family and the seeds-needed level count only the comparisons that have a p (two or more seeds)."""
+    rows = []
+    for s in SEEDS:
+        rows += run_rows("none", 0.04, s, 0.5 + 0.01 * s) + run_rows("target", 0.01, s, 0.5 + [0.1, -0.05, 0.08, -0.03, 0.05][s],
+                                                                    tag_extra="-kt0.02", options={"kl_target": 0.02})
+    rows += run_rows("dynamic", 0.04, 0, 0.6)  # one seed only
+    write(tmp_path / "d", "d", rows)
+    arms, _best = arms_report.table([str(tmp_path / "d")])
+    by = {a["label"]: a["test"] for a in arms if "test" in a}
+    assert by["dynamic β 0.04"]["verdict"] == "too few seeds"
+    target = by["target β 0.01 (kl_target 0.02)"]
+    assert target["p_holm"] == pytest.approx(target["p"])  # a family of one
+    assert target["seeds_needed"] == stats.seeds_needed(target["mean"] / target["sd"], 0.05 / 1)
+    assert "over the family of 1 comparison (family-wise" in arms_report.report([str(tmp_path / "d")])
