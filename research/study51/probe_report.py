@@ -95,12 +95,31 @@ def report(directories: list[str], planned: int = 100) -> str:
     return "\n".join(out) + "\n"
 
 
+def partb_arguments(directories: list[str], planned: int = 100) -> str:
+    """What part B's phase-1 lists take from the probe (docs/evidence/study51-real-model.md, "Part B"), as
+    research/study51/partb_lists.py's options: the chosen arm's rate and schedule, and R = (its start + its best
+    window) / 2 rounded to 2 decimals, the acting ``dynamic``'s reward_threshold. ValueError when no arm is chosen
+    (part B then waits for an amendment)."""
+    table = {k: readout(rows, planned) for k, rows in sorted(arms(directories).items())}
+    chosen = choose(table)
+    if chosen is None:
+        raise ValueError("the probe chose no arm (no complete arm learns and holds): part B does not run before an amendment")
+    v = table[chosen]
+    return f"--lr {chosen[0]:g} --sched {chosen[1]} --reward-threshold {round((v['start'] + v['best']) / 2, 2):g}"
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("directories", nargs="+", help="the study51-lr-* directories the calls wrote")
     parser.add_argument("--steps", type=int, default=100, help="the planned steps (default 100)")
+    parser.add_argument("--partb-arguments", action="store_true",
+                        help="print only the options part B's phase-1 lists take from the chosen arm "
+                        "(python research/study51/partb_lists.py grid $(... --partb-arguments))")
     args = parser.parse_args(argv)
-    print(report(args.directories, args.steps), end="")
+    if args.partb_arguments:
+        print(partb_arguments(args.directories, args.steps))
+    else:
+        print(report(args.directories, args.steps), end="")
 
 
 if __name__ == "__main__":

@@ -72,6 +72,23 @@ def test_the_choice_ties_to_the_constant_schedule_within_002(probe):
     assert probe_report.report(probe).rstrip().endswith("**Chosen**: learning rate 2e-05, constant schedule.")
 
 
+def test_part_b_takes_the_chosen_rate_and_r_from_the_chosen_arm(probe, tmp_path, capsys):
+    """Part B's phase-1 options: the chosen arm (constant 2e-5) and R = (its start + its best window) / 2, rounded to
+    2 decimals; partb_lists.py parses them; no chosen arm: refused."""
+    start = sum(0.16 + 0.34 * s / 40 for s in range(1, 11)) / 10
+    expected = f"--lr 2e-05 --sched constant --reward-threshold {round((start + 0.5) / 2, 2):g}"
+    assert probe_report.partb_arguments(probe) == expected
+    probe_report.main(probe + ["--partb-arguments"])
+    assert capsys.readouterr().out == expected + "\n"
+    from research.study51 import partb_lists
+
+    partb_lists.main(["grid", *expected.split(), "--check"])
+    assert "dynamic@0.04:reward_threshold=" + f"{round((start + 0.5) / 2, 2):g}" + ":reward_window=10" in capsys.readouterr().out
+    write(tmp_path / "n", "x", [(1e-5, "constant", curve("flat"), "c1")])
+    with pytest.raises(ValueError, match="the probe chose no arm"):
+        probe_report.partb_arguments([str(tmp_path / "n")])
+
+
 def test_without_a_tie_the_highest_final_window_is_chosen(tmp_path):
     write(tmp_path / "a", "x", [(2e-5, "constant", curve(0.40), "c2"), (5e-5, "cosine", curve(0.51), "c4"),
                                 (1e-5, "constant", curve(0.42), "c1")])
