@@ -186,12 +186,29 @@ def report(directories: list[str], planned: int = 100) -> str:
     return "\n".join(out) + "\n"
 
 
+def phase_two_kl_target(directories: list[str], planned: int = 100) -> float:
+    """Part B's K: the final KL of the median fixed-β run at β > 0 (the lower median: the 10th of 20 runs ordered by
+    final KL), rounded to 2 significant digits; one fixed-β run ends at it, so it is reachable by issue 49's
+    definition. ValueError without such a run."""
+    finals = sorted(run_numbers(rows, planned)["kl"] for (method, _tag), seeds in arms(directories).items()
+                    if method == "none" for rows in seeds.values() if rows[0]["beta0"] > 0)
+    finals = [kl for kl in finals if kl is not None]
+    if not finals:
+        raise ValueError("no fixed-β run at β > 0 has a final KL: phase 2's kl_target cannot be set")
+    return float(f"{finals[(len(finals) - 1) // 2]:.2g}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("directories", nargs="+", help="the study51-b-* directories the calls wrote")
     parser.add_argument("--steps", type=int, default=100, help="the runs' planned steps (default 100)")
+    parser.add_argument("--kl-target", action="store_true",
+                        help="print only phase 2's kl_target K (for partb_lists.py targets --kl-target K)")
     args = parser.parse_args(argv)
-    print(report(args.directories, args.steps), end="")
+    if args.kl_target:
+        print(f"{phase_two_kl_target(args.directories, args.steps):g}")
+    else:
+        print(report(args.directories, args.steps), end="")
 
 
 if __name__ == "__main__":

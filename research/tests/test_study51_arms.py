@@ -179,3 +179,20 @@ def test_an_arm_with_one_paired_seed_is_outside_the_family(tmp_path):
     assert target["p_holm"] == pytest.approx(target["p"])  # a family of one
     assert target["seeds_needed"] == stats.seeds_needed(target["mean"] / target["sd"], 0.05 / 1)
     assert "over the family of 1 comparison (family-wise" in arms_report.report([str(tmp_path / "d")])
+
+
+def test_phase_two_kl_target_is_the_median_fixed_beta_runs_final_kl(tmp_path, capsys):
+    """K: the lower median of the fixed-β (β > 0) runs' final KL, 2 significant digits; β 0's monitored KL and the
+    other arms' are not in it."""
+    rows, kls = [], {0.01: [0.0031, 0.0052, 0.0047, 0.0060, 0.0044], 0.04: [0.0029, 0.0033, 0.0041, 0.0038, 0.0036]}
+    for beta, values in kls.items():
+        for s, kl in zip(SEEDS, values):
+            rows += run_rows("none", beta, s, 0.5, kl=kl)
+    for s in SEEDS:
+        rows += run_rows("none", 0.0, s, 0.5, tag_extra="-mon", kl=0.5, options={"kl_monitor": True})
+        rows += run_rows("dynamic", 0.04, s, 0.5, kl=0.9)
+    write(tmp_path / "d", "d", rows)
+    ordered = sorted(kls[0.01] + kls[0.04])
+    assert arms_report.phase_two_kl_target([str(tmp_path / "d")]) == float(f"{ordered[4]:.2g}") == 0.0038
+    arms_report.main([str(tmp_path / "d"), "--kl-target"])
+    assert capsys.readouterr().out == "0.0038\n"
