@@ -14,5 +14,11 @@ mkdir -p .gpu-carry
 head -c 58000000 "$GGUF" > .gpu-carry/smollm2.part1
 tail -c +58000001 "$GGUF" > .gpu-carry/smollm2.part2
 cat .gpu-carry/smollm2.part1 .gpu-carry/smollm2.part2 | cmp - "$GGUF"
+# The GPU machine has no gguf, which loading the GGUF needs (../shared/gpu/README.md): the site must carry it.
+if [ ! -d .gpu-site/gguf ]; then
+  echo "smollm2_parts.sh: .gpu-site has no gguf package, and smollm2-join would fail without it on the GPU machine;" \
+       "build the site with it: EXTRA_PKGS=gguf==0.19.0 bash ../shared/gpu/build-site.sh" >&2
+  exit 1
+fi
 if [ ! -f .gpu-carry/site.txz ] || [ .gpu-site -nt .gpu-carry/site.txz ]; then tar cJf .gpu-carry/site.txz .gpu-site; fi
 ls -l .gpu-carry
