@@ -103,17 +103,17 @@ def study_49(text: str) -> dict:
     """Study 49's results: runs held within ±25 % of the reachable target (0.04), runaways at both targets, by method;
     the fixed β that held 0.04 in the most seeds; and design 2's declarations of the unreachable target."""
     held = table_after(text, "**Held, at 0.04 and 0.099**")
+    counts = lambda r: tuple(int(x) for x in r["held (±25 %)"].split("/"))  # noqa: E731  ("3/5": held, runs)
     out: dict = {"held": {}, "runs": {}, "runaways": {}, "all_runs": {}}
     for r in held:
         if not r["method"].startswith("fixed β"):  # the study's two arms; the fixed-β rows are study 33's
-            got, of = (int(x) for x in r["held (±25 %)"].split("/"))
+            got, of = counts(r)
             if number(r["kl_target"]) == 0.04:
                 out["held"][r["method"]] = out["held"].get(r["method"], 0) + got
                 out["runs"][r["method"]] = out["runs"].get(r["method"], 0) + of
             out["runaways"][r["method"]] = out["runaways"].get(r["method"], 0) + number(r["runaways"])
             out["all_runs"][r["method"]] = out["all_runs"].get(r["method"], 0) + of
-    fixed = [(int(r["held (±25 %)"].split("/")[0]), int(r["held (±25 %)"].split("/")[1]), number(r["method"]))
-             for r in held if r["method"].startswith("fixed β")]
+    fixed = [(*counts(r), number(r["method"])) for r in held if r["method"].startswith("fixed β")]
     out["fixed"] = max(fixed)
     (design2,) = [r for r in table_after(text, "**The unreachable target, 0.0062 from β0 0.1:**") if r["design"] == "design 2"]
     steps = [int(x) for x in re.findall(r"\d+", design2["declared at update (seeds 0-4)"])]

@@ -25,6 +25,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from research.harness import analysis  # noqa: E402
+from research.stats import holm, regularized_incomplete_beta  # noqa: E402
 
 STREAMS = os.path.join(ROOT, "research", "data", "study33-p[12]-*", "*-stream.jsonl.gz")
 PLANNED_STEPS = 200
@@ -33,33 +34,6 @@ MIN_LENGTH, MAX_LENGTH, LENGTH = "completions/min_length", "completions/max_leng
 
 
 # -- tests the study's analysis does not have ------------------------------------------------------------------
-def regularized_incomplete_beta(x: float, a: float, b: float) -> float:
-    """I_x(a, b), by the continued fraction of Numerical Recipes (betacf, modified Lentz), using the symmetry
-    I_x(a, b) = 1 - I_{1-x}(b, a) where the fraction converges slowly."""
-    if x <= 0.0:
-        return 0.0
-    if x >= 1.0:
-        return 1.0
-    if x > (a + 1.0) / (a + b + 2.0):
-        return 1.0 - regularized_incomplete_beta(1.0 - x, b, a)
-    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)) / a
-    tiny = 1e-300
-    c, d = 1.0, 1.0 - (a + b) * x / (a + 1.0)
-    d = 1.0 / (d if abs(d) > tiny else tiny)
-    h = d
-    for m in range(1, 500):
-        for numerator in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
-                          -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
-            d = 1.0 + numerator * d
-            d = 1.0 / (d if abs(d) > tiny else tiny)
-            c = 1.0 + numerator / c
-            c = c if abs(c) > tiny else tiny
-            h *= d * c
-        if abs(d * c - 1.0) < 1e-15:
-            break
-    return front * h
-
-
 def t_test_p(differences: list[float]) -> float:
     """Two-sided p of the one-sample t-test of mean 0: P(|T| >= |t|) with n - 1 degrees of freedom,
     = I_{df / (df + t^2)}(df / 2, 1 / 2)."""
@@ -78,17 +52,6 @@ def sign_flip_p(differences: list[float]) -> float:
     patterns = list(itertools.product((1, -1), repeat=len(differences)))
     hits = sum(abs(sum(s * d for s, d in zip(signs, differences))) >= observed - 1e-12 for signs in patterns)
     return hits / len(patterns)
-
-
-def holm(p_values: list[float]) -> list[float]:
-    """Holm's step-down adjusted p-values (each capped at 1), in the order given."""
-    m = len(p_values)
-    order = sorted(range(m), key=lambda i: p_values[i])
-    adjusted, running = [0.0] * m, 0.0
-    for rank, i in enumerate(order):
-        running = max(running, min(1.0, (m - rank) * p_values[i]))
-        adjusted[i] = running
-    return adjusted
 
 
 # -- the study's runs ----------------------------------------------------------------------------------------

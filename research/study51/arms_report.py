@@ -13,23 +13,22 @@ the planned steps, study 33's; the KL over the steps that logged one, so at β 0
 **best window** (the highest mean reward over 10 consecutive steps, study 51 part A's); **runaways** (runs whose
 ``adaptive_kl/runaway_alarm`` turned 1: the package's alarm, docs/runaway.md's definition, which works at β 0 through
 ``kl_monitor``). The **best fixed β** is the `none` arm with the highest mean final reward. Every other arm is
-compared with it on the final reward, paired by seed: Δ mean and its 95 % t interval; the paired t test's two-sided p,
+compared with it on the final reward, paired by seed: Δ mean and its 95 % t interval (``analysis.t_interval``); the paired t test's two-sided p,
 Holm-adjusted over the family of these comparisons (the m of them with two or more paired seeds); TOST with margin
 ±0.05, its p (the larger of its two one-sided p) Holm-adjusted over the same family. **Verdict** at family-wise
 α 0.05: *beat* (adjusted p < α and Δ > 0), *lost* (adjusted p < α, Δ < 0), either with ", within ±0.05" where
 TOST's adjusted p < α too (a difference smaller than the margin), *matched* (TOST's adjusted p < α alone), else
 *inconclusive*; and for an inconclusive comparison the seeds at which a paired t test at Holm's strictest level (α / m) would detect its
-observed Δ with power 0.8, at its observed spread (research/study51/stats.py).
+observed Δ with power 0.8, at its observed spread (research/stats.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import glob
-import gzip
-import json
 import math
 import os
+import statistics
 import sys
 from collections import defaultdict
 
@@ -37,27 +36,25 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from research import stats  # noqa: E402
 from research.harness import analysis as A  # noqa: E402
-from research.study51 import stats  # noqa: E402
+from research.study51 import probe_report  # noqa: E402
 from unsloth_adaptive_kl import metrics  # noqa: E402
 
-WINDOW, FRACTION, ALPHA, MARGIN, POWER = 10, 0.25, 0.05, 0.05, 0.8
+WINDOW, FRACTION, ALPHA, MARGIN, POWER = probe_report.WINDOW, 0.25, 0.05, 0.05, 0.8
 MEDIAN, ALARM = "completions/median_length", metrics.RUNAWAY_ALARM
 
 
 def arms(directories: list[str]) -> dict[tuple[str, str], dict[int, list[dict]]]:
-    """{(method, tag): {seed: rows by step}} of every run in the directories' streams."""
-    runs: dict = defaultdict(list)
-    for path in sorted(p for d in directories for p in glob.glob(os.path.join(d, "*-stream.jsonl*"))):
-        with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
-            for line in f:
-                row = json.loads(line)
-                runs[(row["method"], row["tag"], row["seed"], row["copy"])].append(row)
+    """{(method, tag): {seed: rows by step}} of every run in the directories' streams (read as every study's are,
+    ``analysis.read_copies``)."""
+    paths = sorted(p for d in directories for p in glob.glob(os.path.join(d, "*-stream.jsonl*")))
     out: dict = defaultdict(dict)
-    for (method, tag, seed, _copy), rows in sorted(runs.items()):
-        if seed in out[(method, tag)]:
-            raise ValueError(f"two copies of {method} {tag} seed {seed}: part B counts one copy a seed")
-        out[(method, tag)][seed] = sorted(rows, key=lambda r: r["step"])
+    for tag, runs in A.read_copies(paths).items():
+        for (method, seed), copies in runs.items():
+            if len(copies) > 1:
+                raise ValueError(f"two copies of {method} {tag} seed {seed}: part B counts one copy a seed")
+            out[(method, tag)][seed] = copies[0]
     return dict(out)
 
 
@@ -69,8 +66,7 @@ def _mean(values) -> float | None:
 def run_numbers(rows: list[dict], planned: int) -> dict:
     """One run's numbers; the final ones None when it stopped before its final window."""
     window = A.final_window(rows, planned, FRACTION)
-    rewards = [r["reward"] for r in rows]
-    windows = [sum(rewards[i:i + WINDOW]) / WINDOW for i in range(len(rewards) - WINDOW + 1)]
+    windows = probe_report.windows([r["reward"] for r in rows])
     return {"complete": rows[-1]["step"] >= planned,
             "reward": _mean(r["reward"] for r in window) if window else None,
             "best": max(windows) if windows else None,
@@ -131,16 +127,16 @@ def _compare(diffs: list[float]) -> dict:
     if len(diffs) < 2:
         return {"n": len(diffs), "mean": _mean(diffs), "sd": None, "low": None, "high": None, "p": None, "p_tost": None}
     mean, _t, p = stats.paired_t(diffs)
-    sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1))
+    _, low, high = A.t_interval(diffs)  # the 95 % interval the studies' tables print
+    sd = statistics.stdev(diffs)
     se = sd / math.sqrt(len(diffs))
-    half = stats.t_quantile(0.975, len(diffs) - 1) * se
     # TOST: the two one-sided t tests against -margin and +margin; its p is the larger of the two
     if se == 0:
         p_tost = 0.0 if abs(mean) < MARGIN else 1.0
     else:
         df = len(diffs) - 1
         p_tost = max(1.0 - stats.t_cdf((mean + MARGIN) / se, df), stats.t_cdf((mean - MARGIN) / se, df))
-    return {"n": len(diffs), "mean": mean, "sd": sd, "low": mean - half, "high": mean + half, "p": p, "p_tost": p_tost}
+    return {"n": len(diffs), "mean": mean, "sd": sd, "low": low, "high": high, "p": p, "p_tost": p_tost}
 
 
 def _verdict(t: dict) -> str:

@@ -25,6 +25,8 @@ if ROOT not in sys.path:
 STEPS, SEEDS, PER_LIST = 100, range(5), 3
 RUNLISTS = os.path.join(ROOT, "research", "runlists")
 COMMON = f"--model smollm2 --backend unsloth --loss-type dapo --steps {STEPS}"
+HOW = ("# After smollm2-head and smollm2-join on the same machine: `verify.sh \"$OUT\" study51-pair:A,B` (2 GPUs) or "
+       "`study51:NAME` (one).\n")
 
 
 def grid_arms(reward_threshold: float) -> list[str]:
@@ -63,8 +65,7 @@ def grid_lists(lr: float, sched: str, reward_threshold: float) -> dict[str, str]
             out[f"study51-b-s{seed}-{part}"] = (
                 f"# Issue 51, study 51 part B, phase 1 (docs/evidence/study51-real-model.md): SmolLM2-135M-Instruct, seed "
                 f"{seed}, {STEPS} steps, learning rate {lr:g} ({sched}). Made by research/study51/partb_lists.py grid.\n"
-                f"# After smollm2-head and smollm2-join on the same machine: `verify.sh \"$OUT\" study51-pair:A,B` (2 GPUs) "
-                f"or `study51:NAME` (one).\n"
+                + HOW +
                 f"{COMMON} --learning-rate {lr:g} --first-seed {seed} --seeds 1 --runs {runs}\n")
     return out
 
@@ -77,8 +78,7 @@ def target_lists(lr: float, sched: str, kl_target: float) -> dict[str, str]:
                 f"# Issue 51, study 51 part B, phase 2 (docs/evidence/study51-real-model.md): {run.split(':')[0]} at "
                 f"kl_target {kl_target:g}, seeds {first}-{first + count - 1}, {STEPS} steps, learning rate {lr:g} "
                 f"({sched}). Made by research/study51/partb_lists.py targets.\n"
-                f"# After smollm2-head and smollm2-join on the same machine: `verify.sh \"$OUT\" study51-pair:A,B` (2 GPUs) "
-                f"or `study51:NAME` (one).\n"
+                + HOW +
                 f"{COMMON} --learning-rate {lr:g} --first-seed {first} --seeds {count} --runs {_runs([run], sched)}\n")
     return out
 

@@ -49,17 +49,27 @@ def mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+def windows(rewards: list[float]) -> list[float]:
+    """The mean reward of every WINDOW consecutive steps, in order (none for fewer steps)."""
+    return [mean(rewards[i:i + WINDOW]) for i in range(len(rewards) - WINDOW + 1)]
+
+
+def readouts(directories: list[str], planned: int) -> dict[tuple[float, str], dict]:
+    """{arm: its readout}, by arm."""
+    return {k: readout(rows, planned) for k, rows in sorted(arms(directories).items())}
+
+
 def readout(rows: list[dict], planned: int) -> dict:
     complete = len(rows) == planned and rows[-1]["step"] == planned
     if len(rows) < WINDOW:  # cut before one window: nothing to read but its length
         return dict(start=None, best=None, best_ends=None, final=None, hold=None, kl=None, median=None,
                     last_lr=rows[-1]["learning_rate"], steps=rows[-1]["step"], complete=complete, learns=False, holds=False)
     rewards = [r["reward"] for r in rows]
-    windows = [mean(rewards[i:i + WINDOW]) for i in range(len(rewards) - WINDOW + 1)]
-    best = max(windows)
+    means = windows(rewards)
+    best = max(means)
     final = mean(rewards[-WINDOW:])
     start = mean(rewards[:WINDOW])
-    return dict(start=start, best=best, best_ends=rows[windows.index(best) + WINDOW - 1]["step"], final=final,
+    return dict(start=start, best=best, best_ends=rows[means.index(best) + WINDOW - 1]["step"], final=final,
                 hold=final - best, kl=mean([r.get(KL) for r in rows[-WINDOW:]]), median=mean([r.get(MEDIAN) for r in rows[-WINDOW:]]),
                 last_lr=rows[-1]["learning_rate"], steps=rows[-1]["step"], complete=complete,
                 learns=best - start >= LEARN, holds=final >= best - HOLD)
@@ -75,7 +85,7 @@ def choose(table: dict) -> tuple[float, str] | None:
 
 
 def report(directories: list[str], planned: int = 100) -> str:
-    table = {k: readout(rows, planned) for k, rows in sorted(arms(directories).items())}
+    table = readouts(directories, planned)
     out = [f"# Study 51, part A: the learning-rate probe ({planned} planned steps; windows of {WINDOW} steps)", "",
            "| learning rate | schedule | steps | start | best window (ends at) | final window | hold | learns (≥ +0.10) | "
            "holds (≥ -0.05) | final KL | final median length | last step's rate |",
@@ -100,7 +110,7 @@ def partb_arguments(directories: list[str], planned: int = 100) -> str:
     research/study51/partb_lists.py's options: the chosen arm's rate and schedule, and R = (its start + its best
     window) / 2 rounded to 2 decimals, the acting ``dynamic``'s reward_threshold. ValueError when no arm is chosen
     (part B then waits for an amendment)."""
-    table = {k: readout(rows, planned) for k, rows in sorted(arms(directories).items())}
+    table = readouts(directories, planned)
     chosen = choose(table)
     if chosen is None:
         raise ValueError("the probe chose no arm (no complete arm learns and holds): part B does not run before an amendment")

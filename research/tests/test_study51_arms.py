@@ -1,4 +1,4 @@
-"""Study 51 part B's statistics (research/study51/stats.py) against closed forms, tables and simulation, and its
+"""Study 51 part B's statistics (research/stats.py) against closed forms, tables and simulation, and its
 readout (research/study51/arms_report.py) on synthetic streams whose verdicts are known by construction."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import random
 import pytest
 
 from research.harness.analysis import T95, T975
-from research.study51 import arms_report, stats
+from research import stats
+from research.study51 import arms_report
 
 # -- the t distribution ---------------------------------------------------------------------------------------------
 

@@ -1,5 +1,6 @@
-"""The statistics study 51's part B reads (issue 51, item 6), in pure Python: Student's t distribution, the paired t
-test, Holm's step-down correction and the number of seeds a paired comparison would need.
+"""The research statistics the studies share, in pure Python: Student's t distribution, the paired t test, Holm's
+step-down correction (study 33's corrections and study 51's part B, issue 51 item 6) and the number of seeds a paired
+comparison would need.
 
 Written from the textbook definitions, not from a library (no scipy here): the t distribution's CDF through the
 regularized incomplete beta function, ``P(T <= t) = 1 - I_x(df/2, 1/2) / 2`` for t >= 0 with ``x = df / (df + t²)``
@@ -7,8 +8,8 @@ regularized incomplete beta function, ``P(T <= t) = 1 - I_x(df/2, 1/2) / 2`` for
 the modified Lentz method); its quantile by bisection on the CDF. Holm (1979): sort the m p-values, multiply the
 k-th smallest by (m - k + 1), make the sequence non-decreasing, cap at 1. Power of the two-sided paired t test at
 level α with n pairs and standardized effect d = mean / sd: the noncentral t's tail beyond the critical value, by
-the normal approximation of A&S 26.7.10; research/tests/test_study51_stats.py checks each against tables and
-against simulation.
+the normal approximation of A&S 26.7.10; research/tests/test_study51_arms.py checks each against tables and
+against simulation, and study 33's corrections against the t tables (research/tests/test_study33_corrections.py).
 """
 
 from __future__ import annotations
@@ -19,13 +20,21 @@ import statistics
 _NORMAL = statistics.NormalDist()
 
 
-def _beta_fraction(a: float, b: float, x: float) -> float:
-    """The continued fraction of I_x(a, b) (A&S 26.5.8), by the modified Lentz method."""
-    tiny, eps = 1e-300, 1e-15
+def regularized_incomplete_beta(x: float, a: float, b: float) -> float:
+    """I_x(a, b), by the continued fraction of A&S 26.5.8 (Numerical Recipes' betacf, modified Lentz), using the
+    symmetry I_x(a, b) = 1 - I_{1-x}(b, a) where the fraction converges slowly; 0 at x <= 0, 1 at x >= 1."""
+    if x <= 0.0:
+        return 0.0
+    if x >= 1.0:
+        return 1.0
+    if x > (a + 1.0) / (a + b + 2.0):
+        return 1.0 - regularized_incomplete_beta(1.0 - x, b, a)
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)) / a
+    tiny = 1e-300
     c, d = 1.0, 1.0 - (a + b) * x / (a + 1.0)
     d = 1.0 / (d if abs(d) > tiny else tiny)
     h = d
-    for m in range(1, 10_000):
+    for m in range(1, 500):
         for numerator in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
                           -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
             d = 1.0 + numerator * d
@@ -33,28 +42,16 @@ def _beta_fraction(a: float, b: float, x: float) -> float:
             c = 1.0 + numerator / c
             c = c if abs(c) > tiny else tiny
             h *= d * c
-        if abs(d * c - 1.0) < eps:
-            return h
-    raise ArithmeticError(f"the incomplete beta's continued fraction did not converge (a={a}, b={b}, x={x})")
-
-
-def incomplete_beta(a: float, b: float, x: float) -> float:
-    """The regularized incomplete beta function I_x(a, b), 0 <= x <= 1."""
-    if not 0.0 <= x <= 1.0:
-        raise ValueError(f"x={x!r}: allowed: 0 <= x <= 1")
-    if x in (0.0, 1.0):
-        return x
-    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x))
-    if x < (a + 1.0) / (a + b + 2.0):
-        return front * _beta_fraction(a, b, x) / a
-    return 1.0 - front * _beta_fraction(b, a, 1.0 - x) / b
+        if abs(d * c - 1.0) < 1e-15:
+            break
+    return front * h
 
 
 def t_cdf(t: float, df: float) -> float:
     """P(T <= t) for Student's t with ``df`` > 0 degrees of freedom."""
     if not df > 0:
         raise ValueError(f"df={df!r}: allowed: a number > 0")
-    tail = 0.5 * incomplete_beta(df / 2.0, 0.5, df / (df + t * t))
+    tail = 0.5 * regularized_incomplete_beta(df / (df + t * t), df / 2.0, 0.5)
     return 1.0 - tail if t >= 0 else tail
 
 
