@@ -135,6 +135,72 @@ def test_fsdp2_with_lora_in_bf16_on_two_cpu_processes_passes_every_check(tmp_pat
     assert r["tokens_per_rank"][0] != r["tokens_per_rank"][1]
 
 
+# -- the launcher: a teardown abort is relaunched once and reported; any other failure says why -------------------
+TEARDOWN_ABORT = """{'train_runtime': '1.3'}
+terminate called without an active exception
+Fatal Python error: Aborted
+  File "/x/check_ranks.py", line 305 in worker
+[0]:
+  exitcode  : -6 (pid: 30435)  (SIGABRT)
+  traceback : Signal 6 (SIGABRT) received by PID 30435
+"""
+
+
+def fake_runs(monkeypatch, tmp_path, outcomes):
+    """check_ranks.launch with each launch's (exit status, output, whether both ranks wrote their results) given."""
+    calls = []
+
+    def run(command, env, timeout, log_path):
+        rc, output, results = outcomes[len(calls)]
+        calls.append(command)
+        for rank in (0, 1):
+            if results:
+                (tmp_path / f"rank{rank}.json").write_text(json.dumps({"world_size": 2, "rank": rank}))
+        return rc, output
+
+    monkeypatch.setattr(check_ranks, "run_shown_and_kept", run)
+    args = check_ranks.parse_args(["--config", os.path.join(EXAMPLE, "ddp.yaml"), "--cpu", "--out", str(tmp_path)])
+    return args, calls
+
+
+def test_a_rank_aborting_after_both_results_is_relaunched_once_and_reported(tmp_path, monkeypatch):
+    args, calls = fake_runs(monkeypatch, tmp_path, [(1, TEARDOWN_ABORT, True), (0, "", True)])
+    relaunches = check_ranks.launch(args, "ckpt")
+    assert len(calls) == 2 and len(relaunches) == 1
+    assert "terminate called without an active exception" in relaunches[0] and "SIGABRT" in relaunches[0]
+
+
+def test_a_second_abort_fails_with_the_lines_that_say_why(tmp_path, monkeypatch):
+    args, calls = fake_runs(monkeypatch, tmp_path, [(1, TEARDOWN_ABORT, True), (1, TEARDOWN_ABORT, True)])
+    with pytest.raises(SystemExit) as error:
+        check_ranks.launch(args, "ckpt")
+    assert len(calls) == 2
+    message = str(error.value)
+    assert message.startswith("the 2-process run failed (exit status 1)")
+    assert "Fatal Python error: Aborted" in message and 'File "/x/check_ranks.py", line 305 in worker' in message
+
+
+def test_an_abort_before_the_results_and_an_ordinary_error_are_not_relaunched(tmp_path, monkeypatch):
+    args, calls = fake_runs(monkeypatch, tmp_path, [(1, TEARDOWN_ABORT, False)])
+    with pytest.raises(SystemExit, match="terminate called without an active exception"):
+        check_ranks.launch(args, "ckpt")
+    assert len(calls) == 1  # a rank died before both had written their results: during training, a real failure
+    error = "Traceback (most recent call last):\nValueError: beta\n[1]:\n  exitcode  : 1 (pid: 7)\n"
+    args, calls = fake_runs(monkeypatch, tmp_path, [(1, error, True)])
+    with pytest.raises(SystemExit, match="ValueError: beta"):
+        check_ranks.launch(args, "ckpt")
+    assert len(calls) == 1  # not killed by a signal: an error of the run itself
+
+
+def test_a_stale_results_file_does_not_count_as_this_launchs(tmp_path, monkeypatch):
+    for rank in (0, 1):
+        (tmp_path / f"rank{rank}.json").write_text("{}")
+    args, calls = fake_runs(monkeypatch, tmp_path, [(1, TEARDOWN_ABORT, False)])
+    with pytest.raises(SystemExit):
+        check_ranks.launch(args, "ckpt")
+    assert len(calls) == 1 and not (tmp_path / "rank0.json").exists()
+
+
 # -- the one-process reference (issue 24): one visible GPU, and its exception in the report ------------------
 DATAPARALLEL = "ValueError: GRPOTrainer does not support nn.DataParallel"
 
