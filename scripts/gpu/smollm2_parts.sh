@@ -22,3 +22,18 @@ if [ ! -d .gpu-site/gguf ]; then
 fi
 if [ ! -f .gpu-carry/site.txz ] || [ .gpu-site -nt .gpu-carry/site.txz ]; then tar cJf .gpu-carry/site.txz .gpu-site; fi
 ls -l .gpu-carry
+# What each call will carry: the working tree as the device copies it (tracked files and untracked ones git does not
+# ignore), without research/data/ (moved out of the tree for these calls), plus its parts. Over 64 MiB, a call is
+# refused on the device's side: said here, before any device time is spent.
+tree=$(git ls-files -z --cached --others --exclude-standard | grep -zv '^research/data/' \
+  | xargs -0 stat -c %s 2> /dev/null | awk '{s += $1} END {print s + 0}')
+limit=$((64 * 1024 * 1024)) fits=1
+for call in "1:.gpu-carry/smollm2.part1" "2:.gpu-carry/smollm2.part2 .gpu-carry/site.txz"; do
+  total=$((tree + $(stat -c %s ${call#*:} | awk '{s += $1} END {print s}')))
+  echo "call ${call%%:*} carries $total bytes (the tree without research/data: $tree; ${call#*:}): $((limit - total)) bytes under 64 MiB"
+  [ "$total" -le "$limit" ] || fits=0
+done
+if [ $fits = 0 ]; then
+  echo "smollm2_parts.sh: a call would carry over 64 MiB: move more of the tree out for the calls (docs/ is ~4.5 MB)" >&2
+  exit 1
+fi
