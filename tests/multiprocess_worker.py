@@ -151,8 +151,8 @@ def main():
         json.dump(results, f)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()  # here, not at exit, where gloo's threads can abort a rank
-    # and without the interpreter's teardown at all (its C++ destructors aborted a rank of check_ranks.py's CPU run in CI
-    # after its results were written, 2026-11-29): nothing is left to do
+    # and without the interpreter's teardown at all (a rank of check_ranks.py's CPU run aborted in CI after both its
+    # trainings, 2026-11-29): nothing is left to do
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -151,27 +151,30 @@ def fake_runs(monkeypatch, tmp_path, outcomes):
     calls = []
 
     def run(command, env, timeout, log_path):
-        rc, output, results = outcomes[len(calls)]
+        rc, output, results = outcomes[len(calls)]  # results: the methods each rank wrote
         calls.append(command)
         for rank in (0, 1):
             if results:
-                (tmp_path / f"rank{rank}.json").write_text(json.dumps({"world_size": 2, "rank": rank}))
+                (tmp_path / f"rank{rank}.json").write_text(json.dumps({"world_size": 2, "rank": rank, **{m: {} for m in results}}))
         return rc, output
 
     monkeypatch.setattr(check_ranks, "run_shown_and_kept", run)
-    args = check_ranks.parse_args(["--config", os.path.join(EXAMPLE, "ddp.yaml"), "--cpu", "--out", str(tmp_path)])
+    args = check_ranks.parse_args(["--config", os.path.join(EXAMPLE, "ddp.yaml"), "--cpu", "--out", str(tmp_path), "--methods", "target,clip"])
     return args, calls
 
 
+BOTH = ["target", "clip"]
+
+
 def test_a_rank_aborting_after_both_results_is_relaunched_once_and_reported(tmp_path, monkeypatch):
-    args, calls = fake_runs(monkeypatch, tmp_path, [(1, TEARDOWN_ABORT, True), (0, "", True)])
+    args, calls = fake_runs(monkeypatch, tmp_path, [(1, TEARDOWN_ABORT, BOTH), (0, "", BOTH)])
     relaunches = check_ranks.launch(args, "ckpt")
     assert len(calls) == 2 and len(relaunches) == 1
     assert "terminate called without an active exception" in relaunches[0] and "SIGABRT" in relaunches[0]
 
 
 def test_a_second_abort_fails_with_the_lines_that_say_why(tmp_path, monkeypatch):
-    args, calls = fake_runs(monkeypatch, tmp_path, [(1, TEARDOWN_ABORT, True), (1, TEARDOWN_ABORT, True)])
+    args, calls = fake_runs(monkeypatch, tmp_path, [(1, TEARDOWN_ABORT, BOTH), (1, TEARDOWN_ABORT, BOTH)])
     with pytest.raises(SystemExit) as error:
         check_ranks.launch(args, "ckpt")
     assert len(calls) == 2
@@ -181,12 +184,13 @@ def test_a_second_abort_fails_with_the_lines_that_say_why(tmp_path, monkeypatch)
 
 
 def test_an_abort_before_the_results_and_an_ordinary_error_are_not_relaunched(tmp_path, monkeypatch):
-    args, calls = fake_runs(monkeypatch, tmp_path, [(1, TEARDOWN_ABORT, False)])
-    with pytest.raises(SystemExit, match="terminate called without an active exception"):
-        check_ranks.launch(args, "ckpt")
-    assert len(calls) == 1  # a rank died before both had written their results: during training, a real failure
+    for written in ([], ["target"]):  # a rank died before both had written every method's results: a real failure
+        args, calls = fake_runs(monkeypatch, tmp_path, [(1, TEARDOWN_ABORT, written)])
+        with pytest.raises(SystemExit, match="terminate called without an active exception"):
+            check_ranks.launch(args, "ckpt")
+        assert len(calls) == 1
     error = "Traceback (most recent call last):\nValueError: beta\n[1]:\n  exitcode  : 1 (pid: 7)\n"
-    args, calls = fake_runs(monkeypatch, tmp_path, [(1, error, True)])
+    args, calls = fake_runs(monkeypatch, tmp_path, [(1, error, BOTH)])
     with pytest.raises(SystemExit, match="ValueError: beta"):
         check_ranks.launch(args, "ckpt")
     assert len(calls) == 1  # not killed by a signal: an error of the run itself
@@ -194,8 +198,8 @@ def test_an_abort_before_the_results_and_an_ordinary_error_are_not_relaunched(tm
 
 def test_a_stale_results_file_does_not_count_as_this_launchs(tmp_path, monkeypatch):
     for rank in (0, 1):
-        (tmp_path / f"rank{rank}.json").write_text("{}")
-    args, calls = fake_runs(monkeypatch, tmp_path, [(1, TEARDOWN_ABORT, False)])
+        (tmp_path / f"rank{rank}.json").write_text(json.dumps({m: {} for m in BOTH}))
+    args, calls = fake_runs(monkeypatch, tmp_path, [(1, TEARDOWN_ABORT, [])])
     with pytest.raises(SystemExit):
         check_ranks.launch(args, "ckpt")
     assert len(calls) == 1 and not (tmp_path / "rank0.json").exists()

@@ -299,17 +299,17 @@ def worker(args):
         total = sum(n for n, _ in sizes)
         results["trainable_fraction"] = sum(n for n, trains in sizes if trains) / total if total else None
         results[method] = record
+        with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:  # before the trainer's teardown (below)
+            json.dump(results, f)
         trainer.accelerator.wait_for_everyone()
         del trainer
-    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():  # torn down here, not at the interpreter's exit, where a
         dist.barrier()  # gloo group's threads can abort a rank ("terminate called without an active exception")
         dist.destroy_process_group()
-    # Nothing is left to do, and the interpreter's own teardown (C++ destructors of the distributed stack's threads)
-    # aborted rank 0 once more in CI after both trainings and the barrier: leave without it, output flushed.
+    # Nothing is left to do, and a rank aborted (SIGABRT) in CI once more after both trainings (2026-11-29; where
+    # exactly, the cut log did not show): leave without the interpreter's teardown (C++ destructors), output flushed.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
@@ -647,21 +647,24 @@ def run_shown_and_kept(command, env, timeout, log_path):
 
 
 def results_written(args) -> bool:
-    """Both ranks wrote their results file (the last thing a rank does before its teardown)."""
+    """Both ranks wrote their results of every method (a rank writes them after each training, before that trainer's
+    teardown and the distributed stack's)."""
     for rank in (0, 1):
         try:
             with open(os.path.join(args.out, f"rank{rank}.json")) as f:
-                json.load(f)
+                results = json.load(f)
         except (OSError, ValueError):
+            return False
+        if not all(method in results for method in args.methods.split(",")):
             return False
     return True
 
 
 def launch(args, checkpoint) -> list[str]:
     """The two ranks, through ``accelerate launch``. Returns the relaunches made (one at most: a rank that died by a
-    signal after both ranks had written their results, i.e. in the distributed stack's teardown, which a CPU CI run
-    saw abort twice; the reason is printed and reported). Any other failure, and a second one, raises with the lines
-    of the ranks' output that say why."""
+    signal after both ranks had written their results of every method, i.e. in the teardown of the last trainer or of
+    the distributed stack, where CPU CI runs saw a rank abort twice; the reason is printed and reported). Any other
+    failure, and a second one, raises with the lines of the ranks' output that say why."""
     accelerate = shutil.which("accelerate", path=os.path.dirname(sys.executable)) or shutil.which("accelerate")
     if accelerate is None:
         raise SystemExit("accelerate's launcher is not on PATH")
@@ -686,7 +689,7 @@ def launch(args, checkpoint) -> list[str]:
             return relaunches
         died_by_signal = re.search(r"exitcode\s*:\s*-\d+", output) is not None
         if attempt == 1 and died_by_signal and results_written(args):
-            reason = "a rank died by a signal after both ranks had written their results (teardown): " + "; ".join(
+            reason = "a rank died by a signal after both ranks had written their results of every method (teardown): " + "; ".join(
                 line.strip() for line in output.splitlines() if re.search(r"terminate called|what\(\)|exitcode|Signal \d+", line)
             )
             print("relaunching once:", reason, flush=True)
