@@ -160,10 +160,14 @@ def report(directories: list[str], planned: int = 100) -> str:
            f"{WINDOW} steps)", ""]
     if best is None:
         return "\n".join(out + ["No `none` arm has a final reward: no best fixed β, no comparison."]) + "\n"
+    if m == 0:
+        method = "no arm has two seeds paired with it, so nothing is tested (a family of 0 comparisons)."
+    else:
+        method = (f"paired by seed; p-values Holm-adjusted over the family of {m} comparison{'s' if m != 1 else ''} "
+                  f"(family-wise α {ALPHA:g}); matched: TOST ±{MARGIN:g}, Holm-adjusted; seeds needed: a paired t test at "
+                  f"α/{m} with power {POWER:g} for the observed Δ and spread.")
     out += [f"Best fixed β: **{best['label']}** (mean final reward {best['reward']:.3f}). Every other arm against it, "
-            f"paired by seed; p-values Holm-adjusted over the family of {m} comparison{'s' if m != 1 else ''} (family-wise α "
-            f"{ALPHA:g}); matched: TOST ±{MARGIN:g}, Holm-adjusted; seeds needed: a paired t test at α/{m} with power "
-            f"{POWER:g} for the observed Δ and spread.", "",
+            + method, "",
             "| arm | seeds (complete) | final reward | best window | final KL | median length | runaways | "
             "Δ final reward vs best [95 % CI] | p (Holm) | TOST p (Holm) | verdict | seeds needed |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|"]

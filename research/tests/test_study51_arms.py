@@ -182,6 +182,13 @@ def test_an_arm_with_one_paired_seed_is_outside_the_family(tmp_path):
     assert "over the family of 1 comparison (family-wise" in arms_report.report([str(tmp_path / "d")])
 
 
+def test_with_one_seed_an_arm_nothing_is_tested_and_the_report_says_so(tmp_path):
+    write(tmp_path / "d", "d", run_rows("none", 0.04, 0, 0.5) + run_rows("dynamic", 0.04, 0, 0.6))
+    text = arms_report.report([str(tmp_path / "d")])
+    assert "Every other arm against it, no arm has two seeds paired with it, so nothing is tested" in text
+    assert "α/0" not in text and "too few seeds" in text
+
+
 def test_phase_two_kl_target_is_the_median_fixed_beta_runs_final_kl(tmp_path, capsys):
     """K: the lower median of the fixed-β (β > 0) runs' final KL, 2 significant digits; β 0's monitored KL and the
     other arms' are not in it."""
