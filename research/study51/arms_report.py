@@ -190,9 +190,9 @@ def phase_two_kl_target(directories: list[str], planned: int = 100) -> float:
     """Part B's K: the final KL of the median fixed-β run at β > 0 (the lower median: the 10th of 20 runs ordered by
     final KL), rounded to 2 significant digits; one fixed-β run ends at it, so it is reachable by issue 49's
     definition. ValueError without such a run."""
-    finals = sorted(run_numbers(rows, planned)["kl"] for (method, _tag), seeds in arms(directories).items()
-                    if method == "none" for rows in seeds.values() if rows[0]["beta0"] > 0)
-    finals = [kl for kl in finals if kl is not None]
+    finals = [run_numbers(rows, planned)["kl"] for (method, _tag), seeds in arms(directories).items()
+              if method == "none" for rows in seeds.values() if rows[0]["beta0"] > 0]
+    finals = sorted(kl for kl in finals if kl is not None)  # a run cut before its final window has none
     if not finals:
         raise ValueError("no fixed-β run at β > 0 has a final KL: phase 2's kl_target cannot be set")
     return float(f"{finals[(len(finals) - 1) // 2]:.2g}")

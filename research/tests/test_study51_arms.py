@@ -204,3 +204,13 @@ def test_phase_two_kl_target_is_the_median_fixed_beta_runs_final_kl(tmp_path, ca
     assert arms_report.phase_two_kl_target([str(tmp_path / "d")]) == float(f"{ordered[4]:.2g}") == 0.0038
     arms_report.main([str(tmp_path / "d"), "--kl-target"])
     assert capsys.readouterr().out == "0.0038\n"
+
+
+def test_phase_two_kl_target_leaves_out_a_run_cut_before_its_final_window(tmp_path):
+    """A fixed-β run cut before step 76 has no final KL: K is the lower median of the others (it was a TypeError)."""
+    rows = []
+    for s, kl in zip(SEEDS, [0.0031, 0.0052, 0.0047, 0.0060, 0.0044]):
+        rows += run_rows("none", 0.01, s, 0.5, kl=kl)
+    rows += run_rows("none", 0.04, 0, 0.5, kl=0.0029, steps=60)
+    write(tmp_path / "d", "d", rows)
+    assert arms_report.phase_two_kl_target([str(tmp_path / "d")]) == 0.0047
