@@ -21,6 +21,9 @@ LENGTH = "completions/mean_length"
 TAIL_METRICS = {"kl_p99": (metrics.TOKEN_KL_P99, "token KL p99"), "kl_max": (metrics.TOKEN_KL_MAX, "token KL max"),
                 "kl_top1": (metrics.TOKEN_KL_TOP1PCT_SHARE, "token KL top-1 % share")}
 CORRECT = "rewards/scratchpad_correctness_reward/mean"  # 0.5 per right answer
+# Each task's correctness reward and what one right answer scores: the tiny tasks' 0.5 (the scratchpad task and
+# examples/toy.py's), SmolLM2's chat addition 1.0 (unsloth_adaptive_kl.smollm2.correct_answer_reward).
+ACCURACY_REWARDS = {CORRECT: 0.5, "rewards/correctness_reward/mean": 0.5, "rewards/correct_answer_reward/mean": 1.0}
 # Two-sided 95 % quantiles of Student's t, by degrees of freedom (standard table values).
 T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
@@ -94,9 +97,18 @@ def run_numbers(rows: list[dict], window: float = 0.1) -> dict:
     numbers = summarize_run(rows, window)
     numbers["steps"] = rows[-1]["step"]
     numbers["length_slope"] = second_half_slope(rows)
-    numbers["accuracy_start"] = 2 * _mean(r.get(CORRECT) for r in rows[:k])
-    numbers["accuracy_end"] = 2 * _mean(r.get(CORRECT) for r in rows[-k:])
+    numbers["accuracy_start"] = _mean(accuracy(r) for r in rows[:k])
+    numbers["accuracy_end"] = _mean(accuracy(r) for r in rows[-k:])
     return numbers
+
+
+def accuracy(row: dict) -> float | None:
+    """The step's fraction of right answers, from its task's correctness reward (ACCURACY_REWARDS); None for a task
+    without one (its table cell then says nan)."""
+    for key, right in ACCURACY_REWARDS.items():
+        if row.get(key) is not None:
+            return row[key] / right
+    return None
 
 
 def analyze(paths: list[str], baseline: str = "none") -> str:

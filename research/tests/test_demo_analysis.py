@@ -61,6 +61,26 @@ def test_analyze_reports_the_baseline_slope_and_the_paired_comparison(tmp_path):
 
 
 
+def test_the_accuracy_column_reads_each_tasks_correctness_reward():
+    """The drift table's accuracy is the fraction of right answers: 2 x the tiny tasks' 0.5-a-right-answer rewards,
+    SmolLM2's 1.0-a-right-answer reward as it is (it read nan for SmolLM2 on the GPU, 2026-11-29), nan without one."""
+    from harness.analysis import accuracy
+
+    assert accuracy({demo.CORRECT: 0.2}) == pytest.approx(0.4)
+    assert accuracy({"rewards/correctness_reward/mean": 0.25}) == pytest.approx(0.5)
+    assert accuracy({"rewards/correct_answer_reward/mean": 0.3, "reward": 0.3}) == pytest.approx(0.3)
+    assert accuracy({"reward": 0.3}) is None
+    stream = os.path.join(ROOT, "research", "data", "study51-lr-a", "study51-lr-a-stream.jsonl.gz")
+    rows = demo.read_rows([stream])["smollm2-explain1-9-dapo-b0.04-L256-s100-lr5e-05"][("none", 0)]
+    from harness.analysis import run_numbers
+
+    numbers = run_numbers(rows)
+    # one reward function, so the step's reward is its correctness: the first and last 10 steps' mean reward
+    assert numbers["accuracy_start"] == pytest.approx(sum(r["reward"] for r in rows[:10]) / 10)
+    assert numbers["accuracy_end"] == pytest.approx(sum(r["reward"] for r in rows[-10:]) / 10)
+    assert "nan" not in demo.analyze([stream]).splitlines()[2]
+
+
 
 # -- the β grid (--betas, --kl-target, --analyze --grid) ----------------------------------------------
 # A hand-made grid whose answers are known: 3 seeds x initial β 0.01, 0.1, 1 x none, target; 60 steps a
