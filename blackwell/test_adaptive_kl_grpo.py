@@ -158,8 +158,8 @@ def train_one(method: str, start: dict, dataset, args) -> tuple[list[dict], dict
         if start["lora"]:
             model, tokenizer = FastLanguageModel.from_pretrained(start["path"], max_seq_length=1024, load_in_4bit=False)
             model = FastLanguageModel.get_peft_model(model, r=16, lora_alpha=16, random_state=args.seed)
-        else:  # the tiny model trains in full, in float32 as the config's bf16=False says
-            model, tokenizer = FastLanguageModel.from_pretrained(start["path"], max_seq_length=1024, load_in_4bit=False,
+        else:  # the tiny model trains in full, in float32 as the config's bf16=False says, at its 128 positions
+            model, tokenizer = FastLanguageModel.from_pretrained(start["path"], max_seq_length=128, load_in_4bit=False,
                                                                  full_finetuning=True, dtype=torch.float32)
     elif start["lora"]:
         from peft import LoraConfig
