@@ -36,7 +36,7 @@ def test_each_method_loads_the_tiny_model_afresh_in_full_and_in_float32(result):
     for call in result["calls"]:
         assert call["model_name"].endswith("start-model")
         assert call["full_finetuning"] is True and call["dtype"] == "torch.float32" and call["load_in_4bit"] is False
-        # no longer than the model's positions (a longer max_seq_length makes Unsloth scale RoPE)
+        # no longer than the model's positions (a longer max_seq_length makes Unsloth's Llama loader scale RoPE)
         config = json.load(open(os.path.join(call["model_name"], "config.json")))
         assert call["max_seq_length"] == config["max_position_embeddings"] == 128
 
