@@ -92,3 +92,30 @@ def user_shaping():
     yield register
     for name in names:
         unsloth_adaptive_kl.unregister_shaping(name)
+
+
+# `import unsloth` rebinds TRL's classes for the rest of the process, so the tests import it only in subprocesses
+# (tests/backends/*_worker.py). A test module or test that imports it in a test process would change every later test
+# on that worker, which then fails far from the cause (seen in CI on 2026-11-29: a module-level
+# pytest.importorskip("unsloth") made five TRL tests log "unsloth is imported"). Named here instead, where it happens.
+_UNSLOTH_FIRST_SEEN: list[str] = []
+
+
+def pytest_collectreport(report):
+    if "unsloth" in sys.modules and not _UNSLOTH_FIRST_SEEN:
+        _UNSLOTH_FIRST_SEEN.append(report.nodeid or "the test session's start")
+
+
+def pytest_collection_finish(session):
+    if _UNSLOTH_FIRST_SEEN:
+        raise pytest.UsageError(f"`import unsloth` ran in the test process while collecting {_UNSLOTH_FIRST_SEEN[0]!r}: it "
+                                "rebinds TRL's classes for every later test; import it in a subprocess (tests/backends/*_worker.py)")
+
+
+@pytest.fixture(autouse=True)
+def _unsloth_stays_out_of_the_test_process(request):
+    before = "unsloth" in sys.modules
+    yield
+    if not before and "unsloth" in sys.modules:
+        pytest.fail(f"{request.node.nodeid} imported unsloth in the test process: it rebinds TRL's classes for every later "
+                    "test; import it in a subprocess (tests/backends/*_worker.py)", pytrace=False)
