@@ -146,8 +146,10 @@ def train_one(method: str, start: dict, dataset, args) -> tuple[list[dict], dict
         per_device_train_batch_size=start["prompts"] * start["completions"], num_generations=start["completions"],
         max_completion_length=start["max_tokens"], learning_rate=start["learning_rate"],
         # Passed explicitly: Unsloth's config defaults these unlike TRL's (2 micro-batches a step, 8-bit Adam,
-        # a warm-up whose first step has learning rate 0); this way both train the same thing
+        # a warm-up whose first step has learning rate 0, and for loss_type "dapo" the DAPO paper's
+        # epsilon_high 0.28 and masking of truncated completions); this way both train the same thing
         gradient_accumulation_steps=1, optim="adamw_torch", lr_scheduler_type="constant", warmup_steps=0,
+        epsilon_high=0.2, mask_truncated_completions=False,
         use_cpu=not torch.cuda.is_available(), bf16=False, report_to="none", save_strategy="no", disable_tqdm=True,
         **method_fields(method, start["prompts"] * start["completions"]),
     )
@@ -174,6 +176,7 @@ def train_one(method: str, start: dict, dataset, args) -> tuple[list[dict], dict
     # Read back what trained: the trainer's own arguments, not the ones asked for above
     trained = dict(trainer=type(trainer).__name__, beta=trainer.args.beta,
                    kl_adaptation_method=trainer.args.kl_adaptation_method, loss_type=trainer.args.loss_type,
+                   epsilon_high=trainer.args.epsilon_high, mask_truncated_completions=trainer.args.mask_truncated_completions,
                    completions_per_step=trainer.args.per_device_train_batch_size
                    * trainer.args.gradient_accumulation_steps * trainer.accelerator.num_processes,
                    num_generations=trainer.args.num_generations)

@@ -101,6 +101,7 @@ def test_it_reports_what_each_trainer_trained(run):
         line = next(line for line in report.splitlines() if line.strip().startswith(f"{method}:"))
         assert f"beta={BETA}" in line and f"kl_adaptation_method='{method}'" in line and "loss_type='dapo'" in line
         assert f"completions_per_step={len(rows[0]['lengths'])}" in line and "trainer='GRPOTrainer'" in line
+        assert "epsilon_high=0.2," in line and "mask_truncated_completions=False" in line
 
 
 def test_it_draws_the_curves_or_says_why_not(run):
