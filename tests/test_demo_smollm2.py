@@ -71,5 +71,5 @@ def test_one_step_of_smollm2_trains_through_the_demo(one_step):
     assert sum(row["lengths"]) / 4 == pytest.approx(row["completions/mean_length"])
     assert f"== training 'target': 1 steps from {smollm2.smollm2_dir()}" in stdout
     assert "target: trainer='GRPOTrainer', beta=0.04, kl_adaptation_method='target', loss_type='dapo', " \
-           "completions_per_step=4" in stdout
+           "epsilon_high=0.2, mask_truncated_completions=False, completions_per_step=4" in stdout
     assert "| `target` |" in (out / "summary.md").read_text()
