@@ -610,7 +610,8 @@ def free_port() -> int:
 
 #: lines of a failed run's output that say why it failed: C++ aborts, faulthandler's stacks, Python errors, and the
 #: launcher's per-rank exit codes
-SALIENT = re.compile(r"terminate called|what\(\)|Fatal Python error|^\s*File \"|Error|Exception|exitcode|Signal \d+|Aborted")
+ABORT = r"terminate called|what\(\)|exitcode|Signal \d+"  # a C++ abort, and how the launcher saw each rank end
+SALIENT = re.compile(ABORT + r"|Fatal Python error|^\s*File \"|Error|Exception|Aborted")
 
 
 def salient(text: str, limit: int = 40) -> str:
@@ -690,7 +691,7 @@ def launch(args, checkpoint) -> list[str]:
         died_by_signal = re.search(r"exitcode\s*:\s*-\d+", output) is not None
         if attempt == 1 and died_by_signal and results_written(args):
             reason = "a rank died by a signal after both ranks had written their results of every method (teardown): " + "; ".join(
-                line.strip() for line in output.splitlines() if re.search(r"terminate called|what\(\)|exitcode|Signal \d+", line)
+                line.strip() for line in output.splitlines() if re.search(ABORT, line)
             )
             print("relaunching once:", reason, flush=True)
             relaunches.append(reason)

@@ -90,13 +90,14 @@ def label(method: str, rows: list[dict]) -> str:
 
 
 def table(directories: list[str], planned: int = 100) -> tuple[list[dict], dict | None]:
-    """One dict per arm (its label, per-seed numbers, means, and its comparison with the best fixed β)."""
+    """One dict per arm (its label, its runs' rows by seed, per-seed numbers, means, and its comparison with the best
+    fixed β)."""
     out = []
     for (method, tag), seeds in sorted(arms(directories).items()):
         numbers = {seed: run_numbers(rows, planned) for seed, rows in seeds.items()}
         first = next(iter(seeds.values()))
         out.append({"method": method, "tag": tag, "label": label(method, first), "beta0": first[0]["beta0"],
-                    "numbers": numbers, "seeds": len(numbers),
+                    "runs": seeds, "numbers": numbers, "seeds": len(numbers),
                     "complete": sum(n["complete"] for n in numbers.values()),
                     "runaways": sum(n["runaway"] is not None for n in numbers.values()),
                     **{key: _mean(n[key] for n in numbers.values()) for key in ("reward", "best", "kl", "median")}})

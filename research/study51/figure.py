@@ -39,7 +39,6 @@ def figure_data(directories: list[str], planned: int = 100) -> dict:
     "curves": {key: {label: (steps, smoothed values)}}: reward and median length of the fixed-β arms, β of the
     controller arms (every arm but ``none``)}."""
     table, best = arms_report.table(directories, planned)
-    runs = arms_report.arms(directories)
     out = {"labels": [a["label"] for a in table], "points": {}, "means": {}, "curves": {},
            "best": (best["label"], best["reward"]) if best else None}
     for key, _ in POINTS:
@@ -49,7 +48,7 @@ def figure_data(directories: list[str], planned: int = 100) -> dict:
         chosen = [a for a in table if (a["method"] != "none") == (key == CURRENT_BETA)]
         out["curves"][key] = {}
         for a in chosen:
-            cell = {seed: [rows] for seed, rows in runs[(a["method"], a["tag"])].items()}
+            cell = {seed: [rows] for seed, rows in a["runs"].items()}
             out["curves"][key][a["label"]] = smoothed_curve(cell, key)
     return out
 
