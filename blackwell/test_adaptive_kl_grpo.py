@@ -31,6 +31,7 @@ import os
 import re
 import statistics
 import sys
+import time
 
 import torch
 
@@ -129,12 +130,19 @@ def method_fields(method: str, completions_per_step: int) -> dict:
 
 
 class OneLinePerStep(TrainerCallback):
-    """Prints each step's reward, KL, beta and mean length as the trainer logs them."""
+    """Prints each step's reward, KL, beta and mean length as the trainer logs them, and the wall time since the last
+    line (the first step's includes any compiling: Unsloth compiles its decoder blocks then)."""
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.last = time.perf_counter()
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and CURRENT_BETA in logs:
+            now = time.perf_counter()
             print(f"  step {state.global_step:>3}/{state.max_steps}  reward {logs['reward']:.3f}  KL {fmt(logs.get(RAW_KL))}"
-                  f"  beta {fmt(logs[CURRENT_BETA])}  length {logs['completions/mean_length']:.1f}", flush=True)
+                  f"  beta {fmt(logs[CURRENT_BETA])}  length {logs['completions/mean_length']:.1f}"
+                  f"  {now - self.last:.1f} s", flush=True)
+            self.last = now
 
 
 def train_one(method: str, start: dict, dataset, args) -> tuple[list[dict], dict]:

@@ -6,6 +6,7 @@ research/study_cli.py; its tests are research/tests/test_harness_demo.py.)"""
 import importlib.util
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -48,6 +49,23 @@ def test_every_method_logged_every_step_from_the_same_start(run):
     first = [rows[0] for rows in by_method.values()]
     assert len({(r["reward"], tuple(r["lengths"])) for r in first}) == 1
     assert all(r[RAW_KL] == 0 for r in first)
+
+
+def test_each_step_prints_one_line_with_its_logged_numbers_and_wall_time(run):
+    """One line a step as the trainer logs it, ending with the wall time since the previous line (added when the
+    tiny demo under Unsloth on a GPU ran 9 steps in 200 s and its log could not say where the time went)."""
+    _, stdout, by_method = run
+    pattern = re.compile(r"^  step +(\d+)/(\d+)  reward (\S+)  KL \S+  beta (\S+)  length (\S+)  (\d+\.\d) s$")
+    lines = [pattern.match(line) for line in stdout.splitlines() if line.startswith("  step ")]
+    assert all(lines) and len(lines) == STEPS * len(by_method)
+    by_order = [rows for rows in by_method.values()]  # the methods train one after another, in the order asked
+    for i, m in enumerate(lines):
+        row = by_order[i // STEPS][i % STEPS]
+        assert (int(m[1]), int(m[2])) == (row["step"], STEPS)
+        assert float(m[3]) == pytest.approx(row["reward"], abs=5e-4)
+        assert float(m[4]) == pytest.approx(row[BETA_KEY], rel=1e-3)
+        assert float(m[5]) == pytest.approx(row["completions/mean_length"], abs=0.05)
+        assert float(m[6]) > 0
 
 
 def test_the_table_shows_each_methods_logged_last_step(run):

@@ -113,21 +113,24 @@ def accuracy(row: dict) -> float | None:
 
 def analyze(paths: list[str], baseline: str = "none") -> str:
     """Markdown: per setting (tag), the baseline's length slope over the second half with its 95 % t
-    interval over seeds; per setting with several methods, each method's numbers and its paired
+    interval over seeds (a setting without a baseline run: each method's, labelled); per setting with several methods, each method's numbers and its paired
     difference from the baseline by seed. ``*``: the interval excludes 0."""
     data = read_rows(paths)
     out = ["| setting | seeds | steps | accuracy start → end | length start → end | length slope / 100 steps, "
            "2nd half: mean [95% CI] | per seed |", "|---|---|---|---|---|---|---|"]
     for tag, runs in data.items():
-        base = {s: run_numbers(rows) for (m, s), rows in runs.items() if m == baseline}
-        if not base:
-            continue
-        v = list(base.values())
-        out.append(f"| {tag} | {len(v)} | {min(x['steps'] for x in v)} | "
-                   f"{_mean(x['accuracy_start'] for x in v):.2f} → {_mean(x['accuracy_end'] for x in v):.2f} | "
-                   f"{_mean(x['length_start'] for x in v):.1f} → {_mean(x['length_end'] for x in v):.1f} | "
-                   f"{fmt_interval([x['length_slope'] for x in v])} | "
-                   f"{', '.join(format(base[s]['length_slope'], '.2f') for s in sorted(base))} |")
+        methods = list(dict.fromkeys(m for m, _ in runs))
+        # a setting's row is its baseline's runs; a setting run without one (study 51's lists of only dynamic or
+        # schedule arms, whose table was silently empty on the GPU) gets a row per method, labelled with it
+        for method in [baseline] if baseline in methods else methods:
+            base = {s: run_numbers(rows) for (m, s), rows in runs.items() if m == method}
+            v = list(base.values())
+            label = tag if method == baseline else f"{tag} · `{method}`"
+            out.append(f"| {label} | {len(v)} | {min(x['steps'] for x in v)} | "
+                       f"{_mean(x['accuracy_start'] for x in v):.2f} → {_mean(x['accuracy_end'] for x in v):.2f} | "
+                       f"{_mean(x['length_start'] for x in v):.1f} → {_mean(x['length_end'] for x in v):.1f} | "
+                       f"{fmt_interval([x['length_slope'] for x in v])} | "
+                       f"{', '.join(format(base[s]['length_slope'], '.2f') for s in sorted(base))} |")
     for tag, runs in data.items():
         methods = list(dict.fromkeys(m for m, _ in runs))
         if len(methods) < 2 or baseline not in methods:

@@ -61,6 +61,24 @@ def test_analyze_reports_the_baseline_slope_and_the_paired_comparison(tmp_path):
 
 
 
+def test_a_setting_without_a_baseline_run_gets_a_row_per_method(tmp_path):
+    """Study 51's lists of only dynamic or schedule arms gave a table with no row on the GPU (2026-11-30): a setting
+    without a `none` run now lists each of its methods, labelled; a setting with one still lists only the baseline."""
+    lines = []
+    for tag, method, slope in [("a", "dynamic", 1.0), ("a", "schedule", -2.0), ("b", "none", 3.0), ("b", "clip", 0.0)]:
+        for step in range(1, 11):
+            lines.append({"tag": tag, "method": method, "seed": 0, "step": step, "step_time": 1.0, "reward": 0.5,
+                          "completions/mean_length": 10 + slope * step, "adaptive_kl/current_beta": 0.1,
+                          demo.CORRECT: 0.25})
+    path = tmp_path / "stream.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    rows = demo.analyze([str(path)]).split("\n\n")[0].splitlines()[2:]
+    # one seed: the slope is the run's own, 100 x its tokens a step
+    assert rows == ["| a · `dynamic` | 1 | 10 | 0.50 → 0.50 | 11.0 → 20.0 | 100.00 | 100.00 |",
+                    "| a · `schedule` | 1 | 10 | 0.50 → 0.50 | 8.0 → -10.0 | -200.00 | -200.00 |",
+                    "| b | 1 | 10 | 0.50 → 0.50 | 13.0 → 40.0 | 300.00 | 300.00 |"]
+
+
 def test_the_accuracy_column_reads_each_tasks_correctness_reward():
     """The drift table's accuracy is the fraction of right answers: 2 x the tiny tasks' 0.5-a-right-answer rewards,
     SmolLM2's 1.0-a-right-answer reward as it is (it read nan for SmolLM2 on the GPU, 2026-11-29), nan without one."""

@@ -10,6 +10,7 @@
 # budget 520 s), demo-check (a short run of the study harness, research/study_cli.py), demo-3seeds,
 # user-demo (the user's demo, blackwell/test_adaptive_kl_grpo.py: the tiny model with TRL, then SmolLM2 through
 # Unsloth's FastLanguageModel where unsloth is installed; first run 2026-11-29: docs/gpu-verification.md, Demo),
+# user-demo-tiny (the user's default demo alone, tiny model, <= 560 s, each log line stamped with the time),
 # evidence:NAME (the demo invocations listed in research/runlists/NAME.txt, all at once; see
 # docs/evidence/). An evidence stage writes to $OUT: NAME-stream.jsonl (every run's steps, as they
 # come), NAME-analysis.md (the slope table), NAME.log and NAME-runs.tar.gz (logs, summaries, plots); a list with
@@ -208,6 +209,11 @@ for stage in "$@"; do
       wait; grep -vE "Loading|it/s|^\{|Warning|warn" "$OUT/liger-loss-class.log" | tail -14 ;;
     demo-check)
       timeout 170 python research/study_cli.py --steps 4 --methods none,dynamic --output-dir "$OUT/demo-check" 2>&1 | tee "$OUT/demo-check.log" | tail -30 ;;
+    user-demo-tiny)
+      # the user's default demo alone (tiny model, none,dynamic,target x 12 steps), each line stamped with the time:
+      # under Unsloth its first GPU run after the loader mend trained 9 steps of 'none' in 200 s (2026-11-30)
+      timeout 560 python blackwell/test_adaptive_kl_grpo.py --output-dir "$OUT/user-demo-tiny" 2>&1 \
+        | while IFS= read -r line; do printf '%(%s)T %s\n' -1 "$line"; done | tee "$OUT/user-demo-tiny.log" | grep -v max_new_tokens | tail -40 ;;
     user-demo)
       timeout 200 python blackwell/test_adaptive_kl_grpo.py --steps 12 --output-dir "$OUT/user-demo-tiny" 2>&1 | tee "$OUT/user-demo-tiny.log" | tail -20
       timeout 380 python blackwell/test_adaptive_kl_grpo.py --model smollm2 --methods none,target --steps 12 \
