@@ -113,8 +113,9 @@ def accuracy(row: dict) -> float | None:
 
 def analyze(paths: list[str], baseline: str = "none") -> str:
     """Markdown: per setting (tag), the baseline's length slope over the second half with its 95 % t
-    interval over seeds (a setting without a baseline run: each method's, labelled); per setting with several methods, each method's numbers and its paired
-    difference from the baseline by seed. ``*``: the interval excludes 0."""
+    interval over seeds (a setting without a baseline run: each method's, labelled); per setting with several
+    methods, each method's numbers and its paired difference from the baseline by seed. ``*``: the interval
+    excludes 0."""
     data = read_rows(paths)
     out = ["| setting | seeds | steps | accuracy start → end | length start → end | length slope / 100 steps, "
            "2nd half: mean [95% CI] | per seed |", "|---|---|---|---|---|---|---|"]
