@@ -65,6 +65,7 @@ def test_a_setting_without_a_baseline_run_gets_a_row_per_method(tmp_path):
     """Study 51's lists of only dynamic or schedule arms gave a table with no row on the GPU (2026-11-30): a setting
     without a `none` run now lists each of its methods, labelled; a setting with one still lists only the baseline."""
     lines = []
+    # not a registry list: two settings, one without a `none` run and one with it beside another method
     for tag, method, slope in [("a", "dynamic", 1.0), ("a", "schedule", -2.0), ("b", "none", 3.0), ("b", "clip", 0.0)]:
         for step in range(1, 11):
             lines.append({"tag": tag, "method": method, "seed": 0, "step": step, "step_time": 1.0, "reward": 0.5,
