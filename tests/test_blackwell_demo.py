@@ -58,7 +58,7 @@ def test_each_step_prints_one_line_with_its_logged_numbers_and_wall_time(run):
     pattern = re.compile(r"^  step +(\d+)/(\d+)  reward (\S+)  KL \S+  beta (\S+)  length (\S+)  (\d+\.\d) s$")
     lines = [pattern.match(line) for line in stdout.splitlines() if line.startswith("  step ")]
     assert all(lines) and len(lines) == STEPS * len(by_method)
-    by_order = [rows for rows in by_method.values()]  # the methods train one after another, in the order asked
+    by_order = list(by_method.values())  # the methods train one after another, in the order asked
     for i, m in enumerate(lines):
         row = by_order[i // STEPS][i % STEPS]
         assert (int(m[1]), int(m[2])) == (row["step"], STEPS)
