@@ -211,12 +211,15 @@ for stage in "$@"; do
       timeout 170 python research/study_cli.py --steps 4 --methods none,dynamic --output-dir "$OUT/demo-check" 2>&1 | tee "$OUT/demo-check.log" | tail -30 ;;
     user-demo-tiny)
       # the user's default demo alone (tiny model, none,dynamic,target x 12 steps), each line stamped with the time:
-      # under Unsloth its first GPU run after the loader mend trained 9 steps of 'none' in 200 s (2026-11-30)
+      # under Unsloth its first GPU run after the loader mend trained 9 steps of 'none' in 200 s (2026-11-30); this
+      # stage's first run finished in 214 s (docs/gpu-verification.md, Demo)
       timeout 560 python blackwell/test_adaptive_kl_grpo.py --output-dir "$OUT/user-demo-tiny" 2>&1 \
         | while IFS= read -r line; do printf '%(%s)T %s\n' -1 "$line"; done | tee "$OUT/user-demo-tiny.log" | grep -v max_new_tokens | tail -40 ;;
     user-demo)
-      timeout 200 python blackwell/test_adaptive_kl_grpo.py --steps 12 --output-dir "$OUT/user-demo-tiny" 2>&1 | tee "$OUT/user-demo-tiny.log" | tail -20
-      timeout 380 python blackwell/test_adaptive_kl_grpo.py --model smollm2 --methods none,target --steps 12 \
+      # 250 s: the tiny part took 214 s under Unsloth (stage user-demo-tiny, 2026-11-30); the SmolLM2 part's first
+      # run fit, with the failed tiny part and the site's unpacking, in a 335 s call (2026-11-29)
+      timeout 250 python blackwell/test_adaptive_kl_grpo.py --steps 12 --output-dir "$OUT/user-demo-tiny" 2>&1 | tee "$OUT/user-demo-tiny.log" | tail -20
+      timeout 320 python blackwell/test_adaptive_kl_grpo.py --model smollm2 --methods none,target --steps 12 \
         --output-dir "$OUT/user-demo-smollm2" 2>&1 | tee "$OUT/user-demo-smollm2.log" | tail -20 ;;
     demo-beta03)
       timeout 420 python research/study_cli.py --seeds 3 --beta 0.3 --steps 150 --methods none,length_normalized,dynamic,clip --jobs 12 --output-dir "$OUT/demo-beta03" 2>&1 | tee "$OUT/demo-beta03.log" | grep -v "^\[" | tail -25 ;;
