@@ -4,7 +4,8 @@
     python research/evidence_answer.py --write   # rewrites it in docs/evidence.md, between its two markers
 
 Every number of the answer is read from a table of a study page (docs/evidence/*.md): the wording is this file's,
-the numbers are the tables'. research/tests/test_evidence_pages.py fails while docs/evidence.md holds another answer than
+the numbers are the tables'. Study 51's part B enters once its page has a section "### Part B: results" holding
+``research/study51/arms_report.py``'s table (the real model's best fixed β, and every controller against it). research/tests/test_evidence_pages.py fails while docs/evidence.md holds another answer than
 this one, so a table that changes changes the answer, or the test says so.
 """
 
@@ -19,6 +20,8 @@ INDEX = ROOT / "docs" / "evidence.md"
 STUDY_26 = ROOT / "docs" / "evidence" / "study26-beta-grid.md"
 STUDY_33 = ROOT / "docs" / "evidence" / "study33-long-task.md"
 STUDY_49 = ROOT / "docs" / "evidence" / "study49-target.md"
+STUDY_51 = ROOT / "docs" / "evidence" / "study51-real-model.md"
+RESULTS_51 = "### Part B: results"
 MARKER = "<!-- answer -->"
 MAX_LINES = 10  # one screen
 
@@ -121,7 +124,65 @@ def study_49(text: str) -> dict:
     return out
 
 
-def answer(s26: dict, s33: dict, s49: dict) -> str:
+def study_51(text: str) -> dict | None:
+    """Study 51 part B's readout table (arms_report's) from the page's results section; None while it has none."""
+    lines = text.split("\n")
+    if not any(line.startswith(RESULTS_51) for line in lines):
+        return None
+    rows = table_after(text, "| arm | seeds (complete)", start=RESULTS_51)
+    section = text[text.index("\n" + RESULTS_51) + 1:]
+    family = int(re.search(r"family of (\d+) comparison", section).group(1))
+    (best,) = [r for r in rows if r["Δ final reward vs best [95 % CI]"] == "best fixed β"]
+    arms = []
+    for r in rows:
+        method, rest = r["arm"].split(" β ", 1)
+        beta0, _, options = rest.partition(" (")
+        params = dict(o.split(" ", 1) if " " in o else (o, "") for o in options.rstrip(")").split(", ") if o)
+        arms.append({"label": r["arm"], "method": method, "beta0": float(beta0), "params": params,
+                     "seeds": int(number(r["seeds (complete)"].split("(")[1])), "reward": number(r["final reward"]),
+                     "runaways": int(number(r["runaways"])), "verdict": r["verdict"],
+                     "delta": None if r is best else r["Δ final reward vs best [95 % CI]"],
+                     "needed": r["seeds needed"]})
+    fixed = sorted((a for a in arms if a["method"] == "none"), key=lambda a: a["beta0"])
+    (best_arm,) = [a for a in arms if a["label"] == best["arm"]]
+    return {"best": best_arm, "fixed": fixed, "controllers": [a for a in arms if a["method"] != "none"],
+            "family": family, "seeds": max(a["seeds"] for a in arms)}
+
+
+def short(arm: dict) -> str:
+    """A controller arm in a few words: its method and β0, and the one option that tells its arms apart."""
+    extra = [arm["params"][k] if k == "beta_schedule" else f"threshold {arm['params'][k]}"
+             for k in ("beta_schedule", "reward_threshold") if k in arm["params"]]
+    return f"`{arm['method']}` {arm['beta0']:g}" + "".join(f" {e}" for e in extra)
+
+
+#: How the answer groups study 51's verdicts (arms_report's words), in this order.
+GROUPS = (("beat", "beat"), ("beat, within ±0.05", "beat by less than 0.05"), ("matched", "matched (within ±0.05)"),
+          ("lost, within ±0.05", "lost by less than 0.05"), ("lost", "lost"), ("inconclusive", "inconclusive"),
+          ("too few seeds", "too few seeds"))
+
+
+def controllers_51(s51: dict) -> str:
+    parts = []
+    for verdict, words in GROUPS:
+        arms = [a for a in s51["controllers"] if a["verdict"] == verdict]
+        if not arms:
+            continue
+        items = []
+        for a in arms:
+            notes = [f"{number(a['delta']):+.3f}"]
+            if verdict == "inconclusive" and a["needed"] not in ("—", ""):
+                notes.append(f"{a['needed']} seeds would tell")
+            if a["seeds"] < s51["seeds"]:
+                notes.append(f"{a['seeds']} seeds")
+            if a["runaways"]:
+                notes.append(f"{a['runaways']} runaway{'s' if a['runaways'] != 1 else ''}")
+            items.append(f"{short(a)} ({', '.join(notes)})")
+        parts.append(f"{words}: " + ", ".join(items))
+    return "; ".join(parts)
+
+
+def answer(s26: dict, s33: dict, s49: dict, s51: dict | None = None) -> str:
     b1, b2 = s33["best"]
     lo_b, hi_b = sorted((b1, b2))
     toy_reward = s26["dapo"]["none_reward"] + s26["grpo"]["none_reward"]
@@ -132,18 +193,42 @@ def answer(s26: dict, s33: dict, s49: dict) -> str:
     others = [(f"`{m}`", *shaping[m]) for m in ("soft_clip", "length_normalized")]
     others.append(("KL in the reward", *s33["placement_reward"]))
     beat = s26["dapo"]["beat"] + s26["grpo"]["beat"] + (["target's β decay"] if gain_bonferroni < 0.05 else [])
+    if s51 is not None:
+        beat = [f"{short(a)} on the real model" for a in s51["controllers"] if a["verdict"].startswith("beat")] + beat
     beaten = "no controller has been shown to beat it" if not beat else "beaten by " + ", ".join(beat)
     correction = "evidence/study33-long-task.md#correction-2026-11-28-issue-51-what-the-record-got-wrong"
+    study33 = (f"[Study 33](evidence/study33-long-task.md) (35 M Llama, ~124-token sums, 5 seeds): the most reward "
+               f"({s33['reward'][b1]:.3f}, {s33['reward'][b2]:.3f}) and the least KL of {len(s33['fixed_betas'])} fixed β"
+               + (f" at {lo_b:g}-{hi_b:g}" if s51 is not None else "")
+               + f"; [study 26](evidence/study26-beta-grid.md) (0.7 M Llama, 4-10 tokens, 3 seeds): any β 0.001-0.3 "
+               f"about the same ({span(toy_reward, '.3f')}).")
+    zero = (f"study 33: {z_mean:+.3f} {z_ci} reward against β {b1:g}, "
+            + (f"{'lower' if z_mean < 0 else 'higher'} in all {z_seeds} seeds, " if z_sign_p == 2 / 2**z_seeds else "")
+            + f"{z_verdict} ([correction]({correction})).")
+    if s51 is None:
+        headline = [f"- **β: a fixed {lo_b:g}-{hi_b:g} (`none`); {beaten}.** {study33}"]
+    else:
+        best, fixed = s51["best"], s51["fixed"]
+        grid = ", ".join(f"{a['beta0']:g}: {a['reward']:.3f}" for a in fixed)
+        page = "evidence/study51-real-model.md#part-b-results"
+        headline = [
+            f"- **β: a fixed {best['beta0']:g} (`none`) on a real model; {beaten}.** [Study 51]({page}) "
+            f"(SmolLM2-135M-Instruct, chat addition, LoRA, 100 steps, {s51['seeds']} seeds): the most final reward "
+            f"({best['reward']:.3f}) of {len(fixed)} fixed β ({grid}). "
+            + study33,
+            f"- **Each controller against it** (study 51, final reward paired by seed, Holm over {s51['family']} "
+            f"comparisons): {controllers_51(s51)}."]
+        (zero_51,) = [a for a in fixed if a["beta0"] == 0]
+        zero = (f"study 51: {zero_51['delta']} against β {best['beta0']:g}, {zero_51['verdict']}; " + zero
+                if zero_51 is not best else "study 51: the best fixed β; " + zero)
+    not_known = ("pretrained models and real tasks (no study has run one); `schedule`, `reward_conditioned`, "
+                 "and `dynamic` beyond the toy task" if s51 is None else
+                 "models past 135 M, full fine-tuning, runs past 100 steps, other tasks and learning rates")
     lines = [
         "**What to use**, and what each answer rests on (made from the studies' tables by `research/evidence_answer.py`):",
         "",
-        f"- **β: a fixed {lo_b:g}-{hi_b:g} (`none`); {beaten}.** [Study 33](evidence/study33-long-task.md) (35 M Llama, ~124-token "
-        f"sums, 5 seeds): the most reward ({s33['reward'][b1]:.3f}, {s33['reward'][b2]:.3f}) and the least KL of "
-        f"{len(s33['fixed_betas'])} fixed β; [study 26](evidence/study26-beta-grid.md) (0.7 M Llama, 4-10 tokens, 3 "
-        f"seeds): any β 0.001-0.3 about the same ({span(toy_reward, '.3f')}).",
-        f"- **β = 0 (TRL's default):** study 33: {z_mean:+.3f} {z_ci} reward against β {b1:g}, "
-        + (f"{'lower' if z_mean < 0 else 'higher'} in all {z_seeds} seeds, " if z_sign_p == 2 / 2**z_seeds else "")
-        + f"{z_verdict} ([correction]({correction})).",
+        *headline,
+        f"- **β = 0 (TRL's default):** {zero}",
         f"- **`target`: it held no chosen KL on the long task; it does say when one is out of reach.** "
         f"[Study 49](evidence/study49-target.md#results) (study 33's task, 5 seeds): a reachable target (0.04) ended within "
         f"±25 % in {s49['held']['target']} of {s49['runs']['target']} runs (`ziegler` {s49['held']['ziegler']} of "
@@ -162,8 +247,7 @@ def answer(s26: dict, s33: dict, s49: dict) -> str:
         f"{s33['runaways']['clip']:g} runaways in 5 seeds, `none` {s33['none_0.04_runaways']:g}.",
         "- **" + ", ".join(name for name, _, _ in others) + ":** study 33, β 0.04: Δ reward against `none` "
         + ", ".join(f"{mean:+.3f}" for _, mean, _ in others) + "; no gain.",
-        "- **Not known:** pretrained models and real tasks (no study has run one); `schedule`, `reward_conditioned`, "
-        f"and `dynamic` beyond the toy task; whether study 33's β decay found after the data ({gain:+.3f}, 1 of 6 "
+        f"- **Not known:** {not_known}; whether study 33's β decay found after the data ({gain:+.3f}, 1 of 6 "
         f"tests, Bonferroni p {gain_bonferroni:.3f}, exact p {gain_p:.4f}) is real; tasks where longer completions pay.",
     ]
     if len(lines) > MAX_LINES:
@@ -172,7 +256,8 @@ def answer(s26: dict, s33: dict, s49: dict) -> str:
 
 
 def current() -> str:
-    return answer(study_26(STUDY_26.read_text()), study_33(STUDY_33.read_text()), study_49(STUDY_49.read_text()))
+    return answer(study_26(STUDY_26.read_text()), study_33(STUDY_33.read_text()), study_49(STUDY_49.read_text()),
+                  study_51(STUDY_51.read_text()))
 
 
 def with_answer(index: str, block: str) -> str:

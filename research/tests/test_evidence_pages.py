@@ -160,3 +160,80 @@ def test_a_controller_that_beat_the_best_fixed_beta_would_change_the_headline():
     assert edited != text
     assert "no controller has been shown to beat it" in evidence_answer.answer(evidence_answer.study_26(text), s33, S49)
     assert "beaten by target from β 0.1" in evidence_answer.answer(evidence_answer.study_26(edited), s33, S49)
+
+
+# -- study 51 part B: the answer once its page has the readout ------------------------------------------------------
+
+
+def _study51_page(tmp_path, *, schedule_delta=-0.1):
+    """A copy of study 51's page with a results section holding arms_report's table of synthetic runs: fixed β 0,
+    0.04 (the best: 0.6 + 0.01 × seed), 0.1; `dynamic` within ±0.004 of the best (matched), acting `dynamic` +0.03
+    ± 0.07 (inconclusive), `schedule` from 1 ``schedule_delta`` in every seed, `target` 0.01 below with a runaway."""
+    import gzip
+    import json
+
+    from research.study51 import arms_report
+
+    jitter, noisy = [0.004, -0.004, 0.002, -0.002, 0.0], [0.10, -0.05, 0.08, -0.03, 0.05]
+    rows = []
+    for seed in range(5):
+        best = 0.6 + 0.01 * seed
+        arms = [("none", 0.04, best, {}), ("none", 0.1, best - 0.02, {}), ("none", 0.0, best - 0.1, {"kl_monitor": True}),
+                ("dynamic", 0.04, best + jitter[seed], {"controller_params": {"reward_window": 10}}),
+                ("dynamic", 0.04, best + noisy[seed], {"controller_params": {"reward_threshold": 0.48, "reward_window": 10}}),
+                ("schedule", 1.0, best + schedule_delta, {"controller_params": {"beta_min": 0.02, "beta_schedule": "linear"}}),
+                ("target", 0.01, best - 0.01, {"kl_target": 0.02, "alarm": seed == 1})]
+        for i, (method, beta0, final, options) in enumerate(arms):
+            for step in range(1, 101):
+                row = {"tag": f"t{i}", "method": method, "seed": seed, "step": step, "copy": f"c{i}{seed}", "beta0": beta0,
+                       "kl_target": options.get("kl_target", 0.1), "reward": 0.2 if step <= 40 else final,
+                       "completions/median_length": 60.0, "adaptive_kl/raw_kl": 0.01,
+                       "adaptive_kl/runaway_alarm": int(options.get("alarm", False) and step > 50)}
+                row.update({k: v for k, v in options.items() if k not in ("kl_target", "alarm")})
+                rows.append(row)
+    directory = tmp_path / "study51-b-x"
+    directory.mkdir()
+    with gzip.open(directory / "study51-b-x-stream.jsonl.gz", "wt") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    table = arms_report.report([str(directory)]).split("\n", 2)[2]  # without its "# Study 51" title
+    return evidence_answer.STUDY_51.read_text() + f"\n{evidence_answer.RESULTS_51} (synthetic)\n\n{table}"
+
+
+def _answer(s51):
+    s26 = evidence_answer.study_26(evidence_answer.STUDY_26.read_text())
+    s33 = evidence_answer.study_33(evidence_answer.STUDY_33.read_text())
+    return evidence_answer.answer(s26, s33, S49, s51)
+
+
+def test_without_study_51s_results_the_answer_is_the_three_studies_one():
+    assert evidence_answer.study_51("# Study 51\n\nno results yet\n") is None
+    assert _answer(None) == evidence_answer.answer(
+        evidence_answer.study_26(evidence_answer.STUDY_26.read_text()),
+        evidence_answer.study_33(evidence_answer.STUDY_33.read_text()), S49)
+
+
+def test_study_51s_table_gives_the_headline_and_every_controllers_verdict(tmp_path):
+    s51 = evidence_answer.study_51(_study51_page(tmp_path))
+    assert (s51["best"]["label"], s51["family"], s51["seeds"]) == ("none β 0.04", 6, 5)
+    text = _answer(s51)
+    lines = text.split("\n")
+    assert len(lines) <= evidence_answer.MAX_LINES
+    assert lines[2].startswith("- **β: a fixed 0.04 (`none`) on a real model; no controller has been shown to beat it.** "
+                               "[Study 51](evidence/study51-real-model.md#part-b-results)")
+    assert "the most final reward (0.620) of 3 fixed β (0: 0.520, 0.04: 0.620, 0.1: 0.600)" in lines[2]
+    assert "fixed β at 0.04-0.1; [study 26]" in lines[2]  # study 33 keeps its place, named as such
+    controllers = lines[3]
+    assert controllers.startswith("- **Each controller against it** (study 51, final reward paired by seed, Holm over 6 comparisons): ")
+    assert "matched (within ±0.05): `dynamic` 0.04 (+0.000)" in controllers
+    assert "lost by less than 0.05: `target` 0.01 (-0.010, 1 runaway)" in controllers
+    assert "lost: `schedule` 1 linear (-0.100)" in controllers
+    assert re.search(r"inconclusive: `dynamic` 0\.04 threshold 0\.48 \(\+0\.030, \d+ seeds would tell\)", controllers)
+    assert "study 51: -0.100 [-0.100, -0.100] against β 0.04, lost; study 33:" in lines[4]
+    assert "**Not known:** models past 135 M, full fine-tuning, runs past 100 steps" in text
+    assert "pretrained models and real tasks (no study has run one)" not in text
+
+
+def test_a_controller_that_beat_the_best_fixed_beta_on_the_real_model_changes_the_headline(tmp_path):
+    text = _answer(evidence_answer.study_51(_study51_page(tmp_path, schedule_delta=+0.1)))
+    assert "on a real model; beaten by `schedule` 1 linear on the real model.**" in text
+    assert "beat: `schedule` 1 linear (+0.100)" in text
