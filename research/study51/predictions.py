@@ -124,6 +124,7 @@ def check(directories: list[str], planned: int = 100) -> list[dict]:
     if not schedules:
         clause("4", "`schedule` from 1 within the best fixed β's ±0.05", NOT_MEASURED, None)
 
+    # not a registry list: the two controllers prediction 5 names
     for method in ("target", "ziegler"):
         ratios = [n["kl"] / a["runs"][s][0]["kl_target"] for a in arms if a["method"] == method
                   for s, n in sorted(a["numbers"].items()) if n["kl"] is not None]
