@@ -41,8 +41,9 @@ def decay(beta0, floor):
     return lambda step: max(beta0 * 0.9 ** step, floor)
 
 
-def build(tmp_path, change=None):
-    """The study: fixed β 0.04 best (0.6 + 0.01 × seed); ``change(name, seed, kwargs)`` edits one run's arguments."""
+def write_study(directory, change=None):
+    """The study's stream in ``directory``: fixed β 0.04 best (0.6 + 0.01 × seed), 14 arms of 5 seeds;
+    ``change(name, seed, (method, beta0, final, kwargs))`` edits one run's arguments."""
     rows = []
     for s in SEEDS:
         best = 0.6 + 0.01 * s
@@ -74,10 +75,15 @@ def build(tmp_path, change=None):
             if change:
                 method, beta0, final, kwargs = change(name, s, (method, beta0, final, dict(kwargs)))
             rows += run(method, beta0, s, final, **kwargs)
-    directory = tmp_path / "study51-b-x"
-    directory.mkdir(exist_ok=True)
-    with gzip.open(directory / "study51-b-x-stream.jsonl.gz", "wt") as f:
+    directory.mkdir(parents=True, exist_ok=True)
+    with gzip.open(directory / f"{directory.name}-stream.jsonl.gz", "wt") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
+    return directory
+
+
+def build(tmp_path, change=None):
+    """The study's clauses, by (number, claim up to a colon)."""
+    directory = write_study(tmp_path / "study51-b-x", change)
     return {(r["number"], r["claim"].split(":")[0]): r for r in predictions.check([str(directory)])}
 
 
