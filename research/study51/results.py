@@ -16,7 +16,6 @@ is filed, and that what it holds is what this file makes from the data.
 from __future__ import annotations
 
 import argparse
-import glob
 import os
 import sys
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import gzip
 import json
 
-import pytest
 
 from research.study51 import predictions
 
