@@ -7,7 +7,6 @@ from __future__ import annotations
 import gzip
 import json
 
-
 from research.study51 import predictions
 
 STEPS, SEEDS = 100, range(5)
