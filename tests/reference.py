@@ -319,3 +319,28 @@ def group_advantages64(rewards, num_generations):
     """TRL's advantages under scale_rewards='group': (r - group mean) / (group std (Bessel) + 1e-4), float64."""
     grouped = rewards.double().view(-1, num_generations)
     return ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-4)).view(-1)
+
+
+def course_line(method, betas):
+    """The line a run of ``method`` should log when ``train()`` ends, from the β its steps logged (``betas``, in order):
+    None with a fixed β; the first and last β, the steps where β changed and its extremes, written out here from the
+    logged series; or the start of the warning when it never changed (whose reason is the controller's)."""
+    controller = next((p for p in method.split("+") if p in CONTROLLERS), None)
+    if controller is None:
+        return None
+    changes = sum(a != b for a, b in zip(betas, betas[1:]))
+    steps = f"{len(betas)} optimizer step{'s' if len(betas) != 1 else ''} of this run"
+    if changes == 0:
+        return f"unsloth_adaptive_kl: kl_adaptation_method={method!r} never moved beta in the {steps}"
+    return (f"unsloth_adaptive_kl: kl_adaptation_method={method!r}: beta {betas[0]:g} -> {betas[-1]:g} over the {steps} "
+            f"(the beta each step trained with; it changed at {changes} of them, lowest {min(betas):g}, highest {max(betas):g})")
+
+
+def assert_course_logged(lines, method, betas):
+    """``lines`` (the messages logged with " of this run" in them) are the one :func:`course_line` expects."""
+    expected = course_line(method, betas)
+    if expected is None:
+        assert lines == [], lines
+        return
+    (line,) = lines
+    assert (line.startswith(expected) if "never moved" in expected else line == expected), (line, expected)

@@ -1,6 +1,7 @@
 """``AdaptiveKL``: what its β controller is fed, across micro-batches and optimizer steps, against float64
 references (tests/reference.py) written from the controllers' definitions."""
 
+import logging
 from types import SimpleNamespace
 
 import pytest
@@ -18,13 +19,14 @@ STEPS = [[(3, 5), (2, 7)], [(4, 4)], [(2, 6), (3, 3), (1, 5)], [(3, 8)]]
 REWARDS = [1.0, -1.0, 1.0, 1.0]
 
 
-def _adaptive(method: str) -> AdaptiveKL:
+def _adaptive(method: str, **overrides) -> AdaptiveKL:
     fields = {f.name: f.default for f in FIELDS}
     fields.update(
         beta=BETA, beta_min=BETA_MIN, kl_adaptation_method=method, kl_estimator="k3", kl_clip_threshold=CLIP,
         kl_target=KL_TARGET, kl_horizon=HORIZON, dynamic_beta_decay=0.5, reward_threshold=0.0, reward_window=2,
         beta_schedule_steps=1000,
     )  # fmt: skip
+    fields.update(overrides)
     return AdaptiveKL(SimpleNamespace(**fields))
 
 
@@ -132,3 +134,71 @@ def test_the_resume_error_names_both_methods_and_both_ways_out():
         "beta=0.2 (the checkpoint's controller state is then not restored), or resume with a method of the "
         "checkpoint's controller"
     )
+
+
+# -- the β course: one line when train() ends ------------------------------------------------------------------------
+
+
+def _steps(state, rewards):
+    """Optimizer steps with a reward each and no KL (None: a step without valid tokens); the β each trained with."""
+    used = []
+    for step, reward in enumerate(rewards, start=1):
+        used.append(state.beta)
+        state.observe_reward(reward)
+        state.end_step(step)
+    return used
+
+
+def test_the_course_gives_the_beta_of_the_first_and_last_steps_and_how_often_it_changed():
+    state = _adaptive("dynamic")  # decay 0.5 while the trailing mean (window 2) > 0; floor 0.01
+    used = _steps(state, [1.0, 1.0, -3.0, -3.0, 1.0])
+    # trailing means 1, 1, -1, -3, -1: it decays after steps 1 and 2 only
+    assert used == [BETA, BETA / 2, BETA / 4, BETA / 4, BETA / 4]
+    level, message = state.course_summary()
+    assert level == logging.INFO
+    assert message == (f"unsloth_adaptive_kl: kl_adaptation_method='dynamic': beta {BETA:g} -> {BETA / 4:g} over the 5 "
+                       f"optimizer steps of this run (the beta each step trained with; it changed at 2 of them, lowest "
+                       f"{BETA / 4:g}, highest {BETA:g})")
+    state.begin_training()  # a second train(): counted from its own first step
+    assert state.course_summary() is None
+    _steps(state, [1.0])
+    assert "over the 1 optimizer step of this run" in state.course_summary()[1]
+
+
+def test_a_dynamic_beta_that_never_moved_is_a_warning_with_the_reward_it_never_passed():
+    state = _adaptive("dynamic", reward_threshold=0.5)
+    used = _steps(state, [0.1, 0.4, 0.3, 0.2])
+    assert used == [BETA] * 4
+    level, message = state.course_summary()
+    assert level == logging.WARNING
+    assert message == (f"unsloth_adaptive_kl: kl_adaptation_method='dynamic' never moved beta in the 4 optimizer steps "
+                       f"of this run: every step trained with beta {BETA:g}, as a fixed beta would; its trailing mean "
+                       "reward (the last reward_window=2 rewards) peaked at 0.35, never above reward_threshold=0.5: set "
+                       "reward_threshold to a reward your task reaches (adaptive_kl/current_beta logs the beta of each step)")
+
+
+def test_a_controller_that_moved_only_at_the_last_update_is_not_said_to_have_never_moved():
+    state = _adaptive("dynamic", reward_threshold=0.5)
+    assert _steps(state, [0.1, 0.2, 2.0]) == [BETA] * 3  # the decay after step 3 trains no step of this run
+    level, message = state.course_summary()
+    assert level == logging.INFO and f"beta {BETA:g} -> {BETA:g}" in message and "changed at 0 of them" in message
+
+
+@pytest.mark.parametrize("method", [m for m in reference.METHODS if not any(p in controller_names() for p in m.split("+"))])
+def test_a_fixed_beta_has_no_course_line(method):
+    state = _adaptive(method)
+    _steps(state, [1.0, 0.0])
+    assert state.course_summary() is None
+
+
+def test_the_course_keeps_the_extremes_of_a_beta_that_rose_and_fell():
+    from unsloth_adaptive_kl.adaptation import BetaCourse
+
+    course = BetaCourse()
+    for used, after in [(0.1, 0.2), (0.2, 0.05), (0.05, 0.05), (0.05, 0.05)]:
+        course.add(used, after)
+    assert (course.steps, course.first, course.last, course.low, course.high) == (4, 0.1, 0.05, 0.05, 0.2)
+    assert (course.changes, course.updates_that_moved) == (2, 2)
+    state = _adaptive("ziegler")
+    state.course = course
+    assert state.course_summary()[1].endswith("(the beta each step trained with; it changed at 2 of them, lowest 0.05, highest 0.2)")

@@ -25,6 +25,27 @@ from .runaway import RunawayAlarm
 logger = logging.getLogger("unsloth_adaptive_kl")
 
 
+class BetaCourse:
+    """The β each optimizer step of one ``train()`` trained with, summed up as it goes (``AdaptiveKL.end_step`` adds
+    each step): the first and last, the extremes, at how many steps it differed from the step before, and how many
+    updates moved the controller's β (the last update's β trains no step of this run, but it shows the controller
+    acted)."""
+
+    def __init__(self):
+        self.steps = self.changes = self.updates_that_moved = 0
+        self.first = self.last = self.low = self.high = None
+
+    def add(self, used: float, after: float) -> None:
+        if self.steps and used != self.last:
+            self.changes += 1
+        self.first = used if self.first is None else self.first
+        self.low = used if self.low is None else min(self.low, used)
+        self.high = used if self.high is None else max(self.high, used)
+        self.last = used
+        self.steps += 1
+        self.updates_that_moved += after != used
+
+
 def _no_reduce(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
@@ -52,6 +73,7 @@ class AdaptiveKL:
         self._step_sums: torch.Tensor | None = None
         self._tail_window: dict[bool, tail.TailTotals | None] = {True: None, False: None}  # by training
         self._warned_nonfinite = False
+        self.course = BetaCourse()  # what β did over this train() (begin_training starts a new one)
 
     # -- the per-token math: the term's ---------------------------------------------------------
     @property
@@ -251,7 +273,34 @@ class AdaptiveKL:
         self.watch_runaway(global_step, kl)
         before = self.controller.beta
         returned = self.controller.update(global_step=global_step, kl=kl, num_completions=completions)
-        return check_controller_beta(self.controller, returned, when=f"after update(global_step={global_step})", before=before)
+        beta = check_controller_beta(self.controller, returned, when=f"after update(global_step={global_step})", before=before)
+        self.course.add(before, beta)
+        return beta
+
+    def begin_training(self) -> None:
+        """A ``train()`` starts: the β course is counted from its first step."""
+        self.course = BetaCourse()
+
+    def course_summary(self) -> tuple[int, str] | None:
+        """What β did over this ``train()``, for the one line logged when it ends (level, message): INFO with the β of
+        the first and last steps and how often it changed; WARNING when a β controller never moved β (it trained as
+        a fixed β would), with the controller's reason where it knows one. None for a fixed β, or before any step."""
+        course, controller = self.course, self.controller
+        if not controller.adapts_beta or course.steps == 0:
+            return None
+        steps = f"{course.steps} optimizer step{'s' if course.steps != 1 else ''} of this run"
+        if course.changes == 0 and course.updates_that_moved == 0:
+            reason = controller.idle_reason()
+            return logging.WARNING, (
+                f"unsloth_adaptive_kl: kl_adaptation_method={self.method_text!r} never moved beta in the {steps}: every "
+                f"step trained with beta {course.first:g}, as a fixed beta would" + (f"; {reason}" if reason else "")
+                + f" ({metrics.CURRENT_BETA} logs the beta of each step)"
+            )
+        return logging.INFO, (
+            f"unsloth_adaptive_kl: kl_adaptation_method={self.method_text!r}: beta {course.first:g} -> {course.last:g} "
+            f"over the {steps} (the beta each step trained with; it changed at {course.changes} of them, lowest "
+            f"{course.low:g}, highest {course.high:g})"
+        )
 
     def watch_runaway(self, step: int, kl: float | None) -> None:
         """Feed the runaway alarm the step's KL (the loss's, the scoring-time KL under ``kl_placement="reward"``, or

@@ -112,6 +112,11 @@ class BetaController:
         """What this controller logs after each update besides β and ``skipped_updates`` (name -> value)."""
         return {}
 
+    def idle_reason(self) -> str | None:
+        """Why β never moved, in words, where this controller can tell (said when a run ends with β where it began);
+        None: no reason known."""
+        return None
+
     def state_dict(self) -> dict:
         return {"name": self.name, "beta": self.beta, "skipped_updates": self.skipped_updates, "configured_beta": self.config.beta}
 

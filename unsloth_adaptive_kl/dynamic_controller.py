@@ -62,6 +62,7 @@ class DynamicBeta(BetaController):
         super().__init__(config)
         self.rewards: deque[float] = deque(maxlen=config.reward_window)
         self.new_reward = False  # a reward arrived that no decay has used yet
+        self.peak_reward: float | None = None  # the highest trailing mean reward seen by this process (idle_reason)
         self.apply_schedule(0)  # beta_schedule_steps=0: β starts at its floor
 
     def apply_schedule(self, global_step: int) -> bool:
@@ -95,6 +96,20 @@ class DynamicBeta(BetaController):
             return
         self.rewards.append(float(reward))
         self.new_reward = True
+        trailing = self.trailing_reward()
+        self.peak_reward = trailing if self.peak_reward is None else max(self.peak_reward, trailing)
+
+    def idle_reason(self) -> str | None:
+        cfg = self.config
+        if self.beta == 0.0:
+            return "beta is 0, which decay leaves at 0"
+        if self.peak_reward is None:
+            return "no finite reward arrived"
+        if self.peak_reward <= cfg.reward_threshold:
+            return (f"its trailing mean reward (the last reward_window={cfg.reward_window} rewards) peaked at "
+                    f"{self.peak_reward:.4g}, never above reward_threshold={cfg.reward_threshold:g}: set reward_threshold "
+                    "to a reward your task reaches")
+        return None
 
     def trailing_reward(self) -> float | None:
         return sum(self.rewards) / len(self.rewards) if self.rewards else None

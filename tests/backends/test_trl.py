@@ -213,11 +213,14 @@ def _run(checkpoint, tmp_path, **overrides):
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_grpo_trains_end_to_end_logging_metrics_and_beta_trajectory(tiny_checkpoint, tmp_path, method):
+def test_grpo_trains_end_to_end_logging_metrics_and_beta_trajectory(tiny_checkpoint, tmp_path, method, caplog):
     overrides = dict(kl_adaptation_method=method, **reference.training_settings(), kl_clip_threshold=0.05, learning_rate=2e-2)
-    trainer, logs = _run(tiny_checkpoint, tmp_path, **overrides)
+    with caplog.at_level("INFO", logger="unsloth_adaptive_kl"):
+        trainer, logs = _run(tiny_checkpoint, tmp_path, **overrides)
     assert len(logs) == 3
     betas = [h["adaptive_kl/current_beta"] for h in logs]
+    # when train() ends, one line says what β did, from the same β the steps logged (none for a fixed β)
+    reference.assert_course_logged([r.getMessage() for r in caplog.records if " of this run" in r.getMessage()], method, betas)
     for h in logs:
         assert math.isfinite(h["adaptive_kl/raw_kl"]) and math.isfinite(h["adaptive_kl/adapted_kl"])
         assert h["adaptive_kl/raw_kl"] == pytest.approx(h["kl"], rel=1e-6)  # k3 raw == TRL's kl
@@ -394,6 +397,23 @@ def test_a_nan_kl_leaves_beta_where_it_was_and_is_counted(tiny_checkpoint, tmp_p
     assert trainer.beta == logs[2]["adaptive_kl/current_beta"] > 0  # ...and did not move β (was beta_min = 0)
     assert [h["adaptive_kl/skipped_updates"] for h in logs] == [0.0, 0.0, 1.0]
     assert "non-finite KL" in caplog.text
+
+
+def test_a_dynamic_beta_whose_reward_never_passed_its_threshold_says_so_when_training_ends(tiny_checkpoint, tmp_path, caplog):
+    """The README's `dynamic` on a task whose reward stays below reward_threshold trains as a fixed β: a warning says
+    so, with the highest trailing reward, when train() returns (the fork's dynamic β never fired, silently)."""
+    with caplog.at_level("INFO", logger="unsloth_adaptive_kl"):
+        trainer, logs = _run(tiny_checkpoint, tmp_path, kl_adaptation_method="dynamic", reward_threshold=100.0, **SMALL_BATCH)
+    rewards = [h["reward"] for h in logs]
+    window = trainer.args.reward_window
+    peak = max(sum(rewards[max(0, i + 1 - window):i + 1]) / len(rewards[max(0, i + 1 - window):i + 1]) for i in range(len(rewards)))
+    (record,) = [r for r in caplog.records if " of this run" in r.getMessage()]
+    assert record.levelname == "WARNING"
+    assert record.getMessage() == (
+        "unsloth_adaptive_kl: kl_adaptation_method='dynamic' never moved beta in the 3 optimizer steps of this run: every "
+        f"step trained with beta 0.04, as a fixed beta would; its trailing mean reward (the last reward_window={window} "
+        f"rewards) peaked at {peak:.4g}, never above reward_threshold=100: set reward_threshold to a reward your task "
+        "reaches (adaptive_kl/current_beta logs the beta of each step)")
 
 
 def test_a_kl_horizon_too_small_for_the_step_is_refused_when_the_trainer_is_created(tiny_checkpoint, tmp_path):

@@ -158,6 +158,7 @@ def test_unsloth_grpo_trains_with_each_method(method, tmp_path_factory):
     betas = [h["adaptive_kl/current_beta"] for h in logs]
     # dynamic: the reward is always above its threshold, so beta decays at every optimizer step
     assert betas == pytest.approx(reference.expected_betas(method, logs), rel=1e-9)
+    reference.assert_course_logged(run["course_lines"], method, betas)  # the line logged when train() ends
     for h in logs:
         assert h["adaptive_kl/raw_kl"] is not None and h["adaptive_kl/adapted_kl"] is not None
         assert h["adaptive_kl/token_kl_max"] >= h["adaptive_kl/token_kl_p99"] >= 0  # k3: no negative token

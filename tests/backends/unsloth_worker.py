@@ -537,6 +537,7 @@ def scenario_train():
             "ignored_printed": "IGNORED" in out.getvalue(),
             "runtime": type(t._adaptive_kl).__name__,
             "backend_lines": [line for line in lines if "backend:" in line],
+            "course_lines": [line for line in lines if " of this run" in line],
             "batch": [t.args.per_device_train_batch_size, t.args.gradient_accumulation_steps, t.args.steps_per_generation],
         }
     results["train"] = runs

@@ -50,6 +50,12 @@ def _callback_classes():
 
         def on_train_begin(self, args, state, control, **kwargs):
             self._check_still_patched()
+            self.runtime.begin_training()
+
+        def on_train_end(self, args, state, control, **kwargs):
+            summary = self.runtime.course_summary()
+            if summary is not None and state.is_world_process_zero:  # every process has the same β: one line
+                logger.log(*summary)
 
         def on_step_begin(self, args, state, control, **kwargs):
             self._check_still_patched()
