@@ -11,6 +11,7 @@ an all-masked row. The assertions live in test_multiprocess.py.
 """
 
 import json
+import logging
 import os
 import sys
 import tempfile
@@ -138,13 +139,19 @@ def main():
         ref_calls = []
         if trainer.ref_model is not None:
             trainer.ref_model.register_forward_hook(lambda *a, calls=ref_calls, t=trainer: calls.append(t.state.global_step))
+        lines = []
+        handler = logging.Handler()
+        handler.emit = lambda record, lines=lines: lines.append(record.getMessage())
+        logging.getLogger("unsloth_adaptive_kl").addHandler(handler)
         trainer.train()
+        logging.getLogger("unsloth_adaptive_kl").removeHandler(handler)
         logged = [h for h in trainer.state.log_history if metrics.CURRENT_BETA in h]
         results[name] = {
             "betas": betas, "rows": rows, "logged_betas": [h[metrics.CURRENT_BETA] for h in logged], "penalties": penalties,
             "logged_tail": [[h.get(name) for name in metrics.WINDOW_TAIL_METRICS] for h in logged],
             "ref_calls": sorted(set(ref_calls)), "logged_raw_kl": [h.get(metrics.RAW_KL) for h in logged], "untouched": untouched,
             "logged_penalty": [h.get(metrics.KL_PENALTY) for h in logged],
+            "course_lines": [line for line in lines if " of this run" in line],
         }  # fmt: skip
         torch.distributed.barrier()
     with open(os.path.join(OUT, f"rank{rank}.json"), "w") as f:

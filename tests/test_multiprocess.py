@@ -76,6 +76,15 @@ def test_beta_is_identical_on_every_rank_at_every_step(ranks, method):
 
 
 @pytest.mark.parametrize("method", METHODS)
+def test_the_line_said_when_training_ends_is_said_once_by_the_main_process(ranks, method):
+    """What β did (the line logged when train() ends) is rank 0's alone, from the β every rank logged."""
+    zero, one = ranks[0][method], ranks[1][method]
+    reference.assert_course_logged(zero["course_lines"], method, zero["logged_betas"],
+                                   adapts=True if method.split("+")[0] == "halve" else None)
+    assert one["course_lines"] == []
+
+
+@pytest.mark.parametrize("method", METHODS)
 def test_logged_metrics_are_global_means_of_both_ranks_local_sums(ranks, method):
     from unsloth_adaptive_kl import metrics
 
