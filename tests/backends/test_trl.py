@@ -255,7 +255,7 @@ def test_beta_reaching_zero_skips_kl_and_reference_forward_with_reused_generatio
 
 
 @pytest.mark.parametrize("method", reference.controller_names())
-def test_resume_from_checkpoint_continues_the_beta_series(tiny_checkpoint, tmp_path, method):
+def test_resume_from_checkpoint_continues_the_beta_series(tiny_checkpoint, tmp_path, method, caplog):
     overrides = dict(kl_adaptation_method=method, **reference.RESUME_SETTINGS, max_steps=5, learning_rate=2e-2, **SMALL_BATCH)
     _, full = _run(tiny_checkpoint, tmp_path / "full", **overrides)
     first = make_trainer(tiny_checkpoint, tmp_path / "resumed", **overrides, save_strategy="steps", save_steps=2)
@@ -264,12 +264,16 @@ def test_resume_from_checkpoint_continues_the_beta_series(tiny_checkpoint, tmp_p
     assert first.state.global_step == 2
     saved = first._adaptive_kl.state_dict()
     resumed = make_trainer(tiny_checkpoint, tmp_path / "resumed", **overrides)
-    resumed.train(resume_from_checkpoint=str(tmp_path / "resumed" / "checkpoint-2"))
+    caplog.clear()
+    with caplog.at_level("INFO", logger="unsloth_adaptive_kl"):
+        resumed.train(resume_from_checkpoint=str(tmp_path / "resumed" / "checkpoint-2"))
     after = [h["adaptive_kl/current_beta"] for h in resumed.state.log_history if "adaptive_kl/current_beta" in h and h["step"] > 2]
     full_betas = [h["adaptive_kl/current_beta"] for h in full]
     assert saved["controller"]["name"] == method
     assert after == pytest.approx(full_betas[2:], rel=1e-12)
     assert after[0] != 0.04  # the controller's state came back, not the configured beta
+    # the line said when it ends counts the resumed run's 3 steps, from the checkpoint's beta
+    reference.assert_course_logged([r.getMessage() for r in caplog.records if " of this run" in r.getMessage()], method, after)
 
 
 def test_the_trainer_signature_shows_the_loss_class_keyword_it_accepts():
