@@ -399,3 +399,21 @@ def test_reward_conditioned_with_the_default_beta_min_of_zero_never_reaches_zero
         beta = reference.NEXT_BETA["reward_conditioned"](beta, cfg, None, reward, 8, step=1, latest=reward)
         assert got > 0.0 and got == pytest.approx(beta, rel=1e-12, abs=1e-300), (reward, got, beta)
     assert got == pytest.approx(cfg.beta, rel=1e-12)  # recovered to beta at a high reward
+
+
+def test_target_says_why_it_never_moved_beta():
+    """The reason the line said when training ends gives for a `target` that never moved β: a KL below the target
+    during its warm-up (when it may raise β, not lower it), or with β at its lower bound."""
+    cfg = ControllerConfig(beta=0.04, kl_target=0.01, target_warmup_steps=20, target_beta_range=5.0, beta_min=0.0)
+    warming = make_controller("target", cfg)
+    for step in range(1, 6):
+        assert warming.update(global_step=step, kl=0.001, num_completions=4) == 0.04
+    assert warming.idle_reason() == ("its smoothed KL (0.001) stayed below kl_target=0.01, and in its first "
+                                     "target_warmup_steps=20 updates target may raise beta but not lower it")
+    floored = make_controller("target", ControllerConfig(beta=0.04, kl_target=0.01, target_warmup_steps=0,
+                                                         target_beta_range=1.0, beta_min=0.0))
+    for step in range(1, 4):
+        assert floored.update(global_step=step, kl=0.001, num_completions=4) == 0.04  # range 1: β0 is its floor
+    assert floored.idle_reason() == ("its smoothed KL (0.001) was below kl_target=0.01 with beta at its lower bound "
+                                     "(0.04: beta / target_beta_range, or beta_min)")
+    assert make_controller("target", cfg).idle_reason() == "no step had a KL to steer on"

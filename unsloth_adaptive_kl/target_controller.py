@@ -237,6 +237,20 @@ class HeldTargetKL(BetaController):
         """What this controller logs each step besides β."""
         return {TARGET_REACHABLE: 1.0 if self.reachable else 0.0}
 
+    def idle_reason(self) -> str | None:
+        cfg = self.config
+        if self.beta == 0.0:
+            return "beta is 0, which target leaves at 0"
+        if self.kl_mean is None:
+            return "no step had a KL to steer on"
+        if self.kl_mean < cfg.kl_target and self.updates <= cfg.target_warmup_steps:
+            return (f"its smoothed KL ({self.kl_mean:.4g}) stayed below kl_target={cfg.kl_target:g}, and in its first "
+                    f"target_warmup_steps={cfg.target_warmup_steps} updates target may raise beta but not lower it")
+        if self.kl_mean < cfg.kl_target and self.beta <= self.lower():
+            return (f"its smoothed KL ({self.kl_mean:.4g}) was below kl_target={cfg.kl_target:g} with beta at its lower "
+                    f"bound ({self.lower():g}: beta / target_beta_range, or beta_min)")
+        return None
+
     # -- checkpoint -----------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {
