@@ -173,8 +173,9 @@ def test_the_trainer_side_state_is_the_kl_term_and_the_controller():
     # the cross-process sum (and this process's slot in it), the step's sums, the tail metrics' logging window, a warn-once flag
     own = set(vars(state)) - {"reduce", "process_index", "num_processes", "_step_sums", "_tail_window", "_warned_nonfinite"}
     # monitor, monitor_every (kl_monitor, kl_monitor_every): whether, and on which batches, the KL is computed at β = 0;
-    # alarm: the runaway alarm (runaway.py), fed each optimizer step
-    assert own == {"term", "controller", "monitor", "monitor_every", "alarm"}, own
+    # alarm: the runaway alarm (runaway.py), fed each optimizer step; course: what β did over this train() (BetaCourse),
+    # for the one line said when it ends
+    assert own == {"term", "controller", "monitor", "monitor_every", "alarm", "course"}, own
 
 
 def test_backends_reach_the_length_normalised_term_only_through_kl_term():
