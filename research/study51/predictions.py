@@ -21,8 +21,9 @@ verdicts). Where a sentence needs a reading to be checked, the reading is this f
    ``schedule`` arm from β0 1 (linear and cosine), |mean paired Δ final reward| ≤ 0.05, and its mean best window
    ≤ the best fixed β's.
 5. "`target` and `ziegler` hold K (within ±25 % at the end) in at most half of their runs each": for each method, the
-   runs whose final KL / kl_target lies in [0.75, 1.25] are at most half of its runs (the ±25 % of study 49). "`target`'s
-   β stays within [β0/5, 5 β0]": every logged β of every ``target`` run.
+   runs that held K by study 49's rule (``research/study49/report.held``: final KL / kl_target within ×1.25 either way,
+   0.8-1.25) are at most half of its runs. "`target`'s β stays within [β0/5, 5 β0]": every logged β of every
+   ``target`` run.
 6. "The median completion length of the final window is within ±10 tokens of fixed β 0.04's in every arm": each
    arm's mean final median length differs from fixed β 0.04's by at most 10 tokens.
 
@@ -39,11 +40,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from research.study49.report import held as held_target  # noqa: E402
 from research.study51 import arms_report  # noqa: E402
 from unsloth_adaptive_kl import metrics  # noqa: E402
 
 BETA = metrics.CURRENT_BETA
-HELD_BAND, ACTING_BELOW, DYNAMIC_WITHIN, SCHEDULE_WITHIN, FIXED_WITHIN, LENGTH_WITHIN = 0.25, 0.004, 0.01, 0.05, 0.05, 10.0
+ACTING_BELOW, DYNAMIC_WITHIN, SCHEDULE_WITHIN, FIXED_WITHIN, LENGTH_WITHIN = 0.004, 0.01, 0.05, 0.05, 10.0
 NOT_MEASURED = "not measured"
 
 
@@ -126,11 +128,11 @@ def check(directories: list[str], planned: int = 100) -> list[dict]:
 
     # not a registry list: the two controllers prediction 5 names
     for method in ("target", "ziegler"):
-        ratios = [n["kl"] / a["runs"][s][0]["kl_target"] for a in arms if a["method"] == method
+        finals = [(n["kl"], a["runs"][s][0]["kl_target"]) for a in arms if a["method"] == method
                   for s, n in sorted(a["numbers"].items()) if n["kl"] is not None]
-        held = sum(1 - HELD_BAND <= r <= 1 + HELD_BAND for r in ratios)
-        clause("5", f"`{method}` holds K (±{HELD_BAND:.0%}) in at most half of its runs",
-               f"{held} of {len(ratios)}" if ratios else NOT_MEASURED, held <= len(ratios) / 2 if ratios else None)
+        held = sum(held_target(kl, kl_target) for kl, kl_target in finals)
+        clause("5", f"`{method}` holds K (±25%) in at most half of its runs",
+               f"{held} of {len(finals)}" if finals else NOT_MEASURED, held <= len(finals) / 2 if finals else None)
     outside = []
     target_runs = 0
     for a in (a for a in arms if a["method"] == "target"):

@@ -163,3 +163,16 @@ def test_the_report_prints_a_row_a_clause(tmp_path):
     assert lines[0] == "| prediction | claim | measured | verdict |"
     assert len(lines) == 2 + 13  # 1, 1a, 1b, 2a-2c, 3, 4 (two arms), 5 (three clauses), 6
     assert "| 3 | no runaway in any arm | 1 of 70 runs alarmed: reward_conditioned β 0.04 seed 2 | failed |" in lines
+
+
+def test_holding_k_is_study_49s_rule_on_the_log_scale(tmp_path):
+    """"Holds K" is study 49's held: within ×1.25 either way (0.8-1.25 × K), so a final KL of 0.78 × K did not hold it."""
+    def change(name, seed, args):
+        method, beta0, final, kwargs = args
+        if name == "ziegler 0.01":
+            kwargs["kl"] = 0.0156  # 0.78 × the kl_target 0.02
+        return method, beta0, final, kwargs
+
+    five = {k[1]: r for k, r in build(tmp_path, change).items() if k[0] == "5"}
+    ziegler = five["`ziegler` holds K (±25%) in at most half of its runs"]
+    assert (ziegler["measured"], ziegler["verdict"]) == ("1 of 10", "held")  # seed 0 of ziegler 1 (1.2 × K) alone
