@@ -5,8 +5,9 @@
 
 Every number of the answer is read from a table of a study page (docs/evidence/*.md): the wording is this file's,
 the numbers are the tables'. Study 51's part B enters once its page has a section "### Part B: results" holding
-``research/study51/arms_report.py``'s table (the real model's best fixed β, and every controller against it). research/tests/test_evidence_pages.py fails while docs/evidence.md holds another answer than
-this one, so a table that changes changes the answer, or the test says so.
+``research/study51/arms_report.py``'s table (the real model's best fixed β, and every controller against it; written
+by ``research/study51/results.py``). research/tests/test_evidence_pages.py fails while docs/evidence.md holds another
+answer than this one, so a table that changes changes the answer, or the test says so.
 """
 
 from __future__ import annotations

@@ -90,8 +90,8 @@ def check(directories: list[str], planned: int = 100) -> list[dict]:
     dynamic = [a for a in arms if a["method"] == "dynamic"]
     defaults = [a for a in dynamic if "reward_threshold" not in _params(a)]
     acting = [a for a in dynamic if "reward_threshold" in _params(a)]
-    moved = [(s, min(_betas(rows)), max(_betas(rows))) for a in defaults for s, rows in sorted(a["runs"].items())
-             if any(b != rows[0]["beta0"] for b in _betas(rows))]
+    moved = [(s, min(betas), max(betas)) for a in defaults for s, rows in sorted(a["runs"].items())
+             for betas in [_betas(rows)] if any(b != rows[0]["beta0"] for b in betas)]
     runs = sum(len(a["runs"]) for a in defaults)
     clause("2a", "`dynamic` at its defaults never moves β",
            f"β moved in {len(moved)} of {runs} runs" + "".join(f"; seed {s}: {lo:g}-{hi:g}" for s, lo, hi in moved),

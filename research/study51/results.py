@@ -23,11 +23,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from research.evidence_answer import RESULTS_51  # noqa: E402
 from research.study51 import arms_report, figure, partb_lists, predictions  # noqa: E402
 
 PAGE = os.path.join(ROOT, "docs", "evidence", "study51-real-model.md")
 DATA = os.path.join(ROOT, "research", "data")
-HEADING = "### Part B: results"
+HEADING = RESULTS_51  # the one-screen answer reads the section under it
 MARKER = "<!-- part-b-results -->"
 FIGURE = "study51-figure.png"
 
