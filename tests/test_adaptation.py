@@ -202,3 +202,16 @@ def test_the_course_keeps_the_extremes_of_a_beta_that_rose_and_fell():
     state = _adaptive("ziegler")
     state.course = course
     assert state.course_summary()[1].endswith("(the beta each step trained with; it changed at 2 of them, lowest 0.05, highest 0.2)")
+
+
+@pytest.mark.parametrize("controller", controller_names())
+def test_a_controller_at_beta_zero_is_said_to_leave_it_at_zero(controller):
+    """A β of 0 (a config refuses it; a run resumed where dynamic or schedule had reached beta_min 0 starts there)."""
+    state = _adaptive(controller, beta_min=0.0)
+    state.beta = 0.0
+    assert _steps(state, [1.0, 1.0, 1.0]) == [0.0] * 3
+    level, message = state.course_summary()
+    assert level == logging.WARNING
+    assert message == (f"unsloth_adaptive_kl: kl_adaptation_method={controller!r} never moved beta in the 3 optimizer "
+                       f"steps of this run: every step trained with beta 0, as a fixed beta would; beta is 0, which "
+                       f"{controller} leaves at 0 (adaptive_kl/current_beta logs the beta of each step)")

@@ -290,7 +290,8 @@ class AdaptiveKL:
             return None
         steps = f"{course.steps} optimizer step{'s' if course.steps != 1 else ''} of this run"
         if course.changes == 0 and course.updates_that_moved == 0:
-            reason = controller.idle_reason()
+            # a β of 0 stays 0 under every controller that never moved it; otherwise the controller may know why
+            reason = f"beta is 0, which {controller.name} leaves at 0" if course.first == 0 else controller.idle_reason()
             return logging.WARNING, (
                 f"unsloth_adaptive_kl: kl_adaptation_method={self.method_text!r} never moved beta in the {steps}: every "
                 f"step trained with beta {course.first:g}, as a fixed beta would" + (f"; {reason}" if reason else "")

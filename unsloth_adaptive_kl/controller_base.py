@@ -113,8 +113,8 @@ class BetaController:
         return {}
 
     def idle_reason(self) -> str | None:
-        """Why β never moved, in words, where this controller can tell (said when a run ends with β where it began);
-        None: no reason known."""
+        """Why β never moved, in words, where this controller can tell (said when a run ends with β where it began, and
+        β was not 0: that case is said for every controller); None: no reason known."""
         return None
 
     def state_dict(self) -> dict:

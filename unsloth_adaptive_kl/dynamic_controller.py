@@ -101,8 +101,6 @@ class DynamicBeta(BetaController):
 
     def idle_reason(self) -> str | None:
         cfg = self.config
-        if self.beta == 0.0:
-            return "beta is 0, which decay leaves at 0"
         if self.peak_reward is None:
             return "no finite reward arrived"
         if self.peak_reward <= cfg.reward_threshold:

@@ -239,8 +239,6 @@ class HeldTargetKL(BetaController):
 
     def idle_reason(self) -> str | None:
         cfg = self.config
-        if self.beta == 0.0:
-            return "beta is 0, which target leaves at 0"
         if self.kl_mean is None:
             return "no step had a KL to steer on"
         if self.kl_mean < cfg.kl_target and self.updates <= cfg.target_warmup_steps:

@@ -53,8 +53,10 @@ def _callback_classes():
             self.runtime.begin_training()
 
         def on_train_end(self, args, state, control, **kwargs):
+            if not state.is_world_process_zero:  # every process has the same β: one line, the main process's
+                return
             summary = self.runtime.course_summary()
-            if summary is not None and state.is_world_process_zero:  # every process has the same β: one line
+            if summary is not None:
                 logger.log(*summary)
 
         def on_step_begin(self, args, state, control, **kwargs):
