@@ -56,6 +56,11 @@ def number(cell: str) -> float:
     return float(re.search(r"[-+]?\d+(?:\.\d+)?(?:e-?\d+)?", cell).group())
 
 
+def number_or_none(cell: str) -> float | None:
+    """A cell's first number; None for a cell without one (arms_report's "—": no final value, no pair)."""
+    return number(cell) if re.search(r"\d", cell) else None
+
+
 def span(values, fmt: str) -> str:
     low, high = min(values), max(values)
     return format(low, fmt) if format(low, fmt) == format(high, fmt) else f"{format(low, fmt)}-{format(high, fmt)}"
@@ -140,8 +145,9 @@ def study_51(text: str) -> dict | None:
         beta0, _, options = rest.partition(" (")
         params = dict(o.split(" ", 1) if " " in o else (o, "") for o in options.rstrip(")").split(", ") if o)
         arms.append({"label": r["arm"], "method": method, "beta0": float(beta0), "params": params,
-                     "seeds": int(number(r["seeds (complete)"].split("(")[1])), "reward": number(r["final reward"]),
+                     "seeds": int(number(r["seeds (complete)"].split("(")[1])), "reward": number_or_none(r["final reward"]),
                      "runaways": int(number(r["runaways"])), "verdict": r["verdict"],
+                     "unlogged": int(m.group(1)) if (m := re.search(r"\((\d+) not logged\)", r["runaways"])) else 0,
                      "delta": None if r is best else r["Δ final reward vs best [95 % CI]"],
                      "needed": r["seeds needed"]})
     fixed = sorted((a for a in arms if a["method"] == "none"), key=lambda a: a["beta0"])
@@ -171,14 +177,17 @@ def controllers_51(s51: dict) -> str:
             continue
         items = []
         for a in arms:
-            notes = [f"{number(a['delta']):+.3f}"]
+            delta = number_or_none(a["delta"])
+            notes = [] if delta is None else [f"{delta:+.3f}"]
             if verdict == "inconclusive" and a["needed"] not in ("—", ""):
                 notes.append(f"{a['needed']} seeds would tell")
             if a["seeds"] < s51["seeds"]:
                 notes.append(f"{a['seeds']} seeds")
+            if a["unlogged"]:
+                notes.append(f"no runaway alarm logged in {a['unlogged']} run{'s' if a['unlogged'] != 1 else ''}")
             if a["runaways"]:
                 notes.append(f"{a['runaways']} runaway{'s' if a['runaways'] != 1 else ''}")
-            items.append(f"{short(a)} ({', '.join(notes)})")
+            items.append(f"{short(a)}" + (f" ({', '.join(notes)})" if notes else ""))
         parts.append(f"{words}: " + ", ".join(items))
     return "; ".join(parts)
 
@@ -210,7 +219,7 @@ def answer(s26: dict, s33: dict, s49: dict, s51: dict | None = None) -> str:
         headline = [f"- **β: a fixed {lo_b:g}-{hi_b:g} (`none`); {beaten}.** {study33}"]
     else:
         best, fixed = s51["best"], s51["fixed"]
-        grid = ", ".join(f"{a['beta0']:g}: {a['reward']:.3f}" for a in fixed)
+        grid = ", ".join(f"{a['beta0']:g}: " + ("—" if a["reward"] is None else f"{a['reward']:.3f}") for a in fixed)
         page = "evidence/study51-real-model.md#part-b-results"
         headline = [
             f"- **β: a fixed {best['beta0']:g} (`none`) on a real model; {beaten}.** [Study 51]({page}) "

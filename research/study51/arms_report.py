@@ -9,12 +9,16 @@ schedule, ``-mon``, controller parameters), so two arms never share one; its run
 second copy of a seed is refused: part B's rule runs a cut call again whole).
 
 Per arm: seeds complete; **final** reward, KL and median length (means over the final window, the last quarter of
-the planned steps, study 33's; the KL over the steps that logged one, so at β 0 the ``kl_monitor`` steps in it);
-**best window** (the highest mean reward over 10 consecutive steps, study 51 part A's); **runaways** (runs whose
+the planned steps, study 33's; the KL over the steps that logged one, so at β 0 the ``kl_monitor`` steps in it; a run
+that did not reach its planned steps has none, the page's rule); **best window** (the highest mean reward over 10
+consecutive steps, study 51 part A's: each run's own, averaged over the arm's runs; a window holding a NaN reward is
+skipped), and the arm's best window less the best fixed β's (reported, not tested); **runaways** (runs whose
 ``adaptive_kl/runaway_alarm`` turned 1: the package's alarm, docs/runaway.md's definition, which works at β 0 through
-``kl_monitor``). The **best fixed β** is the `none` arm with the highest mean final reward. Every other arm is
+``kl_monitor``; a run that never logged the alarm is counted apart, "not logged", never as calm). The **best fixed β**
+is the `none` arm with the highest mean final reward. Every other arm is
 compared with it on the final reward, paired by seed: Δ mean and its 95 % t interval (``analysis.t_interval``); the paired t test's two-sided p,
-Holm-adjusted over the family of these comparisons (the m of them with two or more paired seeds); TOST with margin
+Holm-adjusted over the family of every comparison (the page's 15; one with fewer than two paired seeds, untested,
+stays in the family at p 1, so a lost run never makes the others' correction milder); TOST with margin
 ±0.05, its p (the larger of its two one-sided p) Holm-adjusted over the same family. **Verdict** at family-wise
 α 0.05: *beat* (adjusted p < α and Δ > 0), *lost* (adjusted p < α, Δ < 0), either with ", within ±0.05" where
 TOST's adjusted p < α too (a difference smaller than the margin), *matched* (TOST's adjusted p < α alone), else
@@ -64,14 +68,19 @@ def _mean(values) -> float | None:
 
 
 def run_numbers(rows: list[dict], planned: int) -> dict:
-    """One run's numbers; the final ones None when it stopped before its final window."""
-    window = A.final_window(rows, planned, FRACTION)
-    windows = probe_report.windows([r["reward"] for r in rows])
-    return {"complete": rows[-1]["step"] >= planned,
+    """One run's numbers. The final ones are None unless the run reached its planned steps (the page's rule: a run
+    that did not finish has no final value); its best window is over the steps it ran, skipping a window that holds a
+    NaN reward. ``alarm_logged``: whether any row logged the runaway alarm (a run that never did is not counted as
+    calm: ``runaway`` is then None and the arm's ``alarms_missing`` counts it)."""
+    complete = rows[-1]["step"] >= planned
+    window = A.final_window(rows, planned, FRACTION) if complete else []
+    windows = [w for w in probe_report.windows([r["reward"] for r in rows]) if w is not None and not math.isnan(w)]
+    return {"complete": complete,
             "reward": _mean(r["reward"] for r in window) if window else None,
             "best": max(windows) if windows else None,
             "kl": _mean(r.get(metrics.RAW_KL) for r in window if A.logged_kl(r)) if window else None,
             "median": _mean(r.get(MEDIAN) for r in window) if window else None,
+            "alarm_logged": any(r.get(ALARM) is not None for r in rows),
             "runaway": next((r["step"] for r in rows if r.get(ALARM) == 1), None)}
 
 
@@ -100,6 +109,7 @@ def table(directories: list[str], planned: int = 100) -> tuple[list[dict], dict 
                     "runs": seeds, "numbers": numbers, "seeds": len(numbers),
                     "complete": sum(n["complete"] for n in numbers.values()),
                     "runaways": sum(n["runaway"] is not None for n in numbers.values()),
+                    "alarms_missing": sum(not n["alarm_logged"] for n in numbers.values()),
                     **{key: _mean(n[key] for n in numbers.values()) for key in ("reward", "best", "kl", "median")}})
     fixed = [a for a in out if a["method"] == "none" and a["reward"] is not None]
     if not fixed:
@@ -111,13 +121,17 @@ def table(directories: list[str], planned: int = 100) -> tuple[list[dict], dict 
         pairs = [(a["numbers"][s]["reward"], best["numbers"][s]["reward"]) for s in sorted(set(a["numbers"]) & set(best["numbers"]))]
         diffs = [x - y for x, y in pairs if x is not None and y is not None]
         tests.append(_compare(diffs))
+    # The family: every comparison (the page's 15 with every arm filed); one with too few paired seeds to test stays
+    # in it with p 1, so that a run lost never makes the others' correction milder.
+    m = len(tests)
     for key in ("p", "p_tost"):
-        valid = [i for i, t in enumerate(tests) if t[key] is not None]
-        for i, adjusted in zip(valid, stats.holm([tests[i][key] for i in valid])):
-            tests[i][key + "_holm"] = adjusted
-    m = sum(t["p"] is not None for t in tests)  # the family: the comparisons with a p (two or more paired seeds)
+        adjusted = stats.holm([1.0 if t[key] is None else t[key] for t in tests]) if tests else []
+        for t, value in zip(tests, adjusted):
+            t[key + "_holm"] = None if t[key] is None else value
     for a, t in zip(others, tests):
         a["test"] = t
+        t["family"] = m
+        t["best_window_vs_best"] = None if a["best"] is None or best["best"] is None else a["best"] - best["best"]
         t["verdict"] = _verdict(t)
         t["seeds_needed"] = (stats.seeds_needed(t["mean"] / t["sd"], ALPHA / m, POWER)
                              if t["verdict"] == "inconclusive" and t["sd"] else None)
@@ -156,26 +170,29 @@ def _f(value, fmt: str) -> str:
 
 def report(directories: list[str], planned: int = 100) -> str:
     arms_, best = table(directories, planned)
-    m = sum("test" in a and a["test"]["p"] is not None for a in arms_)
+    m = len(arms_) - 1
     out = [f"# Study 51, part B ({planned} planned steps; final window: the last {FRACTION:.0%} of them; best window: "
            f"{WINDOW} steps)", ""]
     if best is None:
         return "\n".join(out + ["No `none` arm has a final reward: no best fixed β, no comparison."]) + "\n"
-    if m == 0:
-        method = "no arm has two seeds paired with it, so nothing is tested (a family of 0 comparisons)."
+    if not any("test" in a and a["test"]["p"] is not None for a in arms_):
+        method = (f"no arm has two seeds paired with it, so nothing is tested (a family of {m} "
+                  f"comparison{'s' if m != 1 else ''}, none tested).")
     else:
         method = (f"paired by seed; p-values Holm-adjusted over the family of {m} comparison{'s' if m != 1 else ''} "
                   f"(family-wise α {ALPHA:g}); matched: TOST ±{MARGIN:g}, Holm-adjusted; seeds needed: a paired t test at "
                   f"α/{m} with power {POWER:g} for the observed Δ and spread.")
     out += [f"Best fixed β: **{best['label']}** (mean final reward {best['reward']:.3f}). Every other arm against it, "
             + method, "",
-            "| arm | seeds (complete) | final reward | best window | final KL | median length | runaways | "
-            "Δ final reward vs best [95 % CI] | p (Holm) | TOST p (Holm) | verdict | seeds needed |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "| arm | seeds (complete) | final reward | best window | best window vs best | final KL | median length | "
+            "runaways | Δ final reward vs best [95 % CI] | p (Holm) | TOST p (Holm) | verdict | seeds needed |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for a in arms_:
-        row = (f"| {a['label']} | {a['seeds']} ({a['complete']}) | {_f(a['reward'], '.3f')} | {_f(a['best'], '.3f')} | "
-               f"{_f(a['kl'], '.4g')} | {_f(a['median'], '.1f')} | {a['runaways']} | ")
         t = a.get("test")
+        runaways = f"{a['runaways']}" + (f" ({a['alarms_missing']} not logged)" if a["alarms_missing"] else "")
+        row = (f"| {a['label']} | {a['seeds']} ({a['complete']}) | {_f(a['reward'], '.3f')} | {_f(a['best'], '.3f')} | "
+               f"{'—' if t is None else _f(t['best_window_vs_best'], '+.3f')} | "
+               f"{_f(a['kl'], '.4g')} | {_f(a['median'], '.1f')} | {runaways} | ")
         if t is None:
             row += "best fixed β | — | — | — | — |"
         elif t["p"] is None:

@@ -16,7 +16,8 @@ verdicts). Where a sentence needs a reading to be checked, the reading is this f
    β 0.04's in every seed": the paired difference of final rewards, |Δ| ≤ 0.01, in every seed both have. "The acting
    `dynamic` drops β below 0.004 in at least 3 of 5 seeds": runs of ``dynamic`` with ``reward_threshold`` whose
    smallest logged β is below 0.004.
-3. "No runaway in any arm (0 of 80 alarms)": no run's ``adaptive_kl/runaway_alarm`` turned 1.
+3. "No runaway in any arm (0 of 80 alarms)": no run's ``adaptive_kl/runaway_alarm`` turned 1 (failed by any alarm;
+   not measured while a run never logged the alarm and none alarmed).
 4. "`schedule` from 1 ends within ±0.05 of the best fixed β in mean, its best window no higher": for each
    ``schedule`` arm from β0 1 (linear and cosine), |mean paired Δ final reward| ≤ 0.05, and its mean best window
    ≤ the best fixed β's.
@@ -112,8 +113,11 @@ def check(directories: list[str], planned: int = 100) -> list[dict]:
 
     alarms = [(a["label"], s) for a in arms for s, n in sorted(a["numbers"].items()) if n["runaway"] is not None]
     total = sum(len(a["runs"]) for a in arms)
+    unlogged = sum(a["alarms_missing"] for a in arms)  # a run that never logged the alarm is not a calm run
     clause("3", "no runaway in any arm", f"{len(alarms)} of {total} runs alarmed"
-           + (": " + ", ".join(f"{label} seed {s}" for label, s in alarms) if alarms else ""), (not alarms) if total else None)
+           + (": " + ", ".join(f"{label} seed {s}" for label, s in alarms) if alarms else "")
+           + (f"; {unlogged} run{'s' if unlogged != 1 else ''} never logged the alarm" if unlogged else ""),
+           False if alarms else (None if unlogged or not total else True))
 
     schedules = [a for a in arms if a["method"] == "schedule" and a["beta0"] == 1 and "test" in a]
     for a in schedules:

@@ -6,7 +6,8 @@ streams once every list of the part has been filed, and only then.
     python research/study51/results.py --write      # writes it on the page (and the figure beside it)
 
 Part B's lists are phase 1's 20 (``study51-b-sS-{a,b,c,d}``) and phase 2's 8 (``study51-b-t-NAME-s{0,3}``), their
-names ``partb_lists.py``'s. ``--write`` refuses, naming what is missing, while a list has no folder in research/data:
+names ``partb_lists.py``'s. ``--write`` refuses, naming what is missing, while a list has no folder in research/data
+holding its stream (``NAME-stream.jsonl.gz``, as ``file_pair.sh`` files it):
 no result of part B is written before its runs are complete (the page's rule). The section sits between two
 markers under its heading; writing again replaces what is between them, and the prose a reader adds after the second
 marker stays. research/tests/test_study51_results.py checks that the page holds the section exactly when every list
@@ -16,6 +17,7 @@ is filed, and that what it holds is what this file makes from the data.
 from __future__ import annotations
 
 import argparse
+import glob
 import os
 import sys
 
@@ -41,7 +43,8 @@ def lists() -> list[str]:
 
 
 def missing(data: str = DATA) -> list[str]:
-    return [name for name in lists() if not os.path.isdir(os.path.join(data, name))]
+    """The lists not filed: no folder, or a folder without the list's stream."""
+    return [name for name in lists() if not glob.glob(os.path.join(data, name, f"{name}-stream.jsonl*"))]
 
 
 def directories(data: str = DATA) -> list[str]:
@@ -82,7 +85,7 @@ def held(page: str) -> str | None:
 def write(data: str = DATA, page_path: str = PAGE, planned: int = 100) -> None:
     absent = missing(data)
     if absent:
-        raise SystemExit(f"part B is not complete: {len(absent)} of its {len(lists())} lists have no folder in {data} "
+        raise SystemExit(f"part B is not complete: {len(absent)} of its {len(lists())} lists have no stream in {data} "
                          f"({', '.join(absent)}): its results are written only after every list has run")
     dirs = directories(data)
     with open(page_path) as f:

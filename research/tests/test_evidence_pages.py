@@ -165,7 +165,7 @@ def test_a_controller_that_beat_the_best_fixed_beta_would_change_the_headline():
 # -- study 51 part B: the answer once its page has the readout ------------------------------------------------------
 
 
-def _study51_page(tmp_path, *, schedule_delta=-0.1):
+def _study51_page(tmp_path, *, schedule_delta=-0.1, cut=False):
     """A copy of study 51's page with a results section holding arms_report's table of synthetic runs: fixed β 0,
     0.04 (the best: 0.6 + 0.01 × seed), 0.1; `dynamic` within ±0.004 of the best (matched), acting `dynamic` +0.03
     ± 0.07 (inconclusive), `schedule` from 1 ``schedule_delta`` in every seed, `target` 0.01 below with a runaway."""
@@ -183,13 +183,17 @@ def _study51_page(tmp_path, *, schedule_delta=-0.1):
                 ("dynamic", 0.04, best + noisy[seed], {"controller_params": {"reward_threshold": 0.48, "reward_window": 10}}),
                 ("schedule", 1.0, best + schedule_delta, {"controller_params": {"beta_min": 0.02, "beta_schedule": "linear"}}),
                 ("target", 0.01, best - 0.01, {"kl_target": 0.02, "alarm": seed == 1})]
+        if cut:  # an arm whose every run stopped at step 60 (no final value, no pair), one run without the alarm
+            arms.append(("reward_conditioned", 0.04, best, {"steps": 60, "no_alarm": seed == 3}))
         for i, (method, beta0, final, options) in enumerate(arms):
-            for step in range(1, 101):
+            for step in range(1, options.get("steps", 100) + 1):
                 row = {"tag": f"t{i}", "method": method, "seed": seed, "step": step, "copy": f"c{i}{seed}", "beta0": beta0,
                        "kl_target": options.get("kl_target", 0.1), "reward": 0.2 if step <= 40 else final,
                        "completions/median_length": 60.0, "adaptive_kl/raw_kl": 0.01,
                        "adaptive_kl/runaway_alarm": int(options.get("alarm", False) and step > 50)}
-                row.update({k: v for k, v in options.items() if k not in ("kl_target", "alarm")})
+                if options.get("no_alarm"):
+                    del row["adaptive_kl/runaway_alarm"]
+                row.update({k: v for k, v in options.items() if k not in ("kl_target", "alarm", "steps", "no_alarm")})
                 rows.append(row)
     directory = tmp_path / "study51-b-x"
     directory.mkdir()
@@ -237,3 +241,14 @@ def test_a_controller_that_beat_the_best_fixed_beta_on_the_real_model_changes_th
     text = _answer(evidence_answer.study_51(_study51_page(tmp_path, schedule_delta=+0.1)))
     assert "on a real model; beaten by `schedule` 1 linear on the real model.**" in text
     assert "beat: `schedule` 1 linear (+0.100)" in text
+
+
+def test_an_arm_without_final_values_or_alarms_is_named_without_a_delta(tmp_path):
+    """arms_report prints "—" for an arm whose runs all stopped before the end (no final reward, no pair) and "(k not
+    logged)" for runs without the runaway alarm: the answer names the arm under "too few seeds" without a Δ and says
+    the alarm is missing (it was an AttributeError)."""
+    s51 = evidence_answer.study_51(_study51_page(tmp_path, cut=True))
+    (cut,) = [a for a in s51["controllers"] if a["method"] == "reward_conditioned"]
+    assert (cut["reward"], cut["verdict"], cut["unlogged"], s51["family"]) == (None, "too few seeds", 1, 7)
+    text = _answer(s51)
+    assert "too few seeds: `reward_conditioned` 0.04 (0 seeds, no runaway alarm logged in 1 run)" in text  # 0 complete

@@ -145,7 +145,9 @@ def test_the_report_prints_one_row_an_arm_and_names_the_family(study):
     text = arms_report.report([str(study / "study51-b-1")])
     assert "Best fixed β: **none β 0.04** (mean final reward 0.520)" in text
     assert "Holm-adjusted over the family of 6 comparisons" in text
-    assert "| none β 0.04 | 5 (5) | 0.520 | 0.520 | 0.01 | 60.0 | 0 | best fixed β | — | — | — | — |" in text
+    assert "| none β 0.04 | 5 (5) | 0.520 | 0.520 | — | 0.01 | 60.0 | 0 | best fixed β | — | — | — | — |" in text
+    schedule = next(line for line in text.splitlines() if line.startswith("| schedule β 1"))
+    assert schedule.startswith("| schedule β 1 (cosine lr, beta_min 0.02, beta_schedule cosine) | 5 (5) | 0.720 | 0.720 | +0.200 |")
     row = next(line for line in text.splitlines() if line.startswith("| target β 0.01"))
     assert "| inconclusive |" in row and not row.endswith("| — |")
 
@@ -165,8 +167,9 @@ def test_a_cut_run_has_no_final_numbers_and_is_not_complete(tmp_path):
     assert cut["complete"] == 0 and cut["reward"] is None and cut["best"] == pytest.approx(0.4)
 
 
-def test_an_arm_with_one_paired_seed_is_outside_the_family(tmp_path):
-    """Holm's family and the seeds-needed level count only the comparisons that have a p (two or more seeds)."""
+def test_an_arm_with_one_paired_seed_stays_in_the_family_at_p_1(tmp_path):
+    """The page's family is every comparison: one with too few paired seeds to test stays in Holm's family (at p 1) and
+    in the seeds-needed level, so that a lost run never makes the other comparisons' correction milder."""
     rows = []
     for s in SEEDS:
         rows += run_rows("none", 0.04, s, 0.5 + 0.01 * s) + run_rows("target", 0.01, s, 0.5 + [0.1, -0.05, 0.08, -0.03, 0.05][s],
@@ -175,18 +178,56 @@ def test_an_arm_with_one_paired_seed_is_outside_the_family(tmp_path):
     write(tmp_path / "d", "d", rows)
     arms, _best = arms_report.table([str(tmp_path / "d")])
     by = {a["label"]: a["test"] for a in arms if "test" in a}
-    assert by["dynamic β 0.04"]["verdict"] == "too few seeds"
+    assert by["dynamic β 0.04"]["verdict"] == "too few seeds" and by["dynamic β 0.04"]["p_holm"] is None
     target = by["target β 0.01 (kl_target 0.02)"]
-    assert target["p_holm"] == pytest.approx(target["p"])  # a family of one
-    assert target["seeds_needed"] == stats.seeds_needed(target["mean"] / target["sd"], 0.05 / 1)
-    assert "over the family of 1 comparison (family-wise" in arms_report.report([str(tmp_path / "d")])
+    assert target["p_holm"] == pytest.approx(min(1.0, 2 * target["p"]))  # a family of two: Holm's first step, x2
+    assert target["seeds_needed"] == stats.seeds_needed(target["mean"] / target["sd"], 0.05 / 2)
+    assert "over the family of 2 comparisons (family-wise" in arms_report.report([str(tmp_path / "d")])
 
 
 def test_with_one_seed_an_arm_nothing_is_tested_and_the_report_says_so(tmp_path):
     write(tmp_path / "d", "d", run_rows("none", 0.04, 0, 0.5) + run_rows("dynamic", 0.04, 0, 0.6))
     text = arms_report.report([str(tmp_path / "d")])
     assert "Every other arm against it, no arm has two seeds paired with it, so nothing is tested" in text
-    assert "α/0" not in text and "too few seeds" in text
+    assert "(a family of 1 comparison, none tested)" in text and "α/" not in text and "too few seeds" in text
+
+
+def test_a_run_cut_inside_its_final_window_has_no_final_value_and_its_seed_drops_out_of_the_pairs(tmp_path):
+    """The page: a run that did not finish has no final value and its seed drops out of the paired comparisons. A run
+    cut at step 85 has 10 steps of its final window (76-100): they are not its final reward."""
+    rows = []
+    for s in SEEDS:
+        rows += run_rows("none", 0.04, s, 0.5 + 0.01 * s)
+        rows += run_rows("dynamic", 0.04, s, 0.52 + 0.01 * s + [0.01, -0.01, 0.0, 0.005, -0.005][s], steps=85 if s == 4 else STEPS)
+    write(tmp_path / "d", "d", rows)
+    arms, _best = arms_report.table([str(tmp_path / "d")])
+    dynamic = next(a for a in arms if a["method"] == "dynamic")
+    assert dynamic["complete"] == 4 and dynamic["numbers"][4]["reward"] is None and dynamic["numbers"][4]["median"] is None
+    assert dynamic["test"]["n"] == 4
+    assert dynamic["test"]["mean"] == pytest.approx((0.03 + 0.01 + 0.02 + 0.025) / 4)
+    assert dynamic["numbers"][4]["best"] == pytest.approx(0.555)  # its best window stays: the steps it ran
+
+
+def test_a_run_that_never_logged_the_alarm_is_counted_apart_not_as_calm(tmp_path):
+    rows = run_rows("none", 0.04, 0, 0.5) + run_rows("none", 0.04, 1, 0.5)
+    rows += [{k: v for k, v in r.items() if k != "adaptive_kl/runaway_alarm"} for r in run_rows("dynamic", 0.04, 0, 0.5)]
+    rows += run_rows("dynamic", 0.04, 1, 0.5)
+    write(tmp_path / "d", "d", rows)
+    arms, _best = arms_report.table([str(tmp_path / "d")])
+    dynamic = next(a for a in arms if a["method"] == "dynamic")
+    assert (dynamic["runaways"], dynamic["alarms_missing"]) == (0, 1)
+    row = next(line for line in arms_report.report([str(tmp_path / "d")]).splitlines() if line.startswith("| dynamic"))
+    assert "| 0 (1 not logged) |" in row
+
+
+def test_a_window_holding_a_nan_reward_is_not_the_best_window(tmp_path):
+    rows = run_rows("none", 0.04, 0, 0.5)
+    rows[4]["reward"] = float("nan")  # step 5: the first windows hold it (max() over a list that starts with NaN is NaN)
+    rows[45]["reward"] = 0.9  # step 46: the best windows (41-50 ... 46-55) hold nine steps of 0.5 and this one
+    write(tmp_path / "d", "d", rows)
+    arms, _best = arms_report.table([str(tmp_path / "d")])
+    best = arms[0]["numbers"][0]["best"]
+    assert best == pytest.approx(0.5 + 0.4 / 10) and not math.isnan(best)
 
 
 def test_phase_two_kl_target_is_the_median_fixed_beta_runs_final_kl(tmp_path, capsys):

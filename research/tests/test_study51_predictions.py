@@ -176,3 +176,32 @@ def test_holding_k_is_study_49s_rule_on_the_log_scale(tmp_path):
     five = {k[1]: r for k, r in build(tmp_path, change).items() if k[0] == "5"}
     ziegler = five["`ziegler` holds K (±25%) in at most half of its runs"]
     assert (ziegler["measured"], ziegler["verdict"]) == ("1 of 10", "held")  # seed 0 of ziegler 1 (1.2 × K) alone
+
+
+def test_no_runaway_is_not_measured_while_a_run_never_logged_the_alarm(tmp_path):
+    """A run without ``adaptive_kl/runaway_alarm`` is not a calm run: with no alarm elsewhere clause 3 is not measured
+    (it was "held"); an alarm elsewhere still fails it."""
+    def calm(name, seed, args):
+        method, beta0, final, kwargs = args
+        if name == "reward_conditioned":
+            kwargs["alarm_at"] = None
+        return method, beta0, final, kwargs
+
+    directory = write_study(tmp_path / "study51-b-x", calm)
+    path = directory / "study51-b-x-stream.jsonl.gz"
+    with gzip.open(path, "rt") as f:
+        rows = [json.loads(line) for line in f]
+    for r in rows:
+        if r["method"] == "ziegler" and r["seed"] == 1 and r["beta0"] == 1.0:
+            del r["adaptive_kl/runaway_alarm"]
+    with gzip.open(path, "wt") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    (three,) = [r for r in predictions.check([str(directory)]) if r["number"] == "3"]
+    assert (three["verdict"], three["measured"]) == ("not measured", "0 of 70 runs alarmed; 1 run never logged the alarm")
+    for r in rows:
+        if r["method"] == "none" and r["seed"] == 0 and r["beta0"] == 0.3 and r["step"] >= 80:
+            r["adaptive_kl/runaway_alarm"] = 1
+    with gzip.open(path, "wt") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    (three,) = [r for r in predictions.check([str(directory)]) if r["number"] == "3"]
+    assert three["verdict"] == "failed" and three["measured"].startswith("1 of 70 runs alarmed: none β 0.3 seed 0;")

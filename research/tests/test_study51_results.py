@@ -4,6 +4,8 @@ the page holds it exactly when research/data holds every list, with what the dat
 
 from __future__ import annotations
 
+import gzip
+
 import pytest
 
 from research import evidence_answer
@@ -20,25 +22,34 @@ def test_part_b_has_the_28_lists_its_two_phases_write():
         f"study51-b-t-{m}{b}-s{first}" for m in controllers for b in ("001", "1") for first in (0, 3))
 
 
-def test_writing_is_refused_while_a_list_has_no_folder(tmp_path):
+def test_writing_is_refused_while_a_list_has_no_stream(tmp_path):
+    """A list is filed when its folder holds its stream: a missing folder, or a folder without the stream, refuses."""
     data = tmp_path / "data"
     for name in results.lists()[:-2]:
-        (data / name).mkdir(parents=True)
+        filed(data / name)
+    (data / results.lists()[-1]).mkdir()  # a folder, but no stream in it
     page = tmp_path / "page.md"
     page.write_text("# Study 51\n")
-    with pytest.raises(SystemExit, match="2 of its 28 lists have no folder in .*study51-b-t-ziegler1-s0, study51-b-t-ziegler1-s3"):
+    with pytest.raises(SystemExit, match="2 of its 28 lists have no stream in .*study51-b-t-ziegler1-s0, study51-b-t-ziegler1-s3"):
         results.write(str(data), str(page))
     assert page.read_text() == "# Study 51\n"
 
 
+def filed(directory):
+    """A list's folder with an empty stream (no run), as a filed list's folder holds its stream."""
+    directory.mkdir(parents=True)
+    with gzip.open(directory / f"{directory.name}-stream.jsonl.gz", "wt"):
+        pass
+
+
 @pytest.fixture()
 def complete(tmp_path):
-    """Every list filed: the synthetic study's stream in the first list's folder, the others' folders empty."""
+    """Every list filed: the synthetic study's stream in the first list's folder, the others' streams empty."""
     data = tmp_path / "data"
     names = results.lists()
     write_study(data / names[0])
     for name in names[1:]:
-        (data / name).mkdir(parents=True)
+        filed(data / name)
     return data
 
 
