@@ -210,6 +210,33 @@ def test_a_config_made_before_the_import_trains_with_the_defaults(before_the_imp
     assert "created before `import unsloth_adaptive_kl`" in err and "create the config after the import" in err
 
 
+def test_a_config_made_before_the_import_then_given_fields_says_which_method_it_trains(caplog):
+    """A config made before the import lacks the fields; a user who then sets some on the object trains with them. The
+    line at trainer creation says which were set and the method that trains (it said "defaults (kl_adaptation_method=
+    'none')" while the run trained `dynamic`). The object is made as the old class would: without the fields."""
+    from unsloth_adaptive_kl.backends._config_class import fill_missing_fields
+    from unsloth_adaptive_kl.config import FIELDS
+
+    def made_before():
+        config = GRPOConfig(**CPU, beta=0.04)
+        for f in FIELDS:
+            del config.__dict__[f.name]
+        assert not hasattr(config, "kl_adaptation_method")
+        return config
+
+    plain, edited = made_before(), made_before()
+    edited.kl_adaptation_method, edited.reward_threshold = "dynamic", 0.1
+    with caplog.at_level("INFO", logger="unsloth_adaptive_kl"):
+        fill_missing_fields(plain)
+        fill_missing_fields(edited)
+    first, second = [r.getMessage() for r in caplog.records if "created before" in r.getMessage()]
+    assert "its adaptive-KL fields take their defaults. It trains with kl_adaptation_method='none'." in first
+    assert ("the adaptive-KL fields not set on it since take their defaults (set: kl_adaptation_method, reward_threshold). "
+            "It trains with kl_adaptation_method='dynamic'.") in second
+    assert (edited.kl_adaptation_method, edited.reward_threshold, edited.beta_min) == ("dynamic", 0.1, DEFAULTS["beta_min"])
+    assert plain.kl_adaptation_method == "none"
+
+
 @pytest.mark.parametrize("estimator", [name for name in builtin_estimator_names() if name != DEFAULTS["kl_estimator"]])
 def test_a_kl_estimator_with_trls_default_beta_zero_is_refused(estimator):
     # TRL's default beta is 0.0: before the fix GRPOConfig(kl_estimator=...) alone was accepted and did nothing.

@@ -56,6 +56,17 @@ def test_each_way_a_resumed_controller_takes_its_beta_is_said_in_one_line(caplog
     ]
 
 
+def test_a_resumed_beta_is_said_to_six_significant_digits_not_as_float_noise(caplog):
+    """β after three ×0.9 steps from 0.04 is 0.032400000000000005 in binary: the resume line says 0.0324, as the
+    end-of-training line does (it said the float's repr)."""
+    saved = TargetKLBeta(ControllerConfig(0.04))
+    saved.beta = 0.04 * 0.9 * 0.9
+    assert repr(saved.beta) == "0.032400000000000005"
+    with caplog.at_level("INFO", logger="unsloth_adaptive_kl"):
+        TargetKLBeta(ControllerConfig(0.04)).load_state_dict(saved.state_dict())
+    assert messages(caplog) == ["unsloth_adaptive_kl: the ziegler controller resumes from the checkpoint's beta=0.0324"]
+
+
 @pytest.mark.parametrize(
     "beta_min, reward, tail",
     [

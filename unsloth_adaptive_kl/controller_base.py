@@ -161,12 +161,12 @@ class BetaController:
         new = float(self.config.beta)
         if not self.adapts_beta:
             if saved != new:
-                logger.info("unsloth_adaptive_kl: resumed with the configured beta=%s (the checkpoint was trained with beta=%s)", new, saved)
+                logger.info("unsloth_adaptive_kl: resumed with the configured beta=%.6g (the checkpoint was trained with beta=%.6g)", new, saved)
             return new
         if configured is not None and configured != new:
             logger.warning(
-                "unsloth_adaptive_kl: beta was changed on resume (the checkpoint was configured with beta=%s, this run with "
-                "beta=%s): the %s controller restarts from beta=%s instead of the checkpoint's beta=%s, keeping the rest "
+                "unsloth_adaptive_kl: beta was changed on resume (the checkpoint was configured with beta=%.6g, this run with "
+                "beta=%.6g): the %s controller restarts from beta=%.6g instead of the checkpoint's beta=%.6g, keeping the rest "
                 "of its state", configured, new, self.name, new, saved,
             )
             return new
@@ -176,7 +176,7 @@ class BetaController:
                 f"β-controller state of the {self.name!r} controller: beta={saved!r} is not valid; allowed: a finite "
                 f"number >= 0 and <= the configured beta={limit}"
             )
-        logger.info("unsloth_adaptive_kl: the %s controller resumes from the checkpoint's beta=%s", self.name, saved)
+        logger.info("unsloth_adaptive_kl: the %s controller resumes from the checkpoint's beta=%.6g", self.name, saved)
         return saved
 
 

@@ -562,8 +562,18 @@ def test_bench_smoke_runs_on_cpu(monkeypatch, capsys):
 
 @pytest.mark.parametrize("method", ["dynamic", "ziegler", "dynamic+clip", "ziegler+length_normalized", "sigmoid+dynamic"])
 def test_a_standalone_module_refuses_a_beta_controller_it_could_not_run(method):
-    with pytest.raises(ValueError, match=r"kl_adaptation_method='.*' is not valid for a standalone AdaptiveFusedLinearGRPOLoss.*allowed"):
+    """The message's "allowed" names what is allowed (none and the shaping methods), and names the controllers as what is
+    not (it once listed the controllers as the allowed methods)."""
+    from unsloth_adaptive_kl.controllers import controller_names
+    from unsloth_adaptive_kl.shaping import shaping_names
+
+    with pytest.raises(ValueError, match=r"kl_adaptation_method='.*' is not valid for a standalone AdaptiveFusedLinearGRPOLoss.*allowed") as caught:
         AdaptiveFusedLinearGRPOLoss(beta=0.1, compiled=False, kl_adaptation_method=method)
+    allowed = str(caught.value).split("allowed: ", 1)[1]
+    named, refused = allowed.split("none of the β controllers (", 1)
+    assert named.startswith("'none' or shaping methods joined with '+' (") and all(repr(n) in named for n in shaping_names())
+    assert not any(repr(n) in named for n in controller_names())
+    assert refused.startswith(", ".join(repr(n) for n in controller_names()) + ")")
 
 
 @pytest.mark.parametrize("method", ["none", "clip", "sigmoid+length_normalized"])

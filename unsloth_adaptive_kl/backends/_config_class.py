@@ -78,9 +78,13 @@ def fill_missing_fields(config) -> None:
         return
     for f in missing:
         setattr(config, f.name, f.default)
+    set_after = [f.name for f in FIELDS if f not in missing]  # set on the object after it was created
     logger.info(
-        "unsloth_adaptive_kl: this %s was created before `import unsloth_adaptive_kl`; its adaptive-KL fields take "
-        "their defaults (kl_adaptation_method='none'). To set them, create the config after the import.",
+        "unsloth_adaptive_kl: this %s was created before `import unsloth_adaptive_kl`; %s. It trains with "
+        "kl_adaptation_method=%r. To set the fields in the constructor, create the config after the import.",
         type(config).__name__,
+        "its adaptive-KL fields take their defaults" if not set_after else
+        f"the adaptive-KL fields not set on it since take their defaults (set: {', '.join(set_after)})",
+        config.kl_adaptation_method,
     )
 

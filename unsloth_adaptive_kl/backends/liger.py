@@ -55,6 +55,7 @@ from ..config import DEFAULTS, TERM_FIELD_NAMES
 from ..controllers import controller_names
 from ..estimators import get_estimator
 from ..kl_pipeline import kl_keep, loss_term
+from ..shaping import shaping_names
 from ._fused_head import check_fused_arguments, fallback_reason, fused_loss
 from ._liger_interface import (  # noqa: F401  (LOSS_TYPES: a name of this module's API)
     LIGER_PARAMETER_NAMES,
@@ -99,7 +100,8 @@ class AdaptiveFusedLinearGRPOLoss(nn.Module):
                 raise ValueError(
                     f"kl_adaptation_method={fields['kl_adaptation_method']!r} is not valid for a standalone "
                     f"{type(self).__name__}: its β controller ({self.adaptive_kl.method.controller!r}) updates β once per "
-                    f"optimizer step, which a loss module does not see; allowed: a method without a β controller {list(controller_names())} "
+                    f"optimizer step, which a loss module does not see; allowed: 'none' or shaping methods joined with '+' "
+                    f"({', '.join(repr(n) for n in shaping_names())}), none of the β controllers ({', '.join(repr(n) for n in controller_names())}) "
                     "(set module.beta yourself), adaptive_kl= (an AdaptiveKL whose controller you run), or "
                     "GRPOTrainer(loss_class=...), whose trainer runs the controller"
                 )
