@@ -24,7 +24,7 @@ BASE_PINS="torch==2.13.0 triton==3.9.0 numpy==2.4.6 pytest==9.2.0 hypothesis==6.
 # import order; on an Unsloth stack the CPU side door into Unsloth's generated trainer too.
 # (The pure core - estimators, shaping, controllers - does not depend on these libraries and is
 # covered by the main suite.)
-TESTS_TRL=(tests/backends/test_trl.py tests/test_versions.py tests/test_patching.py tests/test_lifecycle.py)
+TESTS_TRL=(tests/backends/test_trl.py tests/test_versions.py tests/test_patching.py tests/test_lifecycle.py tests/test_cli.py)
 TESTS_UNSLOTH=(tests/backends/test_unsloth.py tests/backends/test_unsloth_lines.py)
 K_EXPR=${UAKL_COMPAT_K:-}
 

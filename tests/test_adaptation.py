@@ -80,6 +80,7 @@ def test_a_restarted_controller_says_what_it_did_not_restore_and_applies_the_res
     saved.controller.beta = 0.05
     fresh = _adaptive("dynamic")
     fresh.controller.config = type(fresh.controller.config)(**{**fresh.controller.config.__dict__, "beta_schedule_steps": 3})
+    caplog.clear()  # creation warns of the shared config's settings other methods read: not this test's subject
     with caplog.at_level("WARNING", logger="unsloth_adaptive_kl"):
         fresh.load_state_dict(saved.state_dict(), restart=True, global_step=2)
     assert fresh.beta == BETA  # step 2 is before beta_schedule_steps=3: the configured β

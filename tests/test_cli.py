@@ -7,8 +7,9 @@ Subprocesses are what cost here (each imports torch, transformers and TRL, ~9 s 
 parsing and validation call, in this process, the function an entry point runs with the same arguments
 (``__main__.main`` for ``python -m unsloth_adaptive_kl`` and the ``unsloth-adaptive-kl`` script, ``trl_grpo.train``
 for the processes ``accelerate launch`` starts), and each entry point also runs for real: ``python -m`` trains (one
-and two processes) and refuses to start on a failed patch, the console script refuses a bad field value (printing
-nothing to stdout), ``accelerate launch`` trains and refuses a misspelt YAML key."""
+and two processes) and refuses to start on a failed patch, the console script refuses a misspelt YAML key and bad
+field values in one line on stderr with exit status 2 (printing nothing to stdout, starting nothing: a few seconds
+each), ``accelerate launch`` trains and refuses a misspelt YAML key."""
 
 import json
 import os
@@ -92,6 +93,13 @@ def accelerate_reward_run(toy_dir, tmp_path_factory):
     """``accelerate launch -m unsloth_adaptive_kl.trl_grpo`` on the recipe with ``kl_placement: reward`` set in its
     YAML, 2 steps: one run read by the accelerate-launch test and the reward-placement test (it was two runs, the
     accelerate one with the KL in the loss; ``python -m`` trains that placement above, with one and two processes)."""
+    from trl import GRPOTrainer
+
+    from unsloth_adaptive_kl.backends.reward_placement import unavailable_reason
+
+    reason = unavailable_reason(GRPOTrainer)
+    if reason is not None:  # the package refuses the placement on this TRL (docs/kl-placement.md), by its own check
+        pytest.skip(f"kl_placement='reward' is not available here: {reason}")
     tmp_path = tmp_path_factory.mktemp("accelerate_reward")
     with open(RECIPE) as f:
         recipe = f.read()
@@ -133,7 +141,7 @@ def test_the_recipe_trains_with_the_kl_in_the_reward_set_in_its_yaml(accelerate_
         ("yaml", "kl_placement", "rewards", "['loss', 'reward']"),
     ],
 )
-def test_a_bad_field_value_stops_the_cli_with_an_error_naming_it(toy_dir, tmp_path, monkeypatch, where, field, value, allowed):
+def test_a_bad_field_value_stops_the_cli_with_an_error_naming_it(toy_dir, tmp_path, monkeypatch, capsys, where, field, value, allowed):
     # In this process, through the function `python -m unsloth_adaptive_kl` and the console script call (one case
     # runs the console script for real below).
     out = tmp_path / "out"
@@ -147,26 +155,69 @@ def test_a_bad_field_value_stops_the_cli_with_an_error_naming_it(toy_dir, tmp_pa
     else:
         args = ["--config", RECIPE, f"--{field}", value]
     launched = _record_launches(monkeypatch)
-    with pytest.raises(ValueError) as error:
-        cli_main(["grpo", *args, *_paths(toy_dir, out)])
-    message = str(error.value)  # the last line of the traceback a process prints: one line
-    assert "\n" not in message and field in message and value in message and allowed in message, message
+    assert cli_main(["grpo", *args, *_paths(toy_dir, out)]) == 2
+    err = capsys.readouterr().err  # one line, the package's ValueError's text after the command's name
+    assert err.startswith(f"unsloth-adaptive-kl grpo: {field}=") and err.count("\n") == 1, err
+    assert field in err and value in err and allowed in err, err
     assert not launched and not out.exists()  # refused while parsing, before any training process started
 
 
-def test_the_console_script_stops_on_a_bad_field_value_with_the_error_naming_it(toy_dir, tmp_path):
-    # The installed `unsloth-adaptive-kl` script, end to end, on the flag case above: it exits non-zero with the
-    # ValueError as the last line it prints, and nothing on stdout (neither importing the package nor the refusal
-    # writes there: `unsloth-adaptive-kl --help` relies on the first to print only its usage).
+def _method_error(value: str) -> str:
+    """The package's own ValueError text for ``kl_adaptation_method=value`` (what GRPOConfig's check raises)."""
+    from unsloth_adaptive_kl.config import parse_method
+
+    with pytest.raises(ValueError) as error:
+        parse_method(value)
+    return str(error.value)
+
+
+UNKNOWN_KEY = (
+    "unknown key(s) 'kl_adaptaion_method' (did you mean 'kl_adaptation_method'?): not a field of TRL's GRPO script "
+    "(GRPOScriptArguments, GRPOConfig, ModelConfig, DatasetMixtureConfig, with the adaptive-KL fields) nor an "
+    "`accelerate launch` option; allowed: those fields and options (fix or remove the key)"
+)
+TWO_PROCESSES = ["--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no", "--use_cpu", "true"]
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["misspelt yaml key", "misspelt yaml key, 2 processes", "misspelt flag value", "two controllers in the yaml"],
+)
+def test_the_console_script_refuses_a_bad_argument_in_one_line_with_status_2(tmp_path, case):
+    # The installed `unsloth-adaptive-kl` script, end to end. Before, a misspelt YAML key reached accelerate's parser
+    # (its ~110-line usage, then "unrecognized arguments: --kl_adaptaion_method"), and a bad value ended a 31-line
+    # traceback (status 1). Now the arguments are checked before anything is handed to accelerate: one line on
+    # stderr, naming the key (with the closest field) or the field, the value and what is allowed; nothing on stdout
+    # (importing the package writes nothing there: `unsloth-adaptive-kl --help` relies on it); nothing trained; the
+    # message once, however many processes were asked for.
     out = tmp_path / "out"
+    if "misspelt yaml key" in case:
+        config = _recipe_with(tmp_path, {"kl_adaptation_method": "kl_adaptaion_method"})
+        args = ["--config", config, "--max_steps", "1", *(TWO_PROCESSES if "2 processes" in case else [])]
+        expected = f"--config {config}: {UNKNOWN_KEY}"
+    elif case == "misspelt flag value":
+        args = ["--config", RECIPE, "--kl_adaptation_method", "dynamc", "--max_steps", "1"]
+        expected = _method_error("dynamc")
+        assert expected.startswith("kl_adaptation_method='dynamc' has unknown part(s) ['dynamc']; allowed: one of [")
+    else:
+        config = _recipe_with(tmp_path, {})
+        with open(config) as f:
+            text = f.read()
+        assert "\nkl_adaptation_method: dynamic+length_normalized\n" in text
+        with open(config, "w") as f:
+            f.write(text.replace("\nkl_adaptation_method: dynamic+length_normalized\n", "\nkl_adaptation_method: dynamic+target\n"))
+        args = ["--config", config, "--max_steps", "1"]
+        expected = _method_error("dynamic+target")
+        assert expected.startswith("kl_adaptation_method='dynamic+target' names 2 β controllers; allowed: one of [")
+    script = os.path.join(BIN, "unsloth-adaptive-kl")  # the installed console script; a venv without it (the version
+    command = [script] if os.path.exists(script) else [sys.executable, "-m", "unsloth_adaptive_kl"]  # matrix's): -m
     proc = subprocess.run(
-        [os.path.join(BIN, "unsloth-adaptive-kl"), "grpo", "--config", RECIPE, "--kl_adaptation_method", "dynamc", *_paths(toy_dir, out)],
+        [*command, "grpo", *args, "--output_dir", str(out)],
         capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=300,
     )
-    assert proc.returncode != 0
-    last_line = proc.stderr.strip().splitlines()[-1]
-    assert last_line.startswith("ValueError:") and "kl_adaptation_method" in last_line and "dynamc" in last_line, proc.stderr[-2000:]
-    assert "dynamic" in last_line, proc.stderr[-2000:]
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stderr == f"unsloth-adaptive-kl grpo: {expected}\n", proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "usage:" not in proc.stderr
     assert proc.stdout == "", proc.stdout[-2000:]
     assert not out.exists()
 
@@ -198,9 +249,22 @@ def test_grpo_refuses_to_run_when_the_patch_failed_at_import(tmp_path):
     assert "PatchError" in proc.stderr
 
 
+def _trl_cli_launcher():
+    """TRL's CLI launcher module (TRL >= 0.29); skips on an older TRL, whose CLI has none: there `grpo` launches the
+    training module itself (test_grpo_without_trls_launcher_launches_the_training_module_itself)."""
+    import trl
+
+    try:
+        from trl.cli import accelerate_launcher
+    except ImportError:
+        pytest.skip(f"trl {trl.__version__}'s CLI has no launcher to swap the training module into")
+    return accelerate_launcher
+
+
 def test_grpo_runs_trls_cli_and_launches_the_training_module_with_the_same_arguments(monkeypatch):
     import accelerate.commands.launch
-    from trl.cli import accelerate_launcher
+
+    accelerate_launcher = _trl_cli_launcher()
 
     from unsloth_adaptive_kl import trl_grpo
 
@@ -216,7 +280,33 @@ def test_grpo_runs_trls_cli_and_launches_the_training_module_with_the_same_argum
     assert accelerate_launcher.launch_training_script is original  # TRL's launcher is back
 
 
+@pytest.mark.parametrize("yaml_keys", [False, True])
+def test_grpo_without_trls_launcher_launches_the_training_module_itself(monkeypatch, tmp_path, yaml_keys):
+    """TRL 0.24-0.29's CLI has no launcher to swap the module into (`grpo` failed there with an ImportError): the
+    command launches it itself, as TRL 1.x's CLI would: accelerate's options (the command line's, and the YAML's keys
+    that are accelerate options, `accelerate_config NAME` as TRL's config file) to accelerate, the rest to the module.
+    Run on every TRL (the fallback is called as the command calls it when the import fails)."""
+    import accelerate.commands.launch
+    from importlib import resources
+
+    from unsloth_adaptive_kl import trl_grpo
+
+    launched = []
+    monkeypatch.setattr(accelerate.commands.launch, "launch_command", launched.append)
+    config = _recipe_with(tmp_path, {}, extra="num_processes: 1\naccelerate_config: multi_gpu\n") if yaml_keys else RECIPE
+    argv = ["--config", config, "--max_steps", "1", "--mixed_precision=no", "--num_processes", "1", "--kl_estimator", "k1"]
+    _parsed, launcher_args = trl_grpo._parse(argv, prog=trl_grpo.COMMAND_PROG, launcher_flags=True)
+    assert trl_grpo._launch_directly(argv, launcher_args) == 0
+    (args,) = launched
+    assert args.module and args.training_script == "unsloth_adaptive_kl.trl_grpo"
+    assert args.num_processes == 1 and args.mixed_precision == "no"  # accelerate's flags went to accelerate...
+    assert args.training_script_args == ["--config", config, "--max_steps", "1", "--kl_estimator", "k1"]  # ...the rest to the module
+    if yaml_keys:  # TRL's own accelerate config, by name, as accelerate's --config_file
+        assert args.config_file == str(resources.files("trl.accelerate_configs").joinpath("multi_gpu.yaml"))
+
+
 def test_grpo_refuses_a_trl_cli_that_no_longer_looks_up_the_launcher(monkeypatch):
+    _trl_cli_launcher()
     from trl.cli.commands.training import TrainingCommand
 
     from unsloth_adaptive_kl import trl_grpo
@@ -259,10 +349,9 @@ def test_a_misspelt_yaml_key_is_refused_by_every_entry_point_naming_it(toy_dir, 
         assert not trained
     else:
         launched = _record_launches(monkeypatch)
-        with pytest.raises(SystemExit) as error:  # accelerate's parser refuses the key TRL's CLI hands it
-            cli_main(["grpo", *argv])
-        assert error.value.code != 0
-        assert "kl_adaptaion_method" in capsys.readouterr().err
+        # Before, accelerate's parser refused the key TRL's CLI handed it (SystemExit 2, after its whole usage).
+        assert cli_main(["grpo", *argv]) == 2
+        assert capsys.readouterr().err == f"unsloth-adaptive-kl grpo: --config {config}: {UNKNOWN_KEY}\n"
         assert not launched
     assert not out.exists()  # refused before any training
 
@@ -277,8 +366,44 @@ def test_accelerate_launch_of_the_training_module_exits_non_zero_on_a_misspelt_y
         capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=300,
     )
     assert proc.returncode != 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "kl_adaptaion_method" in proc.stderr, proc.stderr[-2000:]
+    # The training module's one line (status 2), then accelerate's own report of the failed process (its
+    # CalledProcessError traceback: accelerate's, without --quiet); no traceback through the training module.
+    assert f"python -m unsloth_adaptive_kl.trl_grpo: --config {config}: {UNKNOWN_KEY}" in proc.stderr.splitlines(), proc.stderr[-3000:]
+    assert "returned non-zero exit status 2" in proc.stderr and 'trl_grpo.py", line' not in proc.stderr, proc.stderr[-3000:]
     assert not out.exists()  # refused before any training
+
+
+def test_the_training_module_prints_a_refused_argument_in_one_line_and_lets_a_crash_through(tmp_path, monkeypatch, capsys):
+    # What `python -m unsloth_adaptive_kl.trl_grpo` (each process accelerate starts) runs: trl_grpo.main. A refused
+    # argument is one line and status 2; any other exception, a ValueError in training included, keeps its traceback.
+    from trl.scripts import grpo
+
+    from unsloth_adaptive_kl import trl_grpo
+
+    config = _recipe_with(tmp_path, {"kl_adaptation_method": "kl_adaptaion_method"})
+    assert trl_grpo.main(["--config", config, "--output_dir", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == f"python -m unsloth_adaptive_kl.trl_grpo: --config {config}: {UNKNOWN_KEY}\n"
+    assert trl_grpo.main(["--config", RECIPE, "--kl_adaptation_method", "dynamc", "--output_dir", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == f"python -m unsloth_adaptive_kl.trl_grpo: {_method_error('dynamc')}\n"
+    assert trl_grpo.main(["--config", RECIPE, "--num_processes", "1", "--output_dir", str(tmp_path / "out")]) == 2
+    assert "unknown flag(s) '--num_processes'" in capsys.readouterr().err  # accelerate's options go before -m
+
+    def crash(*args):
+        raise ValueError("a crash in training")
+
+    monkeypatch.setattr(grpo, "main", crash)
+    with pytest.raises(ValueError, match="a crash in training"):
+        trl_grpo.main(["--config", RECIPE, "--output_dir", str(tmp_path / "out")])
+
+
+def test_grpo_refuses_a_misspelt_flag_naming_the_closest_field_or_accelerate_option(monkeypatch, capsys):
+    # Before, accelerate's parser refused these after printing its whole usage. accelerate's own flags still pass.
+    launched = _record_launches(monkeypatch)
+    for flag, closest in [("--kl_adaptaion_method", "--kl_adaptation_method"), ("--num_proceses", "--num_processes")]:
+        assert cli_main(["grpo", "--config", RECIPE, flag, "2"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"unsloth-adaptive-kl grpo: unknown flag(s) '{flag}' (did you mean '{closest}'?): ") and err.count("\n") == 1, err
+    assert not launched
 
 
 def test_the_training_module_lets_accelerate_keys_of_the_yaml_through_and_refuses_the_rest(toy_dir, tmp_path):
@@ -310,3 +435,29 @@ def test_help_prints_the_commands_to_stdout_and_exits_zero(capsys, flag):
     captured = capsys.readouterr()
     assert captured.out.startswith("usage: unsloth-adaptive-kl {doctor,grpo}") and "doctor" in captured.out and "grpo" in captured.out
     assert "usage" not in captured.err
+
+
+def test_the_refusals_docs_cli_md_quotes_are_what_the_command_prints(tmp_path, monkeypatch, capsys):
+    # docs/cli.md's ```text block: each `$ unsloth-adaptive-kl grpo ...` line run (in this process, through the function
+    # the console script calls; typo.yaml is the recipe with the misspelt key, recipe.yaml the recipe), and what it
+    # prints on stderr is the line the page shows under it.
+    import re
+    import shlex
+
+    with open(os.path.join(ROOT, "docs", "cli.md")) as f:
+        (block,) = re.findall(r"```text\n(.*?)```", f.read(), re.DOTALL)
+    lines = block.splitlines()
+    commands = [(i, line) for i, line in enumerate(lines) if line.startswith("$ ")]
+    assert len(commands) == 3 and len(lines) == 6
+    monkeypatch.chdir(tmp_path)
+    with open(_recipe_with(tmp_path, {"kl_adaptation_method": "kl_adaptaion_method"})) as f:
+        (tmp_path / "typo.yaml").write_text(f.read())
+    with open(RECIPE) as f:
+        (tmp_path / "recipe.yaml").write_text(f.read())
+    launched = _record_launches(monkeypatch)
+    for i, line in commands:
+        program, command, *args = shlex.split(line[2:], comments=True)
+        assert (program, command) == ("unsloth-adaptive-kl", "grpo")
+        assert cli_main([command, *args]) == 2
+        assert capsys.readouterr().err == lines[i + 1] + "\n"
+    assert not launched

@@ -289,3 +289,67 @@ def test_a_string_yaml_would_not_have_left_a_string_gets_no_yaml_hint(text):
     with pytest.raises(ValueError) as info:
         GRPOConfig(**CPU, beta=1.0, beta_min=text)
     assert f"beta_min={text!r} is not valid" in str(info.value) and "YAML" not in str(info.value)
+
+
+# not a registry list: cases chosen for what they show (a setting read by another method, by the estimator, by none)
+UNREAD_CASES = [
+    ("clip", {"reward_threshold": 0.5, "beta_min": 0.01},
+     ["reward_threshold=0.5 has no effect: kl_adaptation_method='clip' with kl_estimator='k3' does not read it (read by 'dynamic')",
+      "beta_min=0.01 has no effect: kl_adaptation_method='clip' with kl_estimator='k3' does not read it "
+      "(read by 'dynamic', 'reward_conditioned', 'schedule', 'target', 'ziegler')"]),
+    ("none", {"kl_clip_threshold": 2.0}, ["kl_clip_threshold=2.0 has no effect: kl_adaptation_method='none' with "
+                                          "kl_estimator='k3' does not read it (read by 'clip', 'soft_clip')"]),
+    ("target", {"kl_target": 0.2, "kl_horizon": 5.0}, ["kl_horizon=5.0 has no effect: kl_adaptation_method='target' with "
+                                                       "kl_estimator='k3' does not read it (read by 'ziegler')"]),
+    ("dynamic+clip", {"reward_threshold": 0.5, "kl_clip_threshold": 2.0, "beta_min": 0.01}, []),  # not a registry list: one chosen case
+    ("ziegler", {"kl_target": 0.2, "kl_horizon": 5.0}, []),
+]
+
+
+@pytest.mark.parametrize("method, settings, expected", UNREAD_CASES)
+def test_a_setting_the_chosen_method_does_not_read_is_warned_naming_what_reads_it(method, settings, expected, caplog):
+    """A field set to other than its default that nothing of the run reads (not the method's shaping, not its β
+    controller, not the estimator) has no effect: one warning each when the KL state is made (every backend makes it
+    so), naming the methods that read it. A field the method reads, or a default, says nothing."""
+    from unsloth_adaptive_kl.adaptation import AdaptiveKL
+
+    config = GRPOConfig(**CPU, beta=0.04, kl_adaptation_method=method, **settings)
+    with caplog.at_level("WARNING", logger="unsloth_adaptive_kl"):
+        AdaptiveKL(config)
+    said = [r.getMessage().removeprefix("unsloth_adaptive_kl: ") for r in caplog.records if "has no effect" in r.getMessage()]
+    assert sorted(said) == sorted(expected)
+
+
+def test_an_estimator_parameter_is_unread_under_another_estimator(caplog):
+    from unsloth_adaptive_kl.adaptation import AdaptiveKL
+    from unsloth_adaptive_kl.config import unread_settings
+
+    plain = GRPOConfig(**CPU, beta=0.04, kl_adaptation_method="clip")
+    assert unread_settings(plain, parse_method("clip")) == []  # every field at its default
+    readers = {}
+    for name in builtin_estimator_names():
+        from unsloth_adaptive_kl.estimators import get_estimator
+        for p in get_estimator(name).parameters:
+            readers.setdefault(p.name, (name, p))
+    if not readers:
+        pytest.skip("no built-in estimator declares a parameter")
+    field, (estimator, parameter) = next(iter(readers.items()))
+    other = next(n for n in builtin_estimator_names() if field not in {p.name for p in get_estimator(n).parameters})
+    value = parameter.default * 2 if isinstance(parameter.default, (int, float)) and parameter.default else 0.5
+    with caplog.at_level("WARNING", logger="unsloth_adaptive_kl"):
+        AdaptiveKL(GRPOConfig(**CPU, beta=0.04, kl_estimator=other, **{field: value}))
+        AdaptiveKL(GRPOConfig(**CPU, beta=0.04, kl_estimator=estimator, **{field: value}))
+    said = [r.getMessage() for r in caplog.records if "has no effect" in r.getMessage()]
+    assert len(said) == 1 and f"{field}={value!r} has no effect" in said[0] and f"kl_estimator={estimator!r}" in said[0]
+
+
+def test_an_unread_setting_is_warned_by_the_main_process_only(caplog):
+    from unsloth_adaptive_kl.adaptation import AdaptiveKL
+
+    config = GRPOConfig(**CPU, beta=0.04, kl_adaptation_method="clip", reward_threshold=0.5)
+    with caplog.at_level("WARNING", logger="unsloth_adaptive_kl"):
+        AdaptiveKL(config, process_index=1, num_processes=2)
+    assert not [r for r in caplog.records if "has no effect" in r.getMessage()]
+    with caplog.at_level("WARNING", logger="unsloth_adaptive_kl"):
+        AdaptiveKL(config, process_index=0, num_processes=2)
+    assert len([r for r in caplog.records if "has no effect" in r.getMessage()]) == 1

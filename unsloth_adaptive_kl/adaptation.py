@@ -67,6 +67,11 @@ class AdaptiveKL:
         check_controller_beta(self.controller, self.controller.beta, when="when it was created")
         self.reduce = reduce or _no_reduce
         self.process_index, self.num_processes = process_index, num_processes
+        for name, value, readers in settings.unread if process_index == 0 else ():  # said once, by the main process
+            logger.warning(
+                "unsloth_adaptive_kl: %s=%r has no effect: kl_adaptation_method=%r with kl_estimator=%r does not read it "
+                "(read by %s)", name, value, config.kl_adaptation_method, config.kl_estimator, ", ".join(readers) or "no built-in",
+            )
         self.monitor = settings.monitor  # kl_monitor: the KL is computed and logged at β = 0 too
         self.monitor_every = settings.monitor_every  # ... on every monitor_every-th generation batch of training
         self.alarm = RunawayAlarm()  # fed each optimizer step with its KL and reward (end_step)

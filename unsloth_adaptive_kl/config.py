@@ -13,7 +13,7 @@ from .controllers import CONTROLLERS, ControllerConfig, controller_names, contro
 from .declarations import Parameter, check_parameter, checked_beta, checked_number, yaml_hint  # noqa: F401  (checked_beta: a name of this module's API)
 from .estimators import builtin_estimator_names, estimator_aliases, estimator_parameters, get_estimator
 from .kl_term import KLTerm
-from .method import Method, parse_method
+from .method import Method, method_names, parse_method
 from .shaping import SHAPING, shaping_names, shaping_parameters
 
 
@@ -223,6 +223,8 @@ class Settings:
     controller: ControllerConfig
     monitor: bool
     monitor_every: int
+    #: the fields set that nothing of this run reads (:func:`unread_settings`): the runtime warns of each
+    unread: tuple[tuple[str, object, tuple[str, ...]], ...] = ()
 
 
 def build(config) -> Settings:
@@ -241,7 +243,27 @@ def build(config) -> Settings:
         exclude_token_ids=excluded_token_ids(config.kl_exclude_token_ids),
         placement=config.kl_placement,
     )
-    return Settings(term, controller_config(config, method), config.kl_monitor, monitor_every(config))
+    return Settings(term, controller_config(config, method), config.kl_monitor, monitor_every(config),
+                    tuple(unread_settings(config, method)))
+
+
+def unread_settings(config, method: Method) -> list[tuple[str, object, tuple[str, ...]]]:
+    """The built-in parameters (fields) of ``config`` set to other than their default that nothing it trains with
+    reads (not ``method``'s shaping steps, not its β controller, not its estimator): ``(field, value, readers)``, with
+    the method names and estimators that would read it. A value a user set for a method not chosen has no effect."""
+    estimator = get_estimator(config.kl_estimator)
+    read = {p.name for p in (*method.parameters, *method.controller_parameters, *estimator.parameters)}
+    readers: dict[str, list[str]] = {}
+    for name in method_names():
+        single = parse_method(name)
+        for p in (*single.parameters, *single.controller_parameters):
+            readers.setdefault(p.name, []).append(repr(name))
+    for name in builtin_estimator_names():
+        for p in get_estimator(name).parameters:
+            readers.setdefault(p.name, []).append(f"kl_estimator={name!r}")
+    return [(p.name, getattr(config, p.name), tuple(readers.get(p.name, ())))
+            for p in registered_parameters(builtin=True)
+            if p.name not in read and hasattr(config, p.name) and getattr(config, p.name) != p.default]
 
 
 def validate(config) -> Method:

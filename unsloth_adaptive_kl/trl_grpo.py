@@ -16,10 +16,15 @@ it runs (checked before it is relied on, and that the replacement was called aft
 
 Under ``accelerate launch`` directly, run the training module itself:
 ``accelerate launch [accelerate flags] -m unsloth_adaptive_kl.trl_grpo --config recipe.yaml``.
+
+One check of the arguments, :func:`parse`, serves both: ``unsloth-adaptive-kl grpo`` runs it before it hands
+anything to accelerate, each training process before it trains. A refused argument (a YAML key or a flag that is
+no field, a bad value) is an :class:`ArgumentsError`, printed as one line with exit status 2, without a traceback.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 #: What each process started by ``unsloth-adaptive-kl grpo`` runs (``python -m`` style).
@@ -37,7 +42,8 @@ def _require_patch() -> None:
 
 
 def train(argv: list[str] | None = None) -> None:
-    """One training process: what ``trl/scripts/grpo.py`` runs, with the package imported first."""
+    """One training process: what ``trl/scripts/grpo.py`` runs, with the package imported first.
+    Raises :class:`ArgumentsError` on a refused argument, before any training."""
     _require_patch()
     from trl.scripts import grpo
 
@@ -46,36 +52,159 @@ def train(argv: list[str] | None = None) -> None:
     _close_process_group()
 
 
-def parse(argv: list[str] | None) -> tuple:
-    """The training process's arguments, as TRL's script parses them, with every YAML key checked.
+def main(argv: list[str] | None = None) -> int:
+    """``python -m unsloth_adaptive_kl.trl_grpo ARGS`` (what ``accelerate launch`` starts in each process): :func:`train`,
+    a refused argument printed as one line (per process) with exit status 2 instead of a traceback."""
+    try:
+        train(argv)
+    except ArgumentsError as error:
+        return refuse(TRAINING_PROG, error)
+    return 0
+
+
+#: ``prog`` of the training module, and of the command that launches it, in their messages.
+TRAINING_PROG = "python -m unsloth_adaptive_kl.trl_grpo"
+COMMAND_PROG = "unsloth-adaptive-kl grpo"
+
+#: The exit status on a refused argument (argparse's, and the ``unsloth-adaptive-kl`` command's, for usage errors).
+USAGE_ERROR = 2
+
+_FIELDS = (
+    "TRL's GRPO script (GRPOScriptArguments, GRPOConfig, ModelConfig, DatasetMixtureConfig, with the adaptive-KL fields)"
+)
+
+
+class ArgumentsError(ValueError):
+    """A refused argument of the GRPO command line: a ``--config`` key or a flag that is no field (nor an
+    ``accelerate launch`` option, where those are allowed), or a bad value: the ``ValueError`` raised while the
+    arguments are parsed and the configs built (``GRPOConfig.__post_init__`` runs this package's validation, which
+    names the field, the value and what is allowed), its text kept. The command lines print it as one line,
+    ``PROG: MESSAGE``, and exit with :data:`USAGE_ERROR` (:func:`refuse`); any other exception keeps its traceback."""
+
+
+def refuse(prog: str, error: ArgumentsError) -> int:
+    """Print ``error`` as one line on stderr, after ``prog``, and return :data:`USAGE_ERROR` (no traceback)."""
+    print(f"{prog}: {error}", file=sys.stderr)
+    return USAGE_ERROR
+
+
+def parse(argv: list[str] | None, *, prog: str = TRAINING_PROG, launcher_flags: bool = False) -> tuple:
+    """The training process's arguments, as TRL's script parses them, with every YAML key and flag checked.
 
     TRL's script parses with ``fail_with_unknown_args=False``: a YAML key that is no field is
     dropped without a word (a misspelt ``kl_adaptaion_method`` would train method ``none``). Its
     reason is that the YAML may also hold ``accelerate launch`` options (``num_processes``,
     ``accelerate_config``), which ``trl grpo`` hands to the launcher. Here those, and only those,
-    are let through; any other unknown key raises ``ValueError`` naming it. (An unknown flag on
-    the command line is refused by the parser itself.)"""
+    are let through; any other unknown key is refused, by name, as soon as TRL's parser has read the YAML
+    (before the configs are built: a value check that the missing field fails would name the wrong thing).
+
+    ``launcher_flags``: the command line may also hold ``accelerate launch`` options (``unsloth-adaptive-kl grpo``,
+    which checks its arguments here before it launches anything); otherwise every flag must be a field.
+
+    Raises :class:`ArgumentsError` (a ``ValueError``) for an unknown key or flag, and for a bad value."""
+    parsed, _launch = _parse(argv, prog=prog, launcher_flags=launcher_flags)
+    return parsed
+
+
+def _grpo_parser(prog: str):
+    """TRL's GRPO parser named ``prog``: ``make_parser(prog=...)`` from TRL 1.0, before it ``make_parser()`` (0.24-0.29),
+    its ``prog`` then set on it."""
+    import inspect
+
     from trl.scripts import grpo
 
-    parser = grpo.make_parser(prog="python -m unsloth_adaptive_kl.trl_grpo")
-    *parsed, config_remaining, _cli_remaining = parser.parse_args_and_config(
-        argv, return_remaining_strings=True, separate_remaining_strings=True
-    )
-    unknown = [key for key in config_remaining[::2] if key not in _launcher_options()]
-    if unknown:
-        import difflib
+    if "prog" in inspect.signature(grpo.make_parser).parameters:
+        return grpo.make_parser(prog=prog)
+    parser = grpo.make_parser()
+    parser.prog = prog
+    return parser
 
-        known = [action.dest for action in parser._actions if action.option_strings]
-        hints = {key[2:]: difflib.get_close_matches(key[2:], known, n=1) for key in unknown}
-        described = ", ".join(f"{key!r}" + (f" (did you mean {hint[0]!r}?)" if hint else "") for key, hint in hints.items())
-        raise ValueError(
-            f"--config: unknown key(s) {described}: not a field of TRL's GRPO script (GRPOScriptArguments, GRPOConfig, "
-            "ModelConfig, DatasetMixtureConfig, with the adaptive-KL fields) nor an `accelerate launch` option; "
-            "allowed: those fields and options (fix or remove the key)"
+
+def _parse(argv: list[str] | None, *, prog: str, launcher_flags: bool) -> tuple[tuple, list[str]]:
+    """:func:`parse`, and the ``accelerate launch`` options among the arguments (``--name value`` strings: the YAML's
+    keys, then the command line's flags, which accelerate's parser lets override them)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    config = argv[argv.index("--config") + 1] if "--config" in argv[:-1] else None  # where TRL's parser finds it
+    parser = _grpo_parser(prog)
+    set_defaults_with_config = parser.set_defaults_with_config
+    from_config: list[list[str]] = []
+
+    def set_defaults_and_check_keys(**values):  # TRL's parser calls this with the YAML, before building the configs
+        remaining = set_defaults_with_config(**values)
+        _check_config_keys(parser, config, remaining)
+        from_config.append(list(remaining))
+        return remaining
+
+    parser.set_defaults_with_config = set_defaults_and_check_keys
+    try:
+        # Every TRL returns the YAML's leftover strings, then the command line's, as one list (TRL >= 1.0 can also
+        # separate them; 0.24-0.29 cannot): the YAML's part is what the hook above saw.
+        *parsed, remaining = parser.parse_args_and_config(argv, return_remaining_strings=True)
+    except ArgumentsError:
+        raise
+    except ValueError as error:  # a bad value: the field's own check, while the configs are built
+        raise ArgumentsError(str(error)) from error
+    if config is not None and not from_config:  # TRL's parser no longer calls the hook: the leftovers cannot be split
+        import trl
+
+        raise RuntimeError(
+            f"trl {trl.__version__}: TrlParser.parse_args_and_config no longer calls set_defaults_with_config with the "
+            "--config YAML; the YAML's keys cannot be checked"
         )
-    if _cli_remaining:  # the parser refuses these itself; kept as a guard should TRL's parser change
-        raise ValueError(f"unknown argument(s) {_cli_remaining}; allowed: the fields of TRL's GRPO script")
-    return tuple(parsed)
+    config_remaining = from_config[0] if from_config else []
+    cli_remaining = remaining[len(config_remaining):]
+    _check_flags(parser, cli_remaining, launcher_flags)
+    return tuple(parsed), [*config_remaining, *cli_remaining]
+
+
+def _check_config_keys(parser, config: str | None, remaining: list[str]) -> None:
+    """The ``--config`` YAML's keys that no field took (``remaining``: ``--key value`` pairs, as TRL's parser returns
+    them) must be ``accelerate launch`` options; ArgumentsError naming the others, with the closest field."""
+    allowed = _launcher_options()
+    unknown = [key[2:] for key in remaining[::2] if key not in allowed]
+    if unknown:
+        raise _unknown(parser, f"--config {config}: unknown key(s)", unknown, what="key")
+
+
+def _check_flags(parser, remaining: list[str], launcher_flags: bool) -> None:
+    """The command line's strings that no field took (``remaining``): with ``launcher_flags``, every flag among them must
+    be an ``accelerate launch`` option (the strings between are its values, for accelerate's parser); without, there
+    must be none. ArgumentsError naming the unknown flags, each with the closest field or option."""
+    flags = [token.split("=", 1)[0] for token in remaining if token.startswith("-") and not _is_number(token)]
+    allowed = _launcher_options() if launcher_flags else set()
+    unknown = [flag for flag in flags if flag not in allowed]
+    if unknown:
+        raise _unknown(parser, "unknown flag(s)", unknown, what="flag", dashes="--", launcher=launcher_flags)
+    if remaining and not launcher_flags:  # values without a flag
+        raise ArgumentsError(f"unexpected argument(s) {remaining}; allowed: the fields of {_FIELDS}, as --name value")
+
+
+def _unknown(parser, described: str, names: list[str], *, what: str, dashes: str = "", launcher: bool = True) -> ArgumentsError:
+    """The refusal of unknown keys or flags ``names`` (as given), each with the closest known name (after ``dashes``)."""
+    import difflib
+
+    known = [action.dest for action in parser._actions if action.option_strings]
+    if launcher:
+        known += sorted({option[2:].replace("-", "_") for option in _launcher_options() if option.startswith("--")})
+    hints = {name: difflib.get_close_matches(name.lstrip("-"), known, n=1) for name in names}
+    named = ", ".join(f"{name!r}" + (f" (did you mean '{dashes}{hint[0]}'?)" if hint else "") for name, hint in hints.items())
+    if launcher:
+        return ArgumentsError(
+            f"{described} {named}: not a field of {_FIELDS} nor an `accelerate launch` option; "
+            f"allowed: those fields and options (fix or remove the {what})"
+        )
+    return ArgumentsError(
+        f"{described} {named}: not a field of {_FIELDS}; allowed: those fields (fix or remove the {what}; "
+        f"accelerate's options go before `-m {TRAINING_MODULE}`)"
+    )
+
+
+def _is_number(token: str) -> bool:
+    try:
+        float(token)
+    except ValueError:
+        return False
+    return True
 
 
 def _launcher_options() -> set[str]:
@@ -104,19 +233,27 @@ def _close_process_group() -> None:
 def launch(argv: list[str]) -> int:
     """``unsloth-adaptive-kl grpo ARGS``: ``trl grpo ARGS`` launching :data:`TRAINING_MODULE`.
 
-    The arguments are parsed here first, with the fields in place: a bad value stops the command
-    before any process starts, with the ``ValueError`` naming the field."""
+    The arguments are parsed here first, with the fields in place and the training module's checks (:func:`parse`:
+    every YAML key and flag a field or an ``accelerate launch`` option, every value valid): a refused argument stops
+    the command before anything is handed to accelerate, printed as one line (``unsloth-adaptive-kl grpo: MESSAGE``),
+    with exit status 2."""
     import subprocess
 
     _require_patch()
     if "-h" in argv or "--help" in argv:  # TRL's CLI would print its own name ("usage: trl grpo")
-        from trl.scripts import grpo
-
-        grpo.make_parser(prog="unsloth-adaptive-kl grpo").print_help()
+        _grpo_parser(COMMAND_PROG).print_help()
         return 0
+    try:
+        _parsed, launcher_args = _parse(argv, prog=COMMAND_PROG, launcher_flags=True)
+    except ArgumentsError as error:
+        return refuse(COMMAND_PROG, error)
     from accelerate.commands.launch import launch_command, launch_command_parser
-    from trl.cli import accelerate_launcher, main as trl_main
-    from trl.cli.commands.training import TrainingCommand
+
+    try:
+        from trl.cli import accelerate_launcher, main as trl_main
+        from trl.cli.commands.training import TrainingCommand
+    except ImportError:  # TRL 0.24-0.29: a CLI module without the launcher this command swaps its module into
+        return _launch_directly(argv, launcher_args)
 
     # TRL's TrainingCommand.run imports launch_training_script from accelerate_launcher when it runs;
     # that lookup is where the training module is swapped in. Check it is still there.
@@ -149,5 +286,55 @@ def launch(argv: list[str]) -> int:
     return status
 
 
+def _launch_directly(argv: list[str], launcher_args: list[str]) -> int:
+    """``accelerate launch [launcher_args] -m TRAINING_MODULE [the other arguments]``, for a TRL whose CLI has no launcher
+    to swap the module into (0.24-0.29). ``launcher_args``: the ``accelerate launch`` options of the YAML and of the
+    command line (:func:`_parse`), TRL's ``--accelerate_config NAME`` turned into accelerate's ``--config_file`` (a
+    file, or one of TRL's own configs), as ``trl grpo`` of TRL 1.x does; each training process reads the YAML again."""
+    import subprocess
+    from importlib import resources
+
+    from accelerate.commands.launch import launch_command, launch_command_parser
+
+    args = list(launcher_args)
+    if "--accelerate_config" in args:
+        at = args.index("--accelerate_config")
+        name = args[at + 1]
+        path = name if os.path.isfile(name) else resources.files("trl.accelerate_configs").joinpath(f"{name}.yaml")
+        if not os.path.isfile(str(path)):
+            print(f"{COMMAND_PROG}: accelerate_config={name!r} is neither a file nor one of TRL's accelerate configs; "
+                  "allowed: a file, or a name in trl/accelerate_configs", file=sys.stderr)
+            return USAGE_ERROR
+        args[at:at + 2] = ["--config_file", str(path)]
+    flags = {token.split("=", 1)[0] for token in argv if token.startswith("--")} & _launcher_options()
+    script_args = _without(argv, flags)
+    try:
+        launch_command(launch_command_parser().parse_args([*args, "--module", TRAINING_MODULE, *script_args]))
+    except subprocess.CalledProcessError as error:  # a training process failed; its output is above
+        return error.returncode or 1
+    return 0
+
+
+def _without(argv: list[str], flags: set[str]) -> list[str]:
+    """``argv`` less the options named in ``flags`` and their values (``--name value`` or ``--name=value``; a flag of
+    accelerate's that takes no value, ``--multi_gpu``, stands alone)."""
+    from accelerate.commands.launch import launch_command_parser
+
+    takes_value = {option: action.nargs != 0 for action in launch_command_parser()._actions for option in action.option_strings}
+    takes_value.update({"--" + o[2:].replace("-", "_"): v for o, v in list(takes_value.items()) if o.startswith("--")})
+    takes_value["--accelerate_config"] = True
+    out, skip = [], False
+    for token in argv:
+        if skip:
+            skip = False
+            continue
+        name = token.split("=", 1)[0]
+        if name in flags:
+            skip = "=" not in token and takes_value.get(name, True)
+            continue
+        out.append(token)
+    return out
+
+
 if __name__ == "__main__":
-    train(sys.argv[1:])
+    sys.exit(main(sys.argv[1:]))
