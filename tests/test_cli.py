@@ -198,7 +198,7 @@ def test_the_console_script_refuses_a_bad_argument_in_one_line_with_status_2(tmp
     elif case == "misspelt flag value":
         args = ["--config", RECIPE, "--kl_adaptation_method", "dynamc", "--max_steps", "1"]
         expected = _method_error("dynamc")
-        assert expected.startswith("kl_adaptation_method='dynamc' has unknown part(s) ['dynamc']; allowed: one of [")
+        assert expected.startswith("kl_adaptation_method='dynamc' has unknown part(s) ['dynamc'] (did you mean 'dynamic'?); allowed: one of [")
     else:
         config = _recipe_with(tmp_path, {})
         with open(config) as f:
@@ -463,3 +463,14 @@ def test_the_refusals_docs_cli_md_quotes_are_what_the_command_prints(tmp_path, m
         assert cli_main([command, *args]) == 2
         assert capsys.readouterr().err == lines[i + 1] + "\n"
     assert not launched
+
+
+def test_a_missing_config_file_is_one_line_with_status_2(tmp_path, capsys):
+    """It was a FileNotFoundError traceback from TRL's parser."""
+    from unsloth_adaptive_kl import trl_grpo
+
+    missing = str(tmp_path / "nope.yaml")
+    assert trl_grpo.launch(["--config", missing, "--max_steps", "1"]) == 2
+    assert capsys.readouterr().err == f"unsloth-adaptive-kl grpo: --config {missing}: no such file; allowed: the path of a YAML file\n"
+    assert trl_grpo.main(["--config", missing]) == 2
+    assert capsys.readouterr().err == f"python -m unsloth_adaptive_kl.trl_grpo: --config {missing}: no such file; allowed: the path of a YAML file\n"

@@ -353,3 +353,18 @@ def test_an_unread_setting_is_warned_by_the_main_process_only(caplog):
     with caplog.at_level("WARNING", logger="unsloth_adaptive_kl"):
         AdaptiveKL(config, process_index=0, num_processes=2)
     assert len([r for r in caplog.records if "has no effect" in r.getMessage()]) == 1
+
+
+# not a registry list: misspellings chosen for what they show (a typo, a case, a missing underscore, one of two parts)
+@pytest.mark.parametrize("given, unknown, meant", [("dynamc", "dynamc", "dynamic"), ("Target", "Target", "target"),
+                                                   ("softclip", "softclip", "soft_clip"), ("dynamic+clp", "clp", "clip")])
+def test_a_misspelt_method_is_refused_with_the_closest_name(given, unknown, meant):
+    with pytest.raises(ValueError) as caught:
+        GRPOConfig(**CPU, beta=0.04, kl_adaptation_method=given)
+    assert f"kl_adaptation_method={given!r} has unknown part(s) [{unknown!r}] (did you mean {meant!r}?); allowed: one of [" in str(caught.value)
+
+
+def test_a_method_name_far_from_every_name_gets_no_guess():
+    with pytest.raises(ValueError) as caught:
+        GRPOConfig(**CPU, beta=0.04, kl_adaptation_method="banana")
+    assert "has unknown part(s) ['banana']; allowed:" in str(caught.value) and "did you mean" not in str(caught.value)

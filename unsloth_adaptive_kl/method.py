@@ -67,7 +67,12 @@ def parse_method(method: str) -> Method:
         raise ValueError(f"kl_adaptation_method={method!r} joins 'none' (no adaptation) with other parts; allowed: 'none' alone, or the other parts without it")
     unknown = [p for p in parts if p not in method_names()]
     if unknown:
-        raise ValueError(f"kl_adaptation_method={method!r} has unknown part(s) {unknown}; allowed: {allowed}")
+        import difflib
+
+        names = {name.lower(): name for name in method_names()}
+        close = [names[m[0]] for p in unknown if (m := difflib.get_close_matches(p.lower(), names, n=1, cutoff=0.75))]
+        hint = f" (did you mean {' and '.join(repr(c) for c in close)}?)" if len(close) == len(unknown) else ""
+        raise ValueError(f"kl_adaptation_method={method!r} has unknown part(s) {unknown}{hint}; allowed: {allowed}")
     if len(set(parts)) != len(parts):
         raise ValueError(f"kl_adaptation_method={method!r} repeats a part; allowed: {allowed}")
     controllers = [p for p in parts if p in CONTROLLERS]

@@ -125,6 +125,8 @@ def _parse(argv: list[str] | None, *, prog: str, launcher_flags: bool) -> tuple[
     keys, then the command line's flags, which accelerate's parser lets override them)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     config = argv[argv.index("--config") + 1] if "--config" in argv[:-1] else None  # where TRL's parser finds it
+    if config is not None and not os.path.isfile(config):
+        raise ArgumentsError(f"--config {config}: no such file; allowed: the path of a YAML file")
     parser = _grpo_parser(prog)
     set_defaults_with_config = parser.set_defaults_with_config
     from_config: list[list[str]] = []
