@@ -184,7 +184,8 @@ def test_core_modules_import_only_torch():
         tree = ast.parse((package / name).read_text())
         imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 0 and n.module}
-        assert imported <= {"torch", "math", "json", "dataclasses", "collections", "typing", "logging", "difflib", "__future__"}  # difflib: the standard library's, for "did you mean", (name, imported)
+        # difflib: the standard library's, for a misspelt method's "did you mean"
+        assert imported <= {"torch", "math", "json", "dataclasses", "collections", "typing", "logging", "difflib", "__future__"}, (name, imported)
 
 
 def test_a_yaml_exponent_without_a_dot_is_refused_with_yaml_float_syntax_hint(tmp_path):
