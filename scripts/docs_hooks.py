@@ -73,18 +73,11 @@ def _cell(text: str) -> str:
 
 
 def _readers() -> dict[str, list[str]]:
-    """Each built-in parameter's readers, in words: the shaping methods, β controllers and estimators that read it."""
-    shaping, controllers, estimators = _core("shaping"), _core("controllers"), _core("estimators")
-    readers: dict[str, list[str]] = {}
-    owners = [
-        *((f"`{n}`", m.parameters) for n, m in shaping.SHAPING.items() if m.builtin),
-        *((f"`{n}` (β controller)", c.parameters) for n, c in controllers.CONTROLLERS.items() if c.builtin),
-        *((f"`{n}` (estimator)", e.parameters) for n, e in estimators.ESTIMATORS.items() if e.builtin),
-    ]
-    for owner, parameters in owners:
-        for parameter in parameters:
-            readers.setdefault(parameter.name, []).append(owner)
-    return readers
+    """Each built-in parameter's readers, in words (``config.parameter_readers``): the shaping methods, β controllers
+    and estimators that read it."""
+    suffix = {"shaping": "", "controller": " (β controller)", "estimator": " (estimator)"}
+    return {parameter: [f"`{name}`{suffix[kind]}" for kind, name in readers]
+            for parameter, readers in _core("config").parameter_readers(builtin=True).items()}
 
 
 def fields_table() -> str:

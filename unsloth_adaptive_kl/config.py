@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 from .controllers import CONTROLLERS, ControllerConfig, controller_names, controller_parameters
 from .declarations import Parameter, check_parameter, checked_beta, checked_number, yaml_hint  # noqa: F401  (checked_beta: a name of this module's API)
-from .estimators import builtin_estimator_names, estimator_aliases, estimator_parameters, get_estimator
+from .estimators import ESTIMATORS, builtin_estimator_names, estimator_aliases, estimator_parameters, get_estimator
 from .kl_term import KLTerm
-from .method import Method, method_names, parse_method
+from .method import Method, parse_method
 from .shaping import SHAPING, shaping_names, shaping_parameters
 
 
@@ -247,21 +247,30 @@ def build(config) -> Settings:
                     tuple(unread_settings(config, method)))
 
 
+#: The three registries whose entries read parameters, by the kind :func:`parameter_readers` names them with.
+READER_KINDS = (("shaping", SHAPING), ("controller", CONTROLLERS), ("estimator", ESTIMATORS))
+
+
+def parameter_readers(builtin: bool | None = None) -> dict[str, list[tuple[str, str]]]:
+    """Each registered parameter's readers: ``(kind, name)`` of the shaping methods, β controllers and estimators that
+    declare it, in that order, each kind in its registry's order (``builtin``: only the built-ins or only the users')."""
+    readers: dict[str, list[tuple[str, str]]] = {}
+    for kind, registry in READER_KINDS:
+        for parameter, names in registry.readers(builtin).items():
+            readers.setdefault(parameter, []).extend((kind, name) for name in names)
+    return readers
+
+
 def unread_settings(config, method: Method) -> list[tuple[str, object, tuple[str, ...]]]:
     """The built-in parameters (fields) of ``config`` set to other than their default that nothing it trains with
     reads (not ``method``'s shaping steps, not its β controller, not its estimator): ``(field, value, readers)``, with
-    the method names and estimators that would read it. A value a user set for a method not chosen has no effect."""
+    the method names and estimators that would read it (:func:`parameter_readers`, in words). A value a user set for a
+    method not chosen has no effect."""
     estimator = get_estimator(config.kl_estimator)
     read = {p.name for p in (*method.parameters, *method.controller_parameters, *estimator.parameters)}
-    readers: dict[str, list[str]] = {}
-    for name in method_names():
-        single = parse_method(name)
-        for p in (*single.parameters, *single.controller_parameters):
-            readers.setdefault(p.name, []).append(repr(name))
-    for name in builtin_estimator_names():
-        for p in get_estimator(name).parameters:
-            readers.setdefault(p.name, []).append(f"kl_estimator={name!r}")
-    return [(p.name, getattr(config, p.name), tuple(readers.get(p.name, ())))
+    readers = parameter_readers()
+    return [(p.name, getattr(config, p.name),
+             tuple(f"kl_estimator={name!r}" if kind == "estimator" else repr(name) for kind, name in readers.get(p.name, ())))
             for p in registered_parameters(builtin=True)
             if p.name not in read and hasattr(config, p.name) and getattr(config, p.name) != p.default]
 

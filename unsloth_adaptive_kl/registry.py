@@ -94,6 +94,16 @@ class Registry(dict):
     def user_names(self) -> tuple[str, ...]:
         return tuple(name for name in self.names() if not self[name].builtin)
 
+    def readers(self, builtin: bool | None = None) -> dict[str, tuple[str, ...]]:
+        """Each declared parameter's name -> the entries that declare it, in the registry's order (``builtin``: only the
+        built-ins or only the users')."""
+        out: dict[str, list[str]] = {}
+        for name in self.names():
+            if builtin is None or self[name].builtin == builtin:
+                for parameter in self[name].parameters:
+                    out.setdefault(parameter.name, []).append(name)
+        return {parameter: tuple(names) for parameter, names in out.items()}
+
     def parameters(self, builtin: bool | None = None) -> tuple[Parameter, ...]:
         """Every parameter the entries declare, once, in the registry's order (``builtin``: only the built-ins' or
         only the users')."""
