@@ -24,6 +24,7 @@ no field, a bad value) is an :class:`ArgumentsError`, printed as one line with e
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -212,11 +213,18 @@ def _is_number(token: str) -> bool:
 def _launcher_options() -> set[str]:
     """The ``--name`` options of ``accelerate launch``, and TRL's ``--accelerate_config``: YAML keys
     that ``trl grpo`` passes to the launcher, so a training process may find them in its YAML."""
+    return set(_launcher_takes_value())
+
+
+@functools.cache
+def _launcher_takes_value() -> dict[str, bool]:
+    """Each option of :func:`_launcher_options` -> whether it takes a value (``--multi_gpu`` takes none): from
+    accelerate's own parser, made once (it is asked several times a command line)."""
     from accelerate.commands.launch import launch_command_parser
 
-    options = {option for action in launch_command_parser()._actions for option in action.option_strings}
-    underscored = {"--" + option[2:].replace("-", "_") for option in options if option.startswith("--")}
-    return options | underscored | {"--accelerate_config"}
+    takes_value = {option: action.nargs != 0 for action in launch_command_parser()._actions for option in action.option_strings}
+    takes_value.update({"--" + o[2:].replace("-", "_"): v for o, v in list(takes_value.items()) if o.startswith("--")})
+    return {**takes_value, "--accelerate_config": True}
 
 
 def _close_process_group() -> None:
@@ -308,8 +316,7 @@ def _launch_directly(argv: list[str], launcher_args: list[str]) -> int:
                   "allowed: a file, or a name in trl/accelerate_configs", file=sys.stderr)
             return USAGE_ERROR
         args[at:at + 2] = ["--config_file", str(path)]
-    flags = {token.split("=", 1)[0] for token in argv if token.startswith("--")} & _launcher_options()
-    script_args = _without(argv, flags)
+    script_args = _without_launcher_options(argv)
     try:
         launch_command(launch_command_parser().parse_args([*args, "--module", TRAINING_MODULE, *script_args]))
     except subprocess.CalledProcessError as error:  # a training process failed; its output is above
@@ -317,22 +324,18 @@ def _launch_directly(argv: list[str], launcher_args: list[str]) -> int:
     return 0
 
 
-def _without(argv: list[str], flags: set[str]) -> list[str]:
-    """``argv`` less the options named in ``flags`` and their values (``--name value`` or ``--name=value``; a flag of
-    accelerate's that takes no value, ``--multi_gpu``, stands alone)."""
-    from accelerate.commands.launch import launch_command_parser
-
-    takes_value = {option: action.nargs != 0 for action in launch_command_parser()._actions for option in action.option_strings}
-    takes_value.update({"--" + o[2:].replace("-", "_"): v for o, v in list(takes_value.items()) if o.startswith("--")})
-    takes_value["--accelerate_config"] = True
+def _without_launcher_options(argv: list[str]) -> list[str]:
+    """``argv`` less its ``--name`` options of :func:`_launcher_options` and their values (``--name value`` or
+    ``--name=value``; a flag that takes no value, ``--multi_gpu``, stands alone)."""
+    takes_value = _launcher_takes_value()
     out, skip = [], False
     for token in argv:
         if skip:
             skip = False
             continue
         name = token.split("=", 1)[0]
-        if name in flags:
-            skip = "=" not in token and takes_value.get(name, True)
+        if name.startswith("--") and name in takes_value:
+            skip = "=" not in token and takes_value[name]
             continue
         out.append(token)
     return out

@@ -130,7 +130,6 @@ def table(directories: list[str], planned: int = 100) -> tuple[list[dict], dict 
             t[key + "_holm"] = None if t[key] is None else value
     for a, t in zip(others, tests):
         a["test"] = t
-        t["family"] = m
         t["best_window_vs_best"] = None if a["best"] is None or best["best"] is None else a["best"] - best["best"]
         t["verdict"] = _verdict(t)
         t["seeds_needed"] = (stats.seeds_needed(t["mean"] / t["sd"], ALPHA / m, POWER)
