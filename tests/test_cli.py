@@ -307,6 +307,39 @@ def test_grpo_without_trls_launcher_launches_the_training_module_itself(monkeypa
         assert args.config_file == str(resources.files("trl.accelerate_configs").joinpath("multi_gpu.yaml"))
 
 
+@pytest.mark.parametrize("value", ["true", "false"])
+def test_a_yaml_accelerate_switch_reaches_accelerate_as_a_flag_on_every_trl(monkeypatch, tmp_path, value):
+    """`multi_gpu: true` in the YAML: TRL's parser hands it on as `--multi_gpu True`, which accelerate's parser read as
+    the script to run ('True', the training module then an argument of it). Now the switch alone (or nothing, for
+    false), on both paths: TRL's launcher (TRL >= 0.29, where present) and the command's own launch (every TRL)."""
+    from unsloth_adaptive_kl import trl_grpo
+
+    launched = _record_launches(monkeypatch)
+    config = _recipe_with(tmp_path, {}, extra=f"multi_gpu: {value}\nnum_processes: 1\n")
+    argv = ["--config", config, "--max_steps", "1"]
+    _parsed, launcher_args = trl_grpo._parse(argv, prog=trl_grpo.COMMAND_PROG, launcher_flags=True)
+    assert trl_grpo._launch_directly(argv, launcher_args) == 0
+    try:
+        _trl_cli_launcher()
+        assert trl_grpo.launch(argv) == 0
+    except pytest.skip.Exception:  # TRL 0.24-0.28: no launcher of TRL's to go through
+        pass
+    assert launched
+    for args in launched:
+        assert args.module and args.training_script == "unsloth_adaptive_kl.trl_grpo"
+        assert args.multi_gpu is (value == "true") and args.num_processes == 1
+        assert args.training_script_args == ["--config", config, "--max_steps", "1"]
+
+
+def test_a_yaml_accelerate_switch_with_a_value_that_is_no_boolean_is_refused_naming_it(monkeypatch, tmp_path, capsys):
+    launched = _record_launches(monkeypatch)
+    config = _recipe_with(tmp_path, {}, extra="multi_gpu: 2\n")
+    assert cli_main(["grpo", "--config", config]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("unsloth-adaptive-kl grpo: multi_gpu='2': an `accelerate launch` switch takes no value; allowed: true or false") and err.count("\n") == 1, err
+    assert not launched
+
+
 def test_grpo_refuses_a_trl_cli_that_no_longer_looks_up_the_launcher(monkeypatch):
     _trl_cli_launcher()
     from trl.cli.commands.training import TrainingCommand

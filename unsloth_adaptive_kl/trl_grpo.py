@@ -157,7 +157,36 @@ def _parse(argv: list[str] | None, *, prog: str, launcher_flags: bool) -> tuple[
     config_remaining = from_config[0] if from_config else []
     cli_remaining = remaining[len(config_remaining):]
     _check_flags(parser, cli_remaining, launcher_flags)
-    return tuple(parsed), [*config_remaining, *cli_remaining]
+    return tuple(parsed), _accelerate_switches([*config_remaining, *cli_remaining])
+
+
+_TRUE, _FALSE = {"true", "yes", "on", "1"}, {"false", "no", "off", "0"}
+
+
+def _accelerate_switches(args: list[str]) -> list[str]:
+    """``args`` (``accelerate launch`` options) with each option that takes no value (``--multi_gpu``) given as accelerate
+    takes it: alone, or dropped when false. A YAML's ``multi_gpu: true`` reaches here as ``--multi_gpu True`` (TRL's parser
+    writes each leftover key as ``--key str(value)``); handed on as such, accelerate's parser takes ``True`` for the
+    script to run. A value that is no boolean raises :class:`ArgumentsError`."""
+    takes_value = _launcher_takes_value()
+    out, at = [], 0
+    while at < len(args):
+        token = args[at]
+        name, equals, value = token.partition("=")
+        at += 1
+        if takes_value.get(name, True):
+            out.append(token)
+            continue
+        if not equals and at < len(args) and not args[at].startswith("-"):
+            value, equals, at = args[at], "=", at + 1
+        if equals and value.lower() not in _TRUE | _FALSE:
+            raise ArgumentsError(
+                f"{name[2:]}={value!r}: an `accelerate launch` switch takes no value; allowed: true or false (or the "
+                f"flag {name} alone)"
+            )
+        if not equals or value.lower() in _TRUE:
+            out.append(name)
+    return out
 
 
 def _check_config_keys(parser, config: str | None, remaining: list[str]) -> None:
@@ -281,6 +310,7 @@ def launch(argv: list[str]) -> int:
         if script_name != "grpo.py":
             raise RuntimeError(f"unsloth-adaptive-kl grpo was asked to launch {script_name!r}, not TRL's grpo.py")
         launched.append(script_name)
+        launch_args = _accelerate_switches(launch_args)  # TRL hands on a YAML's `multi_gpu: true` as `--multi_gpu True`
         launch_command(launch_command_parser().parse_args([*launch_args, "--module", TRAINING_MODULE, *training_script_args]))
 
     original = accelerate_launcher.launch_training_script
