@@ -4,6 +4,7 @@ import ast
 import re
 import pathlib
 import pytest
+import torch
 
 import unsloth_adaptive_kl  # noqa: F401  (patches TRL)
 from trl import GRPOConfig
@@ -79,7 +80,7 @@ def test_a_registered_methods_parameters_are_set_from_the_config_yaml_and_flags_
         (from_flag,) = TrlParser((GRPOConfig,)).parse_args_and_config(["--config", str(yaml_file), "--kl_shaping_kwargs", '{"scaled_by": 1.0}'])
         assert build(from_flag).term.shaping_parameters[-1] == ("scaled_by", 1.0)
         for bad, message in (({"scaled_by": 2.0}, r"kl_shaping_kwargs\['scaled_by'\]=2.0 is not valid; allowed: a number in \(0, 1\]"),
-                             ({"scaled_by": "x"}, r"kl_shaping_kwargs\['scaled_by'\]='x' is not valid; allowed: a finite number"),
+                             ({"scaled_by": "x"}, r"kl_shaping_kwargs\['scaled_by'\]='x' is not valid; allowed: a number in \(0, 1\]"),
                              ({"scaledby": 1.0}, r"kl_shaping_kwargs has unknown key\(s\) \['scaledby'\]; allowed: .*'scaled_by'"),
                              ("{not json", r"kl_shaping_kwargs='\{not json' is not valid; allowed: a dict, or its JSON")):
             with pytest.raises(ValueError, match=message):
@@ -107,6 +108,9 @@ BEFORE_THE_IMPORT = {
     "config_made_before": """
         from trl import GRPOTrainer
         import toy
+        from unsloth_adaptive_kl.config import DEFAULTS
+        # read before any trainer: to_dict() walks every field of the (patched) class; it raised AttributeError
+        assert args_made_before.to_dict()["kl_target"] == DEFAULTS["kl_target"] and args_made_before.kl_adaptation_method == "none"
         trainer = GRPOTrainer(model=CHECKPOINT, reward_funcs=[toy.format_reward], args=args_made_before,
                               train_dataset=toy.prompt_dataset(8))
         assert args_made_before.kl_adaptation_method == "none" and args_made_before.to_dict()["kl_estimator"] == "k3"
@@ -161,6 +165,12 @@ BAD = [
     (dict(beta=0.0, kl_adaptation_method="clip"), "beta", "0.0"),
     (dict(liger_fused_head="yes"), "liger_fused_head", "yes"),
     (dict(liger_fused_head=1), "liger_fused_head", "1"),
+    # soft_clip computes c * tanh(kl / c) in the KL's dtype: in float32 1e39 is inf and 1e-300 is 0, a NaN on every token
+    (dict(kl_adaptation_method="soft_clip", kl_clip_threshold=1e39), "kl_clip_threshold", "1e+39"),
+    (dict(kl_adaptation_method="soft_clip", kl_clip_threshold=1e-300), "kl_clip_threshold", "1e-300"),
+    (dict(kl_estimator=["k3"]), "kl_estimator", "['k3']"),  # was a TypeError from the registry's dict lookup
+    (dict(kl_estimator={"k3": 1}), "kl_estimator", "{'k3': 1}"),
+    (dict(beta=0.0, kl_exclude_token_ids=[1]), "kl_exclude_token_ids", "[1]"),  # no KL term: the ids would leave out nothing
 ]
 
 
@@ -179,13 +189,14 @@ def test_beta_zero_with_method_none_is_plain_trl():
 def test_core_modules_import_only_torch():
     package = pathlib.Path(unsloth_adaptive_kl.__file__).parent
     core = ["registry.py", "estimator_registry.py", "estimators.py", "shaping.py", "kl_term.py", "controller_base.py", "controllers.py"]
-    core += [path.name for path in package.glob("*_controller.py")] + ["method.py", "config.py", "metrics.py", "adaptation.py"]
+    core += [path.name for path in package.glob("*_controller.py")] + ["method.py", "config.py", "metrics.py", "adaptation.py", "declarations.py"]
     for name in core:
         tree = ast.parse((package / name).read_text())
         imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 0 and n.module}
-        # difflib: the standard library's, for a misspelt method's "did you mean"
-        assert imported <= {"torch", "math", "json", "dataclasses", "collections", "typing", "logging", "difflib", "__future__"}, (name, imported)
+        # difflib: the standard library's, for a misspelt method's "did you mean"; numbers: to name a numpy scalar's type
+        allowed = {"torch", "math", "numbers", "json", "dataclasses", "collections", "typing", "logging", "difflib", "__future__"}
+        assert imported <= allowed, (name, imported)
 
 
 def test_a_yaml_exponent_without_a_dot_is_refused_with_yaml_float_syntax_hint(tmp_path):
@@ -222,7 +233,7 @@ def test_a_config_made_before_the_import_then_given_fields_says_which_method_it_
         config = GRPOConfig(**CPU, beta=0.04)
         for f in FIELDS:
             del config.__dict__[f.name]
-        assert not hasattr(config, "kl_adaptation_method")
+        assert "kl_adaptation_method" not in vars(config)  # (the patched class reads as the defaults)
         return config
 
     plain, edited = made_before(), made_before()
@@ -304,6 +315,11 @@ UNREAD_CASES = [
                                                        "kl_estimator='k3' does not read it (read by 'ziegler')"]),
     ("dynamic+clip", {"reward_threshold": 0.5, "kl_clip_threshold": 2.0, "beta_min": 0.01}, []),  # not a registry list: one chosen case
     ("ziegler", {"kl_target": 0.2, "kl_horizon": 5.0}, []),
+    # kl_monitor acts at beta = 0 only: under a fixed beta > 0 (no controller) it never does; under a controller it may
+    ("clip", {"kl_monitor": True, "kl_monitor_every": 4},
+     [f"{field} has no effect: it logs the KL at steps where beta = 0, and beta=0.04 is fixed (kl_adaptation_method='clip' "
+      "has no β controller), unless it is set to 0 by hand (trainer.beta = 0)" for field in ("kl_monitor=True", "kl_monitor_every=4")]),
+    ("dynamic", {"kl_monitor": True, "beta_min": 0.0}, []),
 ]
 
 
@@ -342,6 +358,61 @@ def test_an_estimator_parameter_is_unread_under_another_estimator(caplog):
         AdaptiveKL(GRPOConfig(**CPU, beta=0.04, kl_estimator=estimator, **{field: value}))
     said = [r.getMessage() for r in caplog.records if "has no effect" in r.getMessage()]
     assert len(said) == 1 and f"{field}={value!r} has no effect" in said[0] and f"kl_estimator={estimator!r}" in said[0]
+
+
+def test_a_registered_parameter_set_in_kl_shaping_kwargs_that_the_method_does_not_read_is_warned(caplog):
+    """A key of kl_shaping_kwargs (a registered step's parameter) with a method that does not use that step has no
+    effect, as a field would: one warning naming what reads it (before, nothing was said)."""
+    from unsloth_adaptive_kl import register_shaping, unregister_shaping
+    from unsloth_adaptive_kl.adaptation import AdaptiveKL
+    from unsloth_adaptive_kl.declarations import Parameter
+
+    register_shaping("damped_for_test", parameters=(Parameter("damping_for_test", default=1.0, allowed="a number"),))(
+        lambda kl, damping_for_test: kl * damping_for_test)
+    try:
+        with caplog.at_level("WARNING", logger="unsloth_adaptive_kl"):
+            AdaptiveKL(GRPOConfig(**CPU, beta=0.04, kl_adaptation_method="clip", kl_shaping_kwargs={"damping_for_test": 0.5}))
+            AdaptiveKL(GRPOConfig(**CPU, beta=0.04, kl_adaptation_method="clip+damped_for_test", kl_shaping_kwargs={"damping_for_test": 0.5}))
+    finally:
+        unregister_shaping("damped_for_test")
+    said = [r.getMessage().removeprefix("unsloth_adaptive_kl: ") for r in caplog.records if "has no effect" in r.getMessage()]
+    assert said == ["kl_shaping_kwargs['damping_for_test']=0.5 has no effect: kl_adaptation_method='clip' with "
+                    "kl_estimator='k3' does not read it (read by 'damped_for_test')"]
+
+
+def test_a_number_of_the_wrong_type_is_refused_with_what_the_field_allows():
+    """Before, a wrong type said only "a finite number" or "an integer", not the field's range; a numpy scalar got
+    "allowed: an integer" for np.int64(5) (it is no Python int: a config keeps it, and it is no JSON)."""
+    import numpy as np
+
+    for overrides, expected in [
+        (dict(reward_window=2.0), "reward_window=2.0 is not valid; allowed: an integer >= 1"),
+        (dict(kl_target=float("nan")), "kl_target=nan is not valid; allowed: a number > 0"),
+        (dict(reward_window=np.int64(5)), "reward_window=np.int64(5) is not valid; allowed: an integer >= 1 (it is a "
+                                          "numpy.int64: pass a Python number, int(value) or float(value))"),
+        (dict(beta=np.float32(0.5)), "beta=np.float32(0.5) is not valid; allowed: a finite number >= 0 (it is a "
+                                     "numpy.float32: pass a Python number, int(value) or float(value))"),
+    ]:
+        with pytest.raises(ValueError) as info:
+            GRPOConfig(**CPU, **{"beta": 0.04, "kl_adaptation_method": "dynamic", **overrides})
+        assert str(info.value) == expected
+
+
+def test_soft_clip_is_finite_at_both_ends_of_the_allowed_threshold():
+    """The allowed range of kl_clip_threshold is where c * tanh(kl / c) stays finite in float32, with its gradient."""
+    from unsloth_adaptive_kl.declarations import FLOAT32_POSITIVE
+    from unsloth_adaptive_kl.shaping import soft_clip
+
+    for threshold in FLOAT32_POSITIVE:
+        GRPOConfig(**CPU, beta=0.04, kl_adaptation_method="soft_clip", kl_clip_threshold=threshold)
+        kl = torch.tensor([0.0, 1e-3, 50.0], requires_grad=True)
+        out = soft_clip(kl, threshold)
+        out.sum().backward()
+        assert torch.isfinite(out).all() and torch.isfinite(kl.grad).all(), (threshold, out, kl.grad)
+    with pytest.raises(ValueError, match="kl_clip_threshold"):
+        GRPOConfig(**CPU, beta=0.04, kl_adaptation_method="soft_clip", kl_clip_threshold=FLOAT32_POSITIVE[1] * 1.01)
+    assert torch.isnan(soft_clip(torch.tensor([0.0]), float("inf"))).all()  # what the refused values would do
+    assert torch.isnan(soft_clip(torch.tensor([0.0]), 0.0)).all()
 
 
 def test_an_unread_setting_is_warned_by_the_main_process_only(caplog):

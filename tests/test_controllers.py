@@ -167,7 +167,6 @@ def test_dynamic_schedule_still_counts_optimizer_steps_without_new_rewards():
     [
         ("dynamic", {"name": "dynamic", "beta": float("nan"), "rewards": []}, "beta=nan"),
         ("dynamic", {"name": "dynamic", "beta": -0.01, "rewards": []}, "beta=-0.01"),
-        ("dynamic", {"name": "dynamic", "beta": 0.5, "rewards": []}, "configured beta=0.1"),
         ("dynamic", {"name": "dynamic", "beta": 0.05, "rewards": [1.0, float("inf")]}, "rewards="),
         ("ziegler", {"name": "ziegler", "beta": float("inf")}, "beta=inf"),
         ("ziegler", {"name": "ziegler", "beta": -1.0}, "beta=-1.0"),
@@ -203,6 +202,85 @@ def test_setting_beta_by_hand_refuses_a_beta_that_is_not_a_finite_number_at_leas
         assert "beta=" in str(info.value) and state.beta == 0.2  # unchanged
     state.beta = torch.tensor(0.5, dtype=torch.float64)  # a 0-dim tensor or a number >= 0 is taken
     assert state.beta == 0.5 and state.controller.beta == 0.5
+
+
+def test_a_restored_beta_outside_the_resumed_runs_bounds_is_brought_within_them_and_said(caplog):
+    """A setting that bounds β changed on resume: the checkpoint's β is brought within the new bounds, with a warning
+    naming both. Before: `dynamic` resumed with beta_min raised above the checkpoint's β trained below its floor (then
+    "decayed" up to it); `target` resumed with a smaller target_beta_range, or a state above its configured β, was
+    refused naming "the configured beta" (the bound is beta * target_beta_range). A β of 0 stays 0 (final)."""
+    cases = [  # saved controller and β, resumed controller's settings, the β it resumes from
+        ("dynamic", dict(beta=0.04), 0.01, dict(beta=0.04, beta_min=0.03), 0.03),
+        ("reward_conditioned", dict(beta=0.04), 0.01, dict(beta=0.04, beta_min=0.02), 0.02),
+        ("ziegler", dict(beta=0.04), 0.01, dict(beta=0.04, beta_min=0.02), 0.02),
+        ("target", dict(beta=0.04, target_beta_range=5.0), 0.04312, dict(beta=0.04, target_beta_range=1.05), 0.04 * 1.05),
+        ("target", dict(beta=0.04, target_beta_range=5.0), 0.01, dict(beta=0.04, target_beta_range=2.0), 0.02),
+        ("dynamic", dict(beta=0.04), 0.03, dict(beta=0.04, beta_min=0.01), 0.03),  # within: as saved
+    ]
+    for name, before, saved_beta, after, expected in cases:
+        saved = make_controller(name, ControllerConfig(**before))
+        saved.beta = saved_beta
+        resumed = make_controller(name, ControllerConfig(**after))
+        caplog.clear()
+        with caplog.at_level("INFO", logger="unsloth_adaptive_kl"):
+            resumed.load_state_dict(saved.state_dict())
+        assert resumed.beta == pytest.approx(expected, rel=1e-12), (name, after)
+        said = caplog.text
+        if expected != saved_beta:
+            assert f"the checkpoint's beta={saved_beta:.6g} is outside what this run's settings allow the {name} controller" in said
+            assert f"it resumes from beta={expected:.6g}" in said
+        else:
+            assert f"the {name} controller resumes from the checkpoint's beta={saved_beta:.6g}" in said
+    old_format = make_controller("dynamic", ControllerConfig(beta=0.1))  # no configured_beta in the state: above the bound
+    old_format.load_state_dict({"name": "dynamic", "beta": 0.5, "rewards": []})
+    assert old_format.beta == 0.1
+    zero = make_controller("dynamic", ControllerConfig(beta=0.04, beta_min=0.03))
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="unsloth_adaptive_kl"):
+        zero.load_state_dict({**make_controller("dynamic", ControllerConfig(beta=0.04)).state_dict(), "beta": 0.0})
+    assert zero.beta == 0.0 and "beta=0, which is final" in caplog.text
+
+
+def test_target_restarted_from_a_changed_beta_drops_the_cap_set_in_the_old_betas_units(caplog):
+    """Before: resumed with beta 0.04 -> 0.4 after its target was declared unreachable (cap 0.0392), `target` trained
+    one step at 0.4 and then at 0.0392, far below its new range [0.08, 2]."""
+    saved = make_controller("target", ControllerConfig(beta=0.04, kl_target=0.01))
+    saved.beta, saved.kl_mean, saved.updates = 0.0392, 0.5, 40
+    saved.reachable, saved.ceiling, saved.least_kl, saved.least_kl_beta = False, 0.0392, 0.5, 0.0392
+    saved.episode = [1, 0.0392, 0.6, 3, 1.5]
+    resumed = make_controller("target", ControllerConfig(beta=0.4, kl_target=0.01))
+    with caplog.at_level("INFO", logger="unsloth_adaptive_kl"):
+        resumed.load_state_dict(saved.state_dict())
+    assert resumed.beta == 0.4 and resumed.ceiling is None and resumed.reachable and resumed.episode is None
+    assert (resumed.kl_mean, resumed.updates) == (0.5, 40)  # the smoothed KL is in KL units: kept
+    assert resumed.upper() == pytest.approx(0.4 * resumed.config.target_beta_range)
+    assert "start afresh" in caplog.text
+    resumed.update(global_step=41, kl=0.5, num_completions=4)
+    assert resumed.beta > 0.4  # the KL is above the target: β rises within the new range, no old cap
+    same = make_controller("target", ControllerConfig(beta=0.04, kl_target=0.01))
+    same.load_state_dict(saved.state_dict())  # the same beta: the run goes on, its cap kept
+    assert same.ceiling == 0.0392 and not same.reachable
+
+
+def test_target_cap_is_never_below_the_range_after_a_resume_that_changed_it():
+    saved = make_controller("target", ControllerConfig(beta=0.04, target_beta_range=5.0))
+    saved.beta, saved.reachable, saved.ceiling, saved.least_kl, saved.least_kl_beta = 0.01, False, 0.01, 0.3, 0.01
+    resumed = make_controller("target", ControllerConfig(beta=0.04, target_beta_range=1.05))
+    resumed.load_state_dict(saved.state_dict())
+    assert resumed.lower() <= resumed.beta <= resumed.upper() and resumed.upper() == pytest.approx(resumed.lower())
+    resumed.update(global_step=5, kl=10.0, num_completions=4)
+    assert resumed.beta >= resumed.lower() - 1e-15
+
+
+def test_a_schedule_resumed_with_other_steps_says_the_beta_its_schedule_sets(caplog):
+    """Before: "resumes from the checkpoint's beta=0.02", and the step trained at 0.03 (the schedule recomputed)."""
+    saved = _adaptive("schedule", beta=0.04, beta_schedule_steps=4)
+    saved.controller.update(global_step=2, kl=None, num_completions=0)
+    resumed = _adaptive("schedule", beta=0.04, beta_schedule_steps=8)
+    with caplog.at_level("INFO", logger="unsloth_adaptive_kl"):
+        resumed.load_state_dict(saved.state_dict(), global_step=2)
+    assert resumed.beta == pytest.approx(0.03)
+    assert "at optimizer step 2 the schedule controller's schedule sets beta=0.03 (from 0.02)" in caplog.text
 
 
 def test_target_beta_above_the_initial_one_loads():  # target may legitimately raise β

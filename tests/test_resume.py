@@ -184,6 +184,44 @@ def test_changing_the_controller_on_resume_names_both_methods_and_the_option_tha
     assert trainer.state.global_step == EDITED_STEPS
 
 
+@pytest.fixture(scope="module")
+def stock_checkpoint(tiny_checkpoint, tmp_path_factory):
+    """checkpoint-2 written by stock TRL (the package unpatched), beta 0.04: it holds no adaptive-KL state."""
+    out = tmp_path_factory.mktemp("stock_run")
+    unsloth_adaptive_kl.unpatch()
+    try:
+        trainer, _, _ = train(tiny_checkpoint, out, max_steps=EDITED_STEPS, stop_after_checkpoint=SAVED_AT)
+    finally:
+        unsloth_adaptive_kl.patch()
+    assert not hasattr(trainer, "_adaptive_kl")
+    with open(out / f"checkpoint-{SAVED_AT}" / "trainer_state.json") as f:
+        assert "AdaptiveKLCallback" not in json.load(f)["stateful_callbacks"]
+    return str(out / f"checkpoint-{SAVED_AT}")
+
+
+SCHEDULE = dict(kl_adaptation_method="schedule", beta_schedule_steps=4, max_steps=EDITED_STEPS)
+
+
+def test_a_checkpoint_of_a_run_without_the_package_resumes_and_saves_again(tiny_checkpoint, stock_checkpoint, tmp_path, caplog):
+    """Before: a run resumed from a stock TRL checkpoint trained, then failed at its next checkpoint (KeyError:
+    'AdaptiveKLCallback' in the Trainer's save: the restored state lists only the writing run's callbacks), whatever the
+    method; and a controller started there was not put at the resumed step (schedule trained step 3 at its step-0 β).
+    Such a checkpoint trained with no β controller: resumed as `none`'s checkpoint is (a controller is refused, or
+    started fresh at the checkpoint's step with restart_beta_controller=True)."""
+    with caplog.at_level(logging.INFO, logger="unsloth_adaptive_kl"):
+        plain, _, betas = train(tiny_checkpoint, tmp_path / "none", resume_from=stock_checkpoint, max_steps=EDITED_STEPS)
+    assert _resumed(betas) == {3: 0.04, 4: 0.04} and plain.state.global_step == EDITED_STEPS
+    assert "the checkpoint holds no adaptive-KL state" in caplog.text
+    with open(tmp_path / "none" / f"checkpoint-{EDITED_STEPS}" / "trainer_state.json") as f:  # saved after the resume
+        assert "AdaptiveKLCallback" in json.load(f)["stateful_callbacks"]
+    with pytest.raises(ValueError, match=r"cannot resume: the checkpoint was trained with kl_adaptation_method='none' \(no β controller\) .* restart_beta_controller=True"):
+        train(tiny_checkpoint, tmp_path / "refused", resume_from=stock_checkpoint, **SCHEDULE)
+    fresh, _, betas = train(tiny_checkpoint, tmp_path / "fresh", resume_from=stock_checkpoint, **SCHEDULE, restart_beta_controller=True)
+    # linear from 0.04 at step 0 to 0 at step 4: the steps after the checkpoint train at 0.02 and 0.01, as uninterrupted
+    assert _resumed(betas) == pytest.approx({3: 0.02, 4: 0.01}, rel=1e-12) and fresh.state.global_step == EDITED_STEPS
+    assert (tmp_path / "fresh" / f"checkpoint-{EDITED_STEPS}" / "trainer_state.json").is_file()
+
+
 def test_resume_inside_a_generation_batch_keeps_the_uninterrupted_beta_series(tiny_checkpoint, tmp_path):
     # steps_per_generation=4: generations at steps 1 and 5; every reward is above -1, so β halves after each.
     # Before the fix the resumed run counted TRL's regeneration at step 3 as a new reward and generated

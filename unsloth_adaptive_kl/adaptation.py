@@ -14,7 +14,7 @@ import torch
 
 from . import metrics, tail
 from .config import build
-from .controllers import BetaController, ControllerMismatchError, check_controller_beta, make_controller
+from .controllers import BetaController, ControllerMismatchError, FixedBeta, check_controller_beta, make_controller
 from .declarations import checked_beta
 from .estimators import nonfinite_estimator_error
 from .kl_pipeline import KLPlan, TokenKL, generation_edits, plan_kl, scores_reference
@@ -67,11 +67,8 @@ class AdaptiveKL:
         check_controller_beta(self.controller, self.controller.beta, when="when it was created")
         self.reduce = reduce or _no_reduce
         self.process_index, self.num_processes = process_index, num_processes
-        for name, value, readers in settings.unread if process_index == 0 else ():  # said once, by the main process
-            logger.warning(
-                "unsloth_adaptive_kl: %s=%r has no effect: kl_adaptation_method=%r with kl_estimator=%r does not read it "
-                "(read by %s)", name, value, config.kl_adaptation_method, config.kl_estimator, ", ".join(readers) or "no built-in",
-            )
+        for name, value, why in settings.unread if process_index == 0 else ():  # said once, by the main process
+            logger.warning("unsloth_adaptive_kl: %s=%r has no effect: %s", name, value, why)
         self.monitor = settings.monitor  # kl_monitor: the KL is computed and logged at β = 0 too
         self.monitor_every = settings.monitor_every  # ... on every monitor_every-th generation batch of training
         self.alarm = RunawayAlarm()  # fed each optimizer step with its KL and reward (end_step)
@@ -350,8 +347,29 @@ class AdaptiveKL:
             )
         else:
             self._restore(state)
+        self._resume_at(global_step)
+
+    def _resume_at(self, global_step: int) -> None:
+        """The controller's :meth:`~BetaController.resume_at` (the schedule at the resumed step), checked; a β it
+        changes is said (the line before named the β the controller was restored or restarted with)."""
+        before = self.controller.beta
         self.controller.resume_at(global_step)
-        check_controller_beta(self.controller, self.controller.beta, when=f"after resume_at({global_step})")
+        beta = check_controller_beta(self.controller, self.controller.beta, when=f"after resume_at({global_step})")
+        if beta != before:
+            logger.info(
+                "unsloth_adaptive_kl: at optimizer step %d the %s controller's schedule sets beta=%.6g (from %.6g)",
+                global_step, self.controller.name, beta, before,
+            )
+
+    def resume_without_state(self, *, restart: bool = False, global_step: int = 0) -> None:
+        """Resume from a checkpoint that holds no adaptive-KL state: one a run without this package wrote (stock TRL or
+        Unsloth), which trained with no β controller. It resumes as the checkpoint of method ``none`` it is
+        (:meth:`load_state_dict`: a controller is refused unless ``restart`` starts it fresh at ``global_step``)."""
+        logger.info("unsloth_adaptive_kl: the checkpoint holds no adaptive-KL state (a run without unsloth_adaptive_kl "
+                    "wrote it, with no β controller): it resumes as a checkpoint of kl_adaptation_method='none'")
+        beta = float(self.controller.config.beta)
+        saved = {"name": FixedBeta.name, "beta": beta, "configured_beta": beta}
+        self.load_state_dict({"kl_adaptation_method": "none", "controller": saved}, restart=restart, global_step=global_step)
 
     def _restore(self, state: dict) -> None:
         """The checkpoint's controller state into this controller; another controller's: the resume error."""

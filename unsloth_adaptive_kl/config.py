@@ -13,7 +13,7 @@ from .controllers import CONTROLLERS, ControllerConfig, controller_names, contro
 from .declarations import Parameter, check_parameter, checked_beta, checked_number, yaml_hint  # noqa: F401  (checked_beta: a name of this module's API)
 from .estimators import ESTIMATORS, builtin_estimator_names, estimator_aliases, estimator_parameters, get_estimator
 from .kl_term import KLTerm
-from .method import Method, parse_method
+from .method import NO_CONTROLLER, Method, parse_method
 from .shaping import SHAPING, shaping_names, shaping_parameters
 
 
@@ -224,7 +224,7 @@ class Settings:
     monitor: bool
     monitor_every: int
     #: the fields set that nothing of this run reads (:func:`unread_settings`): the runtime warns of each
-    unread: tuple[tuple[str, object, tuple[str, ...]], ...] = ()
+    unread: tuple[tuple[str, object, str], ...] = ()
 
 
 def build(config) -> Settings:
@@ -261,18 +261,33 @@ def parameter_readers(builtin: bool | None = None) -> dict[str, list[tuple[str, 
     return readers
 
 
-def unread_settings(config, method: Method) -> list[tuple[str, object, tuple[str, ...]]]:
-    """The built-in parameters (fields) of ``config`` set to other than their default that nothing it trains with
-    reads (not ``method``'s shaping steps, not its β controller, not its estimator): ``(field, value, readers)``, with
-    the method names and estimators that would read it (:func:`parameter_readers`, in words). A value a user set for a
-    method not chosen has no effect."""
+def unread_settings(config, method: Method) -> list[tuple[str, object, str]]:
+    """The settings of ``config`` set to other than their default that nothing it trains with reads: ``(field, value,
+    why)``, ``why`` in words. A value a user set for a method not chosen has no effect:
+
+    - a built-in parameter (a field) that neither ``method``'s shaping steps, nor its β controller, nor its estimator
+      reads, with the methods and estimators that would (:func:`parameter_readers`);
+    - a key of ``kl_shaping_kwargs`` (a registered function's parameter) that none of them reads;
+    - ``kl_monitor`` (and ``kl_monitor_every``) under a fixed β > 0: it acts only at β = 0, which no controller reaches.
+    (``liger_fused_head`` depends on the backend: the trainer warns of it, ``backends/_trainer.py``.)"""
     estimator = get_estimator(config.kl_estimator)
     read = {p.name for p in (*method.parameters, *method.controller_parameters, *estimator.parameters)}
     readers = parameter_readers()
-    return [(p.name, getattr(config, p.name),
-             tuple(f"kl_estimator={name!r}" if kind == "estimator" else repr(name) for kind, name in readers.get(p.name, ())))
-            for p in registered_parameters(builtin=True)
-            if p.name not in read and hasattr(config, p.name) and getattr(config, p.name) != p.default]
+    words = f"kl_adaptation_method={config.kl_adaptation_method!r} with kl_estimator={config.kl_estimator!r} does not read it"
+
+    def read_by(name: str) -> str:
+        names = [f"kl_estimator={n!r}" if kind == "estimator" else repr(n) for kind, n in readers.get(name, ())]
+        return f"{words} (read by {', '.join(names) or 'no built-in'})"
+
+    unread = [(p.name, getattr(config, p.name), read_by(p.name)) for p in registered_parameters(builtin=True)
+              if p.name not in read and hasattr(config, p.name) and getattr(config, p.name) != p.default]
+    unread += [(f"kl_shaping_kwargs[{name!r}]", value, read_by(name)) for name, value in shaping_kwargs(config).items() if name not in read]
+    if method.controller == NO_CONTROLLER and config.beta != 0:
+        why = (f"it logs the KL at steps where beta = 0, and beta={config.beta!r} is fixed (kl_adaptation_method="
+               f"{config.kl_adaptation_method!r} has no β controller), unless it is set to 0 by hand (trainer.beta = 0)")
+        unread += [(name, getattr(config, name), why) for name in ("kl_monitor", "kl_monitor_every")
+                   if getattr(config, name, DEFAULTS[name]) != DEFAULTS[name]]
+    return unread
 
 
 def validate(config) -> Method:
@@ -302,12 +317,19 @@ def validate(config) -> Method:
     if method.controller in CONTROLLERS:
         CONTROLLERS[method.controller].cls.check_settings(controller_config(config, method))
     fused_head_setting(config.liger_fused_head)
-    if method.is_none and beta == 0 and not config.kl_monitor and get_estimator(config.kl_estimator).name != DEFAULTS["kl_estimator"]:
-        raise ValueError(
-            f"kl_estimator={config.kl_estimator!r} is not valid with beta=0.0: beta=0 removes the KL term (and TRL's "
-            f"default beta is 0.0), so the estimator would never act; allowed: beta > 0, kl_monitor=True (the KL is "
-            f"logged), or kl_estimator={DEFAULTS['kl_estimator']!r}"
-        )
+    if method.is_none and beta == 0 and not config.kl_monitor:  # no KL term, none computed: a KL setting does nothing
+        if get_estimator(config.kl_estimator).name != DEFAULTS["kl_estimator"]:
+            raise ValueError(
+                f"kl_estimator={config.kl_estimator!r} is not valid with beta=0.0: beta=0 removes the KL term (and TRL's "
+                f"default beta is 0.0), so the estimator would never act; allowed: beta > 0, kl_monitor=True (the KL is "
+                f"logged), or kl_estimator={DEFAULTS['kl_estimator']!r}"
+            )
+        if excluded_token_ids(config.kl_exclude_token_ids):
+            raise ValueError(
+                f"kl_exclude_token_ids={config.kl_exclude_token_ids!r} is not valid with beta=0.0: beta=0 removes the KL "
+                "term (and TRL's default beta is 0.0), so no token's KL would be left out of anything; allowed: beta > 0, "
+                "kl_monitor=True (the KL is logged, without those tokens), or kl_exclude_token_ids=None"
+            )
     if not method.is_none and beta == 0:
         raise ValueError(
             f"beta=0.0 is not valid with kl_adaptation_method={config.kl_adaptation_method!r}: that method acts on "

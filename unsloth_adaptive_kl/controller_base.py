@@ -121,8 +121,12 @@ class BetaController:
         return {"name": self.name, "beta": self.beta, "skipped_updates": self.skipped_updates, "configured_beta": self.config.beta}
 
     def max_loaded_beta(self) -> float:
-        """The largest β a checkpoint may hold for this controller."""
+        """The largest β this controller's settings allow, for a β restored from a checkpoint."""
         return math.inf
+
+    def min_loaded_beta(self) -> float:
+        """The least β > 0 this controller's settings allow (its floor), for a β restored from a checkpoint."""
+        return 0.0
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what :meth:`state_dict` saved, every part checked before any is restored (nothing is half-loaded).
@@ -138,14 +142,21 @@ class BetaController:
         if configured is not None:
             checked_beta(configured, "configured_beta", source=source)
         own = self.checked_own_state(state)
+        restarted = self.adapts_beta and configured is not None and configured != float(self.config.beta)
         self.beta = self.resumed_beta(float(beta), configured)
         self.skipped_updates = skipped
-        for name, value in own.items():
+        for name, value in (self.own_state_for_new_beta(own) if restarted else own).items():
             setattr(self, name, value)
 
     def checked_own_state(self, state: dict) -> dict:
         """A subclass's own part of ``state``, checked (ValueError otherwise), as attribute name -> value to restore."""
         return {}
+
+    def own_state_for_new_beta(self, own: dict) -> dict:
+        """What of ``own`` (:meth:`checked_own_state`'s) a controller restarted from a changed ``beta`` on resume keeps:
+        all of it by default (a reward window means the same whatever β); a subclass drops what is in the old β's
+        units."""
+        return own
 
     def resume_at(self, global_step: int) -> None:
         """After a resume (restored or restarted), before optimizer step ``global_step`` (the index of the step about
@@ -170,12 +181,20 @@ class BetaController:
                 "of its state", configured, new, self.name, new, saved,
             )
             return new
-        limit = self.max_loaded_beta()
-        if saved > limit:
-            raise ValueError(
-                f"β-controller state of the {self.name!r} controller: beta={saved!r} is not valid; allowed: a finite "
-                f"number >= 0 and <= the configured beta={limit}"
+        low, high = self.min_loaded_beta(), self.max_loaded_beta()
+        if saved == 0.0 and low > 0:
+            logger.warning(
+                "unsloth_adaptive_kl: the %s controller resumes from the checkpoint's beta=0, which is final (the trainer "
+                "no longer computes the reference log-probs): the floor of this run, %.6g, is not applied", self.name, low,
             )
+        elif saved != 0.0 and not low <= saved <= high:  # a setting that bounds β changed on resume (beta_min, a range)
+            kept = min(max(saved, low), high)
+            logger.warning(
+                "unsloth_adaptive_kl: the checkpoint's beta=%.6g is outside what this run's settings allow the %s controller, "
+                "[%.6g, %.6g] (a setting that bounds beta was changed on resume): it resumes from beta=%.6g", saved, self.name,
+                low, high, kept,
+            )
+            return kept
         logger.info("unsloth_adaptive_kl: the %s controller resumes from the checkpoint's beta=%.6g", self.name, saved)
         return saved
 

@@ -12,6 +12,7 @@ field; a parameter of a function registered later is a key of ``kl_shaping_kwarg
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Callable
 
@@ -20,6 +21,15 @@ import torch
 
 def finite_positive(value) -> bool:
     return math.isfinite(value) and value > 0
+
+
+#: The positive values float32 holds as normal numbers: a setting the per-token math divides or multiplies the KL by
+#: must stay such a number in the KL's dtype (1e39 becomes inf and 1e-300 becomes 0 there).
+FLOAT32_POSITIVE = (torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max)
+
+
+def float32_positive(value) -> bool:
+    return FLOAT32_POSITIVE[0] <= value <= FLOAT32_POSITIVE[1]
 
 
 @dataclass(frozen=True)
@@ -137,11 +147,22 @@ def yaml_hint(value) -> str:
     )
 
 
-def checked_number(name: str, value, *, integer: bool = False):
+def number_hint(value) -> str:
+    """The hint for a number of another type than Python's (``numpy.int64(5)``, ``numpy.float32(0.5)``): a config keeps
+    what it is given, and such a value is not JSON (a checkpoint's or a logger's copy of the config would fail)."""
+    if isinstance(value, (bool, int, float)) or not isinstance(value, numbers.Number):
+        return ""
+    return f" (it is a {type(value).__module__}.{type(value).__name__}: pass a Python number, int(value) or float(value))"
+
+
+def checked_number(name: str, value, *, integer: bool = False, allowed: str | None = None):
+    """``value`` if it is a Python int (``integer``) or an int or a finite float, not a bool; else ValueError naming
+    ``name``, the value and what is ``allowed`` (by default "an integer" or "a finite number"), with a hint for a YAML
+    string or a non-Python number."""
     ok_types = (int,) if integer else (int, float)
     if isinstance(value, bool) or not isinstance(value, ok_types) or (not integer and not math.isfinite(value)):
-        kind = "an integer" if integer else "a finite number"
-        raise ValueError(f"{name}={value!r} is not valid; allowed: {kind}{yaml_hint(value)}")
+        kind = allowed or ("an integer" if integer else "a finite number")
+        raise ValueError(f"{name}={value!r} is not valid; allowed: {kind}{yaml_hint(value)}{number_hint(value)}")
     return value
 
 
@@ -150,7 +171,7 @@ def checked_beta(value, name: str = "beta", *, source: str = ""):
     ValueError naming ``name``, the value and what is allowed; ``source`` starts the message (where
     the value was read, e.g. a checkpoint's controller state). The one check of a β, wherever it enters."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"{source}{name}={value!r} is not valid; allowed: a finite number >= 0{yaml_hint(value)}")
+        raise ValueError(f"{source}{name}={value!r} is not valid; allowed: a finite number >= 0{yaml_hint(value)}{number_hint(value)}")
     return value
 
 
@@ -160,7 +181,7 @@ def check_parameter(parameter: Parameter, value, *, label: str | None = None, bo
     value and what is allowed."""
     label = label or parameter.name
     if parameter.type in (int, float):
-        value = checked_number(label, value, integer=parameter.type is int)
+        value = checked_number(label, value, integer=parameter.type is int, allowed=parameter.allowed)
     elif not isinstance(value, parameter.type):
         raise ValueError(f"{label}={value!r} is not valid; allowed: {parameter.allowed}")
     allowed = parameter.allowed

@@ -127,6 +127,9 @@ class DynamicBeta(BetaController):
     def max_loaded_beta(self) -> float:
         return float(self.config.beta)  # dynamic only ever lowers β
 
+    def min_loaded_beta(self) -> float:
+        return float(self.config.beta_min)
+
     def state_dict(self) -> dict:
         return {**super().state_dict(), "rewards": list(self.rewards), "new_reward": self.new_reward}
 

@@ -97,7 +97,7 @@ def estimator_parameters(builtin: bool | None = None) -> tuple[Parameter, ...]:
 
 
 def get_estimator(name: str) -> EstimatorSpec:
-    spec = ESTIMATORS.resolve(name)
+    spec = ESTIMATORS.resolve(name) if isinstance(name, str) else None  # a list or a dict is no name (nor hashable)
     if spec is None:
         raise ValueError(f"kl_estimator={name!r} is not a registered KL estimator; allowed: {estimator_names()}")
     return spec

@@ -71,6 +71,9 @@ class RewardConditionedBeta(BetaController):
     def max_loaded_beta(self) -> float:
         return float(self.config.beta)
 
+    def min_loaded_beta(self) -> float:
+        return float(self.config.beta_min)
+
     def state_dict(self) -> dict:
         return {**super().state_dict(), "reward": self.reward}
 

@@ -76,3 +76,6 @@ class ScheduledBeta(BetaController):
 
     def max_loaded_beta(self) -> float:
         return float(self.config.beta)  # the schedule only lowers β
+
+    def min_loaded_beta(self) -> float:
+        return float(self.config.beta_min)

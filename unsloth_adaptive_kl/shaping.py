@@ -44,7 +44,7 @@ from typing import Callable
 
 import torch
 
-from .declarations import Parameter, check_user_output, finite_positive
+from .declarations import FLOAT32_POSITIVE, Parameter, check_user_output, finite_positive, float32_positive
 from .registry import Registry
 
 #: Where a method registered without ``order`` applies: after the built-in per-token methods.
@@ -195,8 +195,8 @@ def user_steps(method) -> tuple[str, ...]:
 CLIP_THRESHOLD = Parameter(
     "kl_clip_threshold",
     default=1.0,
-    check=finite_positive,
-    allowed="a number > 0",
+    check=float32_positive,  # soft_clip divides by it: in float32, 1e39 is inf and 1e-300 is 0 (a NaN KL on every token)
+    allowed=f"a number > 0 that float32 holds, from {FLOAT32_POSITIVE[0]:.4g} to {FLOAT32_POSITIVE[1]:.4g}",
     help="'clip' and 'soft_clip': the cap c of the per-token KL term: min(kl, c), or c * tanh(kl / c) (> 0).",
     keyword="threshold",
 )

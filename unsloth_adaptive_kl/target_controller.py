@@ -160,10 +160,14 @@ class HeldTargetKL(BetaController):
 
     def upper(self) -> float:
         upper = self.config.beta * self.config.target_beta_range
-        return upper if self.ceiling is None else min(upper, self.ceiling)
+        # the cap of an unreachable target, never below the range (a resume may have changed the range since it was set)
+        return upper if self.ceiling is None else min(upper, max(self.ceiling, self.lower()))
 
     def max_loaded_beta(self) -> float:
         return self.config.beta * self.config.target_beta_range
+
+    def min_loaded_beta(self) -> float:
+        return self.lower()
 
     # -- the update -----------------------------------------------------------------------------------
     def update(self, *, global_step: int, kl: float | None, num_completions: int) -> float:
@@ -256,6 +260,17 @@ class HeldTargetKL(BetaController):
             "updates": self.updates, "kl_mean": self.kl_mean, "episode": None if self.episode is None else list(self.episode),
             "ceiling": self.ceiling, "reachable": self.reachable, "least_kl": self.least_kl, "least_kl_beta": self.least_kl_beta,
         }
+
+    def own_state_for_new_beta(self, own: dict) -> dict:
+        """Restarted from a changed ``beta``: the episode (its anchor β) and an unreachable target's cap (a β, with the
+        least KL's β) were set in the old β's units, outside the new range perhaps: they start afresh, the target
+        reachable again. The smoothed KL and the update count are kept."""
+        if own["episode"] is not None or own["ceiling"] is not None:
+            logger.info(
+                "unsloth_adaptive_kl: target: beta was changed on resume: its current episode and the cap of an unreachable "
+                "target, set in the old beta's units, start afresh; its smoothed KL (%s) is kept", own["kl_mean"],
+            )
+        return {**own, "episode": None, "ceiling": None, "reachable": True, "least_kl": None, "least_kl_beta": None}
 
     def checked_own_state(self, state: dict) -> dict:
         missing = [key for key in _STATE_KEYS if key not in state]

@@ -74,6 +74,9 @@ class TargetKLBeta(BetaController):
         self.saturation: _SaturationRun | None = None  # the current run of updates clipped at one bound
         self.saturation_warned: set[str] = set()  # the directions already warned about
 
+    def min_loaded_beta(self) -> float:
+        return float(self.config.beta_min)
+
     def resume_at(self, global_step: int) -> None:
         # the run is not in the checkpoint (its format stays as it was): after a resume it restarts from 0
         self.saturation = None

@@ -404,6 +404,32 @@ def test_the_liger_fused_head_field_sets_the_module_path(loss_class_trainer, val
     assert trainer._adaptive_loss_module.head_path == ("log-prob kernel" if setting is False else "fused")
 
 
+@pytest.mark.parametrize("loss_type", [t for t in TOKEN_LEVEL_ONLY if t in LOSS_TYPES])
+def test_a_loss_class_trainer_liger_cannot_run_is_refused_when_it_is_made(loss_class_trainer, monkeypatch, loss_type):
+    """Liger refuses sequence-level importance sampling for these loss types at each call: before, the trainer was made
+    and its first training step raised. Now making its loss module does (as for top_entropy_quantile, kl_monitor)."""
+    monkeypatch.setattr(loss_class_trainer, "importance_sampling_level", "sequence")
+    monkeypatch.setattr(loss_class_trainer.args, "importance_sampling_level", "sequence")
+    for loss_class in (AdaptiveFusedLinearGRPOLoss, LigerFusedLinearGRPOLoss):
+        with pytest.raises(ValueError, match=f"Sequence-level importance sampling is not supported for loss_type='{loss_type}'"):
+            configure(loss_class_trainer, loss_type, "none", loss_class=loss_class, epsilon_high=None)
+
+
+@pytest.mark.parametrize("loss_class", [None, LigerFusedLinearGRPOLoss, AdaptiveFusedLinearGRPOLoss])
+def test_liger_fused_head_set_where_no_module_reads_it_is_warned(tiny_checkpoint, tmp_path, caplog, loss_class):
+    """liger_fused_head is read only by our loss_class module: set under TRL's own loss or Liger's own class, it has
+    no effect, and the trainer says so once when it is made (before, nothing was said)."""
+    with caplog.at_level("WARNING", logger="unsloth_adaptive_kl"):
+        make_trainer(tiny_checkpoint, tmp_path, loss_class=loss_class, liger_fused_head=False)
+    said = [r.getMessage() for r in caplog.records if "liger_fused_head" in r.getMessage()]
+    if loss_class is AdaptiveFusedLinearGRPOLoss:
+        assert said == []
+    else:
+        whose = "its backend's own (no loss_class)" if loss_class is None else "Liger's own class, which has none"
+        assert said == ["unsloth_adaptive_kl: liger_fused_head=False has no effect: it sets the fused LM head of "
+                        f"GRPOTrainer(loss_class=AdaptiveFusedLinearGRPOLoss), and this trainer's loss is {whose}"]
+
+
 def test_liger_own_class_as_loss_class_matches_trl(loss_class_trainer):
     trainer = loss_class_trainer
     configure(trainer, "luspo", "none", loss_class=LigerFusedLinearGRPOLoss, beta=0.3, kl_estimator="k3", use_bias_correction_kl=True, epsilon_high=None)

@@ -44,6 +44,8 @@ def patch_config_class(config_cls, after_post_init=None) -> None:
 
     set_attribute(config_cls, "__init__", extended.__init__)
     set_attribute(config_cls, "__dataclass_fields__", extended.__dataclass_fields__)
+    for f in FIELDS:  # a config made before the import reads these (to_dict() walks every field; args.kl_target)
+        set_attribute(config_cls, f.name, f.default)
     set_attribute(config_cls, "__annotations__", annotations)
     set_attribute(config_cls, "__post_init__", __post_init__)
 
@@ -72,7 +74,8 @@ def fill_missing_fields(config) -> None:
     """A config made before ``import unsloth_adaptive_kl`` lacks the fields its (now patched) class
     has: give it their defaults (method ``none``). A config whose class was never patched is left
     alone, for :func:`validate` to refuse with its hint."""
-    missing = [f for f in FIELDS if not hasattr(config, f.name)]
+    own = getattr(config, "__dict__", {})  # the class has each field as its default since the patch: look at the object
+    missing = [f for f in FIELDS if f.name not in own]
     class_fields = getattr(type(config), "__dataclass_fields__", {})
     if not missing or not all(f.name in class_fields for f in missing):
         return

@@ -12,6 +12,7 @@ import inspect
 from typing import Callable
 
 from .. import metrics
+from ..config import DEFAULTS
 from .._source_patch import PatchError, set_attribute, version_of
 from . import _callback
 from ._config_class import check_loss_type, fill_missing_fields, logger
@@ -33,6 +34,12 @@ def make_loss_module(trainer, loss_class):
     if not _LOSS_MODULE_MAKERS:
         raise PatchError(f"GRPOTrainer(loss_class={loss_class!r}): no loss-module maker is registered (the TRL backend registers it)")
     return _LOSS_MODULE_MAKERS[0](trainer, loss_class)
+
+
+def reads_fused_head(loss_class) -> bool:
+    """Whether ``loss_class`` (None: the backend's own loss) takes ``liger_fused_head`` (ours does; Liger's own class
+    has no fused head)."""
+    return loss_class is not None and "fused_head" in inspect.signature(loss_class).parameters
 
 
 def _config_argument(args, kwargs):
@@ -149,13 +156,19 @@ def _wrap_load_callback_state(original, runtime_cls):
         runtime = runtime_of(self, runtime_cls)
         if runtime is None:  # created before the import: stock TRL, nothing of ours to restore
             return
-        stored = self.state.stateful_callbacks.get(_callback.AdaptiveKLCallback.__name__)
+        name = _callback.AdaptiveKLCallback.__name__
+        stored = self.state.stateful_callbacks.get(name)
         if stored is not None:
             stored = stored[0] if isinstance(stored, list) else stored
             runtime.load_state_dict(
                 stored["attributes"]["adaptive_kl_state"], restart=self.args.restart_beta_controller, global_step=self.state.global_step
             )
             resume_generation_schedule(self, runtime)  # trainer.beta reads the restored β from the runtime
+        else:  # a checkpoint of a run without this package (stock TRL or Unsloth): it trained with no β controller
+            runtime.resume_without_state(restart=self.args.restart_beta_controller, global_step=self.state.global_step)
+            # the Trainer's save writes each stateful callback's state under its name, which must be there: a KeyError
+            # at the next checkpoint otherwise (the restored state lists only the callbacks of the run that wrote it)
+            self.state.stateful_callbacks[name] = {}
         # With restore_callback_states_from_checkpoint=True the Trainer rebuilt our callback without
         # its runtime: drop such copies and keep exactly one bound callback.
         for callback in list(self.callback_handler.callbacks):
@@ -244,6 +257,12 @@ def attach(trainer, runtime_cls, loss_class=None) -> TrainerAdaptiveKL:
     trainer._adaptive_loss_module = None
     if loss_class is not None:
         trainer._adaptive_loss_module = make_loss_module(trainer, loss_class)
+    if args.liger_fused_head != DEFAULTS["liger_fused_head"] and not reads_fused_head(loss_class) and runtime.process_index == 0:
+        logger.warning(
+            "unsloth_adaptive_kl: liger_fused_head=%r has no effect: it sets the fused LM head of "
+            "GRPOTrainer(loss_class=AdaptiveFusedLinearGRPOLoss), and this trainer's loss is %s",
+            args.liger_fused_head, "Liger's own class, which has none" if loss_class is not None else "its backend's own (no loss_class)",
+        )
     trainer.add_callback(_callback.AdaptiveKLCallback(runtime))
     logger.info(
         "unsloth_adaptive_kl: %s; kl_adaptation_method=%r, kl_estimator=%r, beta=%s (logged as %s)",

@@ -26,7 +26,7 @@ from .. import metrics
 from ..config import fused_head_setting
 from ..kl_pipeline import KL_MONITOR
 from . import _trainer
-from ._liger_interface import LIGER_PARAMETER_NAMES, LIGER_PARAMETERS, LossTerms, check_liger_version
+from ._liger_interface import LIGER_PARAMETER_NAMES, LIGER_PARAMETERS, LossTerms, check_liger_configuration, check_liger_version
 from .liger import AdaptiveFusedLinearGRPOLoss
 
 #: What a foreign ``loss_class`` must accept: Liger's constructor and forward arguments.
@@ -70,7 +70,7 @@ def module_arguments(trainer, loss_class) -> dict:
     kwargs = {p.name: p.from_trainer(trainer) for p in LIGER_PARAMETERS}
     if kwargs["loss_type"] == "luspo":  # TRL's luspo == Liger's dr_grpo with normaliser B * 1 (module docstring)
         kwargs.update(loss_type="dr_grpo", max_completion_length=1)
-    if "fused_head" in inspect.signature(loss_class).parameters:  # ours; Liger's own class has no fused head
+    if _trainer.reads_fused_head(loss_class):
         kwargs["fused_head"] = fused_head_setting(getattr(trainer.args, "liger_fused_head", "auto"))
     return kwargs  # the adaptive-KL fields reach the module as the trainer's state (make_loss_module)
 
@@ -93,6 +93,8 @@ def make_loss_module(trainer, loss_class):
             "allowed: kl_monitor=False, or the TRL backend (no loss_class)"
         )
     arguments = module_arguments(trainer, loss_class)
+    # Liger checks these at each call; a trainer that cannot train is refused now, not at its first step
+    check_liger_configuration(arguments.get("loss_type"), arguments.get("importance_sampling_level"), arguments.get("max_completion_length"))
     if adaptive:  # the trainer's state: its controller sets β (a standalone module refuses one)
         arguments["adaptive_kl"] = trainer._adaptive_kl
     return loss_class(**arguments)
