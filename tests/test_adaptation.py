@@ -178,6 +178,16 @@ def test_a_dynamic_beta_that_never_moved_is_a_warning_with_the_reward_it_never_p
                        "reward_threshold to a reward your task reaches (adaptive_kl/current_beta logs the beta of each step)")
 
 
+# not a registry list: the controllers whose bounds are [beta_min, beta] (ziegler has no upper one, target its range)
+@pytest.mark.parametrize("controller", ["dynamic", "schedule", "reward_conditioned"])
+def test_a_controller_whose_settings_leave_beta_one_value_is_told_so_when_it_never_moved(controller):
+    """beta_min = beta: the controller cannot move β; the end-of-run warning said no reason (an audit's finding)."""
+    state = _adaptive(controller, beta_min=BETA, reward_threshold=-1.0)
+    assert _steps(state, [1.0, 1.0, 1.0]) == [BETA] * 3
+    level, message = state.course_summary()
+    assert level == logging.WARNING and f"; its settings leave beta one value, {BETA:g} (e.g. beta_min = beta) (" in message
+
+
 def test_a_controller_that_moved_only_at_the_last_update_is_not_said_to_have_never_moved():
     state = _adaptive("dynamic", reward_threshold=0.5)
     assert _steps(state, [0.1, 0.2, 2.0]) == [BETA] * 3  # the decay after step 3 trains no step of this run

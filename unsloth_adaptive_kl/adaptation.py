@@ -293,7 +293,9 @@ class AdaptiveKL:
         steps = f"{course.steps} optimizer step{'s' if course.steps != 1 else ''} of this run"
         if course.changes == 0 and course.updates_that_moved == 0:
             # a β of 0 stays 0 under every controller that never moved it; otherwise the controller may know why
-            reason = f"beta is 0, which {controller.name} leaves at 0" if course.first == 0 else controller.idle_reason()
+            low, high = controller.min_loaded_beta(), controller.max_loaded_beta()  # its settings' bounds on β
+            reason = (f"beta is 0, which {controller.name} leaves at 0" if course.first == 0 else
+                      f"its settings leave beta one value, {low:g} (e.g. beta_min = beta)" if low == high else controller.idle_reason())
             return logging.WARNING, (
                 f"unsloth_adaptive_kl: kl_adaptation_method={self.method_text!r} never moved beta in the {steps}: every "
                 f"step trained with beta {course.first:g}, as a fixed beta would" + (f"; {reason}" if reason else "")
