@@ -121,7 +121,7 @@ def record_penalties(runtime, penalties, untouched):
 
 def main():
     rank = int(os.environ.get("RANK", "0"))
-    results = {"world_size": int(os.environ.get("WORLD_SIZE", "1"))}
+    results = {"world_size": int(os.environ.get("WORLD_SIZE", "1")), "trainers": len(METHODS)}
     for name, fields in METHODS.items():
         args = GRPOConfig(
             output_dir=tempfile.mkdtemp(prefix=f"mp-{name}-"), use_cpu=True, bf16=False, report_to="none",

@@ -29,6 +29,9 @@ def free_port():
         return s.getsockname()[1]
 
 
+STDERR: list[str] = []  # what the two processes wrote (the ranks fixture's run)
+
+
 @pytest.fixture(scope="module")
 def ranks(tiny_checkpoint, tmp_path_factory):
     out = tmp_path_factory.mktemp("multiprocess")
@@ -44,6 +47,7 @@ def ranks(tiny_checkpoint, tmp_path_factory):
     except subprocess.TimeoutExpired as error:
         pytest.fail(f"2-process training did not finish in {TIMEOUT_S} s (deadlock?): {str(error.stderr)[-3000:]}")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    STDERR.append(proc.stderr)
     results = []
     for rank in (0, 1):
         with open(out / f"rank{rank}.json") as f:
@@ -174,3 +178,11 @@ def test_the_sampled_monitor_with_the_kl_in_the_reward_watches_the_same_batches_
     assert zero["untouched"] == one["untouched"] == [True, True, True]
     assert zero["logged_penalty"] == one["logged_penalty"] == [None, None, None]
     assert zero["logged_betas"] == one["logged_betas"] == [0.0, 0.0, 0.0]
+
+
+def test_an_info_line_is_said_by_the_process_that_logs_only(ranks):
+    """Each trainer's "backend: ..." line is INFO: the replica (rank 1) leaves it to rank 0, as transformers' own logger
+    does (log_level_replica, WARNING by default). Before, every process said it."""
+    (stderr,) = STDERR
+    said = [line for line in stderr.splitlines() if line.startswith("unsloth_adaptive_kl: backend: ")]
+    assert len(said) == ranks[0]["trainers"] == ranks[1]["trainers"], said  # one per trainer each rank made (was 2 per)

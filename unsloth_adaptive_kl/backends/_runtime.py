@@ -54,6 +54,9 @@ class TrainerAdaptiveKL(AdaptiveKL):
 
     def __init__(self, trainer):
         accelerator = trainer.accelerator
+        if not getattr(trainer.args, "should_log", True):  # a replica process: as transformers' own logger there, only
+            # log_level_replica and above (WARNING by default); each INFO line is said once, by the process that logs
+            logger.setLevel(max(logger.getEffectiveLevel(), trainer.args.get_process_log_level()))
         super().__init__(
             trainer.args, reduce=lambda t: accelerator.reduce(t, reduction="sum"),
             process_index=accelerator.process_index, num_processes=accelerator.num_processes,
