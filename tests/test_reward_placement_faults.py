@@ -152,3 +152,35 @@ def test_the_dominated_groups_match_a_python_loop_on_random_batches_with_unscore
     assert count == sum(p > r > 0 for p, r in spreads)
     if count:
         assert worst == max(((p, r) for p, r in spreads if p > r > 0), key=lambda s: s[0] / s[1])
+
+
+def test_a_group_of_equal_task_rewards_whose_penalties_differ_is_counted_and_warned_once(caplog):
+    """An audit's finding: a group whose task rewards are all equal gets advantage 0 in stock GRPO; with the KL in the
+    reward its advantages come from the KL alone, which TRL's group std scales to unit size at any β, while
+    kl_dominated_groups (groups whose rewards differ) counted none of them."""
+    rewards = [1.0] * 4 + [1.0, 0.0, 1.0, 0.0] + [0.5] * 4 + [0.0, 0.0, math.nan, 0.0]
+    penalty = [0.01, 0.02, 0.01, 0.03] + [0.01] * 4 + [0.2] * 4 + [0.1, 0.1, 0.5, 0.1]
+    # equal rewards and differing penalties: group 0 only (group 2's penalties are equal; group 3's differ only where unscored)
+    assert kl_term.kl_only_groups(torch.tensor(rewards), torch.tensor(penalty, dtype=torch.float64), 4) == 1
+    trainer = _Trainer()
+    with caplog.at_level(logging.WARNING, logger="unsloth_adaptive_kl"):
+        for _ in range(2):
+            trainer._adaptive_kl.penalized_rewards(torch.tensor(rewards), torch.tensor(penalty, dtype=torch.float64), "train", 4)
+    assert trainer._metrics["train"][metrics.KL_ONLY_GROUPS] == [2.0]  # summed over the logging window
+    (warning,) = [r.getMessage() for r in caplog.records if "same task reward" in r.getMessage()]
+    assert "in 1 of 4 groups" in warning and metrics.KL_ONLY_GROUPS in warning
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_kl_only_groups_match_a_python_loop_on_random_batches(seed):
+    g = torch.Generator().manual_seed(seed)
+    rewards = torch.randint(0, 2, (32,), generator=g).double()
+    rewards[torch.rand(32, generator=g) < 0.15] = math.nan
+    penalty = torch.randint(0, 2, (32,), generator=g).double() / 10
+    penalty[torch.rand(32, generator=g) < 0.1] = math.inf
+    expected = 0
+    for start in range(0, 32, 4):
+        kept = [i for i in range(start, start + 4) if rewards[i] == rewards[i] and math.isfinite(penalty[i])]
+        r, p = {rewards[i].item() for i in kept}, {penalty[i].item() for i in kept}
+        expected += len(kept) >= 2 and len(r) == 1 and len(p) > 1
+    assert kl_term.kl_only_groups(rewards, penalty, 4) == expected

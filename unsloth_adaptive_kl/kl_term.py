@@ -201,6 +201,16 @@ def kl_dominated_groups(rewards: torch.Tensor, penalty: torch.Tensor, num_genera
     return int(dominated.sum()), (penalty_spread[worst].item(), reward_spread[worst].item())
 
 
+def kl_only_groups(rewards: torch.Tensor, penalty: torch.Tensor, num_generations: int) -> int:
+    """How many groups of ``num_generations`` completions have equal task rewards (two or more scored, NaN left out)
+    and finite penalties that differ: stock GRPO gives such a group advantage 0, while with the penalty in the reward
+    the KL alone sets its advantages (which the group's standard deviation scales to unit size, whatever β)."""
+    scored = ~torch.isnan(rewards) & torch.isfinite(penalty)
+    r = torch.where(scored, rewards.double(), torch.nan).reshape(-1, num_generations)
+    p = torch.where(scored, penalty.double(), torch.nan).reshape(-1, num_generations)
+    return int(((scored.reshape(-1, num_generations).sum(-1) >= 2) & (_nan_spread(r) == 0) & (_nan_spread(p) > 0)).sum())
+
+
 def _nan_spread(x: torch.Tensor) -> torch.Tensor:
     """max - min over the last dimension, NaN left out (0 for a row with fewer than two values)."""
     kept = ~torch.isnan(x)

@@ -45,12 +45,14 @@ KL_PENALTY = "adaptive_kl/kl_penalty"
 #: treated as unscored), and groups whose penalties spread wider than their task rewards (the KL orders them).
 NONFINITE_PENALTIES = "adaptive_kl/nonfinite_penalties"
 KL_DOMINATED_GROUPS = "adaptive_kl/kl_dominated_groups"
+#: ... and groups whose task rewards were all equal and whose penalties differed (the KL alone sets their advantages).
+KL_ONLY_GROUPS = "adaptive_kl/kl_only_groups"
 #: Logged as their latest value in the logging window, not averaged over it: the β of the window's
 #: last step (an average of several steps' β is a β no step used), a running count, the alarm's state and the
 #: controller's reachability flag.
 LATEST_VALUE_METRICS = (CURRENT_BETA, SKIPPED_UPDATES, RUNAWAY_ALARM, TARGET_REACHABLE)
 #: Summed over the logging window (a count per window), not averaged.
-WINDOW_SUM_METRICS = (NONFINITE_KL_BATCHES, NONFINITE_PENALTIES, KL_DOMINATED_GROUPS)
+WINDOW_SUM_METRICS = (NONFINITE_KL_BATCHES, NONFINITE_PENALTIES, KL_DOMINATED_GROUPS, KL_ONLY_GROUPS)
 
 # Layout of the sums tensor.
 RAW_SUM, ADAPTED_SUM, TOKENS, ADAPTED_SEQ_MEAN_SUM, COMPLETIONS, SHAPING_FAULTS, ESTIMATOR_FAULTS = range(7)

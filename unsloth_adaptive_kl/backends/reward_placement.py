@@ -37,7 +37,7 @@ import torch
 
 from .. import metrics
 from ..kl_pipeline import KL_MONITOR, REWARD_PENALTY, scoring_kl
-from ..kl_term import REWARD_KL_BOUND, kl_dominated_groups
+from ..kl_term import REWARD_KL_BOUND, kl_dominated_groups, kl_only_groups
 from .._source_patch import AnchorSet, PatchError, Plan, Rewrite, version_of
 from . import _generation
 
@@ -351,6 +351,9 @@ class RewardPlacement:
             values[metrics.KL_DOMINATED_GROUPS] = float(dominated)
             if dominated:
                 self.warn_kl_dominated(dominated, rewards.numel() // num_generations, worst)
+            values[metrics.KL_ONLY_GROUPS] = float(kl_only_groups(rewards, penalty, num_generations))
+            if values[metrics.KL_ONLY_GROUPS]:
+                self.warn_kl_only(int(values[metrics.KL_ONLY_GROUPS]), rewards.numel() // num_generations)
         self.runtime.log_metrics(values, mode)
         penalized = rewards.double() - penalty
         return torch.where(nonfinite, torch.nan, penalized).to(rewards.dtype)
@@ -364,6 +367,18 @@ class RewardPlacement:
             "log-prob of the policy or the reference): each is treated as unscored (NaN reward, advantage 0), left out "
             "of %s and counted in %s (this warning is shown once)",
             count, total, metrics.KL_PENALTY, metrics.NONFINITE_PENALTIES,
+        )
+
+    def warn_kl_only(self, groups: int, total: int) -> None:
+        if getattr(self, "_warned_kl_only", False):
+            return
+        self._warned_kl_only = True
+        logger.warning(
+            "unsloth_adaptive_kl: kl_placement='reward': in %d of %d groups every completion had the same task reward and "
+            "the KL penalties differed: stock GRPO gives such a group advantage 0, here the KL alone sets its advantages "
+            "(with TRL's default scale_rewards='group', at the task's usual size whatever beta). They are counted in %s; "
+            "TRL's frac_reward_zero_std, computed on the penalised rewards, no longer counts them (docs/kl-placement.md, "
+            "'Groups of equal rewards'; this warning is shown once)", groups, total, metrics.KL_ONLY_GROUPS,
         )
 
     def warn_kl_dominated(self, groups: int, total: int, worst: tuple[float, float]) -> None:
