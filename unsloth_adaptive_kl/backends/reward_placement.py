@@ -358,11 +358,16 @@ class RewardPlacement:
         penalized = rewards.double() - penalty
         return torch.where(nonfinite, torch.nan, penalized).to(rewards.dtype)
 
+    def warn_once(self, what: str, message: str, *args) -> None:
+        """Log ``message % args`` as a warning the first time ``what`` happens to this trainer; nothing after."""
+        warned = self.__dict__.setdefault("_warned", set())
+        if what not in warned:
+            warned.add(what)
+            logger.warning(message, *args)
+
     def warn_nonfinite_penalties(self, count: int, total: int) -> None:
-        if getattr(self, "_warned_nonfinite_penalty", False):
-            return
-        self._warned_nonfinite_penalty = True
-        logger.warning(
+        self.warn_once(
+            "nonfinite penalties",
             "unsloth_adaptive_kl: kl_placement='reward': %d of %d completions had a NaN or inf KL penalty (a NaN or inf "
             "log-prob of the policy or the reference): each is treated as unscored (NaN reward, advantage 0), left out "
             "of %s and counted in %s (this warning is shown once)",
@@ -370,10 +375,8 @@ class RewardPlacement:
         )
 
     def warn_kl_only(self, groups: int, total: int) -> None:
-        if getattr(self, "_warned_kl_only", False):
-            return
-        self._warned_kl_only = True
-        logger.warning(
+        self.warn_once(
+            "kl-only groups",
             "unsloth_adaptive_kl: kl_placement='reward': in %d of %d groups every completion had the same task reward and "
             "the KL penalties differed: stock GRPO gives such a group advantage 0, here the KL alone sets its advantages "
             "(with TRL's default scale_rewards='group', at the task's usual size whatever beta). They are counted in %s; "
@@ -382,17 +385,14 @@ class RewardPlacement:
         )
 
     def warn_kl_dominated(self, groups: int, total: int, worst: tuple[float, float]) -> None:
-        if getattr(self, "_warned_kl_dominated", False):
-            return
-        self._warned_kl_dominated = True
         penalty_spread, reward_spread = worst
-        logger.warning(
+        self.warn_once(
+            "kl-dominated groups",
             "unsloth_adaptive_kl: kl_placement='reward': in %d of %d groups the KL penalties spread wider than the task "
             "rewards (in one: penalties over %.4g, rewards over %.4g), so there the KL, not the task, orders the "
             "completions' advantages. Consider a smaller beta, length_normalized, or a clip of the per-token KL; such "
             "groups are counted in %s (docs/kl-placement.md, 'How large a penalty can be'; this warning is shown once)",
             groups, total, penalty_spread, reward_spread, metrics.KL_DOMINATED_GROUPS,
         )
-
 
 __all__ = ["TRL_PLAN", "UNSLOTH_PLAN", "RewardPlacement", "completion_columns", "completions_per_update", "install", "unavailable_reason"]
