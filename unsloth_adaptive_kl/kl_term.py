@@ -188,11 +188,7 @@ def kl_dominated_groups(rewards: torch.Tensor, penalty: torch.Tensor, num_genera
     """How many groups of ``num_generations`` completions have a spread (max - min) of finite penalties larger than the
     spread of their task rewards (``rewards``, NaN: unscored, left out of both), among groups whose rewards differ (a
     group of equal rewards has no task signal to lose); and, for the group with the largest ratio, its two spreads."""
-    scored = ~torch.isnan(rewards) & torch.isfinite(penalty)
-    r = torch.where(scored, rewards.double(), torch.nan).reshape(-1, num_generations)
-    p = torch.where(scored, penalty.double(), torch.nan).reshape(-1, num_generations)
-    reward_spread = _nan_spread(r)
-    penalty_spread = _nan_spread(p)
+    reward_spread, penalty_spread = _group_spreads(rewards, penalty, num_generations)
     dominated = (reward_spread > 0) & (penalty_spread > reward_spread)
     if not dominated.any():
         return 0, (0.0, 0.0)
@@ -205,10 +201,17 @@ def kl_only_groups(rewards: torch.Tensor, penalty: torch.Tensor, num_generations
     """How many groups of ``num_generations`` completions have equal task rewards (two or more scored, NaN left out)
     and finite penalties that differ: stock GRPO gives such a group advantage 0, while with the penalty in the reward
     the KL alone sets its advantages (which the group's standard deviation scales to unit size, whatever β)."""
+    reward_spread, penalty_spread = _group_spreads(rewards, penalty, num_generations)
+    return int(((reward_spread == 0) & (penalty_spread > 0)).sum())  # a penalty spread > 0 has two or more scored
+
+
+def _group_spreads(rewards: torch.Tensor, penalty: torch.Tensor, num_generations: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each group's spread (max - min) of task rewards and of penalties, over the same completions: those with a
+    reward (NaN: unscored) and a finite penalty."""
     scored = ~torch.isnan(rewards) & torch.isfinite(penalty)
     r = torch.where(scored, rewards.double(), torch.nan).reshape(-1, num_generations)
     p = torch.where(scored, penalty.double(), torch.nan).reshape(-1, num_generations)
-    return int(((scored.reshape(-1, num_generations).sum(-1) >= 2) & (_nan_spread(r) == 0) & (_nan_spread(p) > 0)).sum())
+    return _nan_spread(r), _nan_spread(p)
 
 
 def _nan_spread(x: torch.Tensor) -> torch.Tensor:

@@ -229,6 +229,7 @@ class RewardPlacement:
         self.runtime = runtime
         #: Whether the last scoring reached the rewards' group normalisation (the penalty was applied).
         self.rewards_penalized = False
+        self.warned: set[str] = set()  # what :meth:`warn_once` has warned of
 
     @property
     def trainer(self):
@@ -360,9 +361,8 @@ class RewardPlacement:
 
     def warn_once(self, what: str, message: str, *args) -> None:
         """Log ``message % args`` as a warning the first time ``what`` happens to this trainer; nothing after."""
-        warned = self.__dict__.setdefault("_warned", set())
-        if what not in warned:
-            warned.add(what)
+        if what not in self.warned:
+            self.warned.add(what)
             logger.warning(message, *args)
 
     def warn_nonfinite_penalties(self, count: int, total: int) -> None:
@@ -394,5 +394,6 @@ class RewardPlacement:
             "groups are counted in %s (docs/kl-placement.md, 'How large a penalty can be'; this warning is shown once)",
             groups, total, penalty_spread, reward_spread, metrics.KL_DOMINATED_GROUPS,
         )
+
 
 __all__ = ["TRL_PLAN", "UNSLOTH_PLAN", "RewardPlacement", "completion_columns", "completions_per_update", "install", "unavailable_reason"]
