@@ -6,7 +6,9 @@
 Every number of the answer is read from a table of a study page (docs/evidence/*.md): the wording is this file's,
 the numbers are the tables'. Study 51's part B enters once its page has a section "### Part B: results" holding
 ``research/study51/arms_report.py``'s table (the real model's best fixed β, and every controller against it; written
-by ``research/study51/results.py``). research/tests/test_evidence_pages.py fails while docs/evidence.md holds another
+by ``research/study51/results.py``), and with it prediction 5's rows (``target`` and ``ziegler`` holding K) and the
+trace of their β under **What β did** (``research/study51/controller_trace.py``'s table, checked against the streams by
+research/tests/test_study51_controller_trace.py). research/tests/test_evidence_pages.py fails while docs/evidence.md holds another
 answer than this one, so a table that changes changes the answer, or the test says so.
 """
 
@@ -146,6 +148,7 @@ def study_51(text: str) -> dict | None:
         params = dict(o.split(" ", 1) if " " in o else (o, "") for o in options.rstrip(")").split(", ") if o)
         arms.append({"label": r["arm"], "method": method, "beta0": float(beta0), "params": params,
                      "seeds": int(number(r["seeds (complete)"].split("(")[1])), "reward": number_or_none(r["final reward"]),
+                     "kl": number_or_none(r["final KL"]), "median": number_or_none(r["median length"]),
                      "runaways": int(number(r["runaways"])), "verdict": r["verdict"],
                      "unlogged": int(m.group(1)) if (m := re.search(r"\((\d+) not logged\)", r["runaways"])) else 0,
                      "delta": None if r is best else r["Δ final reward vs best [95 % CI]"],
@@ -153,7 +156,33 @@ def study_51(text: str) -> dict | None:
     fixed = sorted((a for a in arms if a["method"] == "none"), key=lambda a: a["beta0"])
     (best_arm,) = [a for a in arms if a["label"] == best["arm"]]
     return {"best": best_arm, "fixed": fixed, "controllers": [a for a in arms if a["method"] != "none"],
-            "family": family, "seeds": max(a["seeds"] for a in arms)}
+            "family": family, "seeds": max(a["seeds"] for a in arms), "targets": targets_51(section)}
+
+
+def targets_51(section: str) -> dict | None:
+    """What ``target`` and ``ziegler`` did on the real model, from the results section: prediction 5's "holds K"
+    rows (runs held of runs, per controller) and, where the page has it, the trace of each run's β
+    (``research/study51/controller_trace.py``'s table under **What β did**): per arm (method, β0), the seeds, those
+    declared unreachable, the declaration steps and β at step 100. None without the predictions' rows."""
+    held = {}
+    for line in section.split("\n"):
+        if m := re.match(r"\| 5 \| `(\w+)` holds K \(±25%\) in at most half of its runs \| (\d+) of (\d+) \|", line):
+            held[m.group(1)] = (int(m.group(2)), int(m.group(3)))
+    if not held:
+        return None
+    trace: dict = {}
+    if "**What β did**" in section:
+        for r in table_after(section, "| arm | seed | β step 25", start="**What β did**"):
+            method, rest = r["arm"].split(" β ", 1)
+            arm = trace.setdefault((method, float(rest.split(" ")[0])),
+                                   {"seeds": 0, "declared": [], "end": [], "declared_end": []})
+            arm["seeds"] += 1
+            arm["end"].append(number(r["β step 100"]))
+            if number_or_none(r["declared unreachable"]) is not None:
+                arm["declared"].append(int(number(r["declared unreachable"])))
+                arm["declared_end"].append(number(r["β step 100"]))
+            arm["kl_target"] = number(r["arm"].split("kl_target ")[1])
+    return {"held": held, "trace": trace}
 
 
 def short(arm: dict) -> str:
@@ -179,6 +208,8 @@ def controllers_51(s51: dict) -> str:
         for a in arms:
             delta = number_or_none(a["delta"])
             notes = [] if delta is None else [f"{delta:+.3f}"]
+            if a["kl"] is not None:
+                notes.append(f"KL {a['kl']:.2g}")
             if verdict == "inconclusive" and a["needed"] not in ("—", ""):
                 notes.append(f"{a['needed']} seeds would tell")
             if a["seeds"] < s51["seeds"]:
@@ -190,6 +221,37 @@ def controllers_51(s51: dict) -> str:
             items.append(f"{short(a)}" + (f" ({', '.join(notes)})" if notes else ""))
         parts.append(f"{words}: " + ", ".join(items))
     return "; ".join(parts)
+
+
+def target_51(s51: dict | None) -> str:
+    """The ``target`` line's opening: study 49's alone, or with study 51's runs (held, and what the trace shows)."""
+    targets = None if s51 is None else s51.get("targets")
+    if targets is None or "target" not in targets["held"]:
+        return "- **`target`: it held no chosen KL on the long task; it does say when one is out of reach.** "
+    held, runs = targets["held"]["target"]
+    z_held, z_runs = targets["held"].get("ziegler", (None, None))
+    words = "no chosen KL on the long task or the real model" if held == 0 else f"its target in {held} of {runs} runs on the real model"
+    out = (f"- **`target`: it held {words}.** [Study 51](evidence/study51-real-model.md"
+           f"#part-b-results): within ±25 % of its target in {held} of {runs} runs" + (f" (`ziegler` {z_held} of {z_runs})" if z_runs else ""))
+    parts = []
+    for (method, beta0), arm in sorted(targets["trace"].items()):
+        if method != "target":
+            continue
+        if arm["declared"]:
+            parts.append(f"from β0 {beta0:g} it declared {arm['kl_target']:g} unreachable in {len(arm['declared'])} of "
+                         f"{arm['seeds']} seeds (steps {span(arm['declared'], 'd')}; β at step 100 {span(arm['declared_end'], '.2g')})")
+        else:
+            parts.append(f"from β0 {beta0:g} β stopped at {span(arm['end'], '.3g')}, nothing declared")
+    return out + ("; " + "; ".join(parts) if parts else "") + ". "
+
+
+def ziegler_51(s51: dict | None) -> str:
+    """``ziegler``'s study-51 clause: β at step 100 of each start, from the trace; "" without one."""
+    trace = {} if s51 is None or s51.get("targets") is None else s51["targets"]["trace"]
+    arms = [(beta0, arm) for (method, beta0), arm in sorted(trace.items()) if method == "ziegler"]
+    if not arms:
+        return ""
+    return "; study 51: β at step 100 " + ", ".join(f"{span(arm['end'], '.2g')} from {beta0:g}" for beta0, arm in arms)
 
 
 def answer(s26: dict, s33: dict, s49: dict, s51: dict | None = None) -> str:
@@ -221,10 +283,20 @@ def answer(s26: dict, s33: dict, s49: dict, s51: dict | None = None) -> str:
         best, fixed = s51["best"], s51["fixed"]
         grid = ", ".join(f"{a['beta0']:g}: " + ("—" if a["reward"] is None else f"{a['reward']:.3f}") for a in fixed)
         page = "evidence/study51-real-model.md#part-b-results"
+        # the fixed β not shown worse than the best: the best and those whose comparison did not say "lost"
+        kept = [a for a in fixed if a is best or not (a["verdict"].startswith("lost") or a["reward"] is None)]
+        lo_k, hi_k = min(a["beta0"] for a in kept), max(a["beta0"] for a in kept)
+        named = lambda arms: " and ".join(f"{a['beta0']:g}" for a in arms)  # noqa: E731
+        near = [a for a in kept if a is not best]
+        lost = [a for a in fixed if a["verdict"].startswith("lost")]
+        against = "; ".join(part for part in (
+            f"β {named(near)} {'inconclusive' if all(a['verdict'] == 'inconclusive' for a in near) else 'not shown worse'} against it" if near else "",
+            f"β {named(lost)} lost" if lost else "") if part)
         headline = [
-            f"- **β: a fixed {best['beta0']:g} (`none`) on a real model; {beaten}.** [Study 51]({page}) "
-            f"(SmolLM2-135M-Instruct, chat addition, LoRA, 100 steps, {s51['seeds']} seeds): the most final reward "
-            f"({best['reward']:.3f}) of {len(fixed)} fixed β ({grid}). "
+            f"- **β: a fixed {lo_k:g}" + (f"-{hi_k:g}" if hi_k != lo_k else "") + f" (`none`) on a real model; {beaten}.** "
+            f"[Study 51]({page}) (SmolLM2-135M-Instruct, chat addition, LoRA, 100 steps, {s51['seeds']} seeds): β "
+            f"{best['beta0']:g} had the most final reward ({best['reward']:.3f}" + (f", its KL {best['kl']:.2g}" if best["kl"] is not None else "")
+            + f") of {len(fixed)} fixed β ({grid})" + (f"; {against}" if against else "") + ". "
             + study33,
             f"- **Each controller against it** (study 51, final reward paired by seed, Holm over {s51['family']} "
             f"comparisons): {controllers_51(s51)}."]
@@ -239,7 +311,7 @@ def answer(s26: dict, s33: dict, s49: dict, s51: dict | None = None) -> str:
         "",
         *headline,
         f"- **β = 0 (TRL's default):** {zero}",
-        f"- **`target`: it held no chosen KL on the long task; it does say when one is out of reach.** "
+        target_51(s51) +
         f"[Study 49](evidence/study49-target.md#results) (study 33's task, 5 seeds): a reachable target (0.04) ended within "
         f"±25 % in {s49['held']['target']} of {s49['runs']['target']} runs (`ziegler` {s49['held']['ziegler']} of "
         f"{s49['runs']['ziegler']}; a fixed β {s49['fixed'][2]:g}: {s49['fixed'][0]} of {s49['fixed'][1]} seeds), "
@@ -250,7 +322,8 @@ def answer(s26: dict, s33: dict, s49: dict, s51: dict | None = None) -> str:
         f"initial β ({span(s26['grpo']['target_ratio'], '.2f')} × the target; `dapo`: "
         f"{span(s26['dapo']['target_ratio'], '.2f')}); study 33 held neither of its targets "
         f"({span(s33['target_ratio'], '.2f')} × in {s33['target_cells']} cells), reward "
-        f"{min(s33['target_reward']):+.3f} to {max(s33['target_reward']):+.3f} against the best fixed β.",
+        f"{min(s33['target_reward']):+.3f} to {max(s33['target_reward']):+.3f} against the best fixed β"
+        + ziegler_51(s51) + ".",
         f"- **`dynamic`, `clip`: no gain.** Study 26: final-KL spread across initial β "
         f"{span(spread('dynamic') + spread('clip'), '.1f')}× (`none` {span(spread('none'), '.1f')}×, `ziegler` "
         f"{span(spread('target'), '.2f')}×), and runaway seeds of their own; study 33, β 0.04: `clip` "

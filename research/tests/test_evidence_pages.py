@@ -200,7 +200,8 @@ def _study51_page(tmp_path, *, schedule_delta=-0.1, cut=False):
     with gzip.open(directory / "study51-b-x-stream.jsonl.gz", "wt") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
     table = arms_report.report([str(directory)]).split("\n", 2)[2]  # without its "# Study 51" title
-    return evidence_answer.STUDY_51.read_text() + f"\n{evidence_answer.RESULTS_51} (synthetic)\n\n{table}"
+    page = evidence_answer.STUDY_51.read_text().split(f"\n{evidence_answer.RESULTS_51}\n")[0]  # without its own results
+    return page + f"\n{evidence_answer.RESULTS_51} (synthetic)\n\n{table}"
 
 
 def _answer(s51):
@@ -224,14 +225,15 @@ def test_study_51s_table_gives_the_headline_and_every_controllers_verdict(tmp_pa
     assert len(lines) <= evidence_answer.MAX_LINES
     assert lines[2].startswith("- **β: a fixed 0.04 (`none`) on a real model; no controller has been shown to beat it.** "
                                "[Study 51](evidence/study51-real-model.md#part-b-results)")
-    assert "the most final reward (0.620) of 3 fixed β (0: 0.520, 0.04: 0.620, 0.1: 0.600)" in lines[2]
+    assert ("β 0.04 had the most final reward (0.620, its KL 0.01) of 3 fixed β (0: 0.520, 0.04: 0.620, 0.1: 0.600); "
+            "β 0 and 0.1 lost.") in lines[2]
     assert "fixed β at 0.04-0.1; [study 26]" in lines[2]  # study 33 keeps its place, named as such
     controllers = lines[3]
     assert controllers.startswith("- **Each controller against it** (study 51, final reward paired by seed, Holm over 6 comparisons): ")
-    assert "matched (within ±0.05): `dynamic` 0.04 (+0.000)" in controllers
-    assert "lost by less than 0.05: `target` 0.01 (-0.010, 1 runaway)" in controllers
-    assert "lost: `schedule` 1 linear (-0.100)" in controllers
-    assert re.search(r"inconclusive: `dynamic` 0\.04 threshold 0\.48 \(\+0\.030, \d+ seeds would tell\)", controllers)
+    assert "matched (within ±0.05): `dynamic` 0.04 (+0.000, KL 0.01)" in controllers
+    assert "lost by less than 0.05: `target` 0.01 (-0.010, KL 0.01, 1 runaway)" in controllers
+    assert "lost: `schedule` 1 linear (-0.100, KL 0.01)" in controllers
+    assert re.search(r"inconclusive: `dynamic` 0\.04 threshold 0\.48 \(\+0\.030, KL 0\.01, \d+ seeds would tell\)", controllers)
     assert "study 51: -0.100 [-0.100, -0.100] against β 0.04, lost; study 33:" in lines[4]
     assert "**Not known:** models past 135 M, full fine-tuning, runs past 100 steps" in text
     assert "pretrained models and real tasks (no study has run one)" not in text
@@ -240,7 +242,7 @@ def test_study_51s_table_gives_the_headline_and_every_controllers_verdict(tmp_pa
 def test_a_controller_that_beat_the_best_fixed_beta_on_the_real_model_changes_the_headline(tmp_path):
     text = _answer(evidence_answer.study_51(_study51_page(tmp_path, schedule_delta=+0.1)))
     assert "on a real model; beaten by `schedule` 1 linear on the real model.**" in text
-    assert "beat: `schedule` 1 linear (+0.100)" in text
+    assert "beat: `schedule` 1 linear (+0.100, KL 0.01)" in text
 
 
 def test_an_arm_without_final_values_or_alarms_is_named_without_a_delta(tmp_path):
@@ -252,3 +254,40 @@ def test_an_arm_without_final_values_or_alarms_is_named_without_a_delta(tmp_path
     assert (cut["reward"], cut["verdict"], cut["unlogged"], s51["family"]) == (None, "too few seeds", 1, 7)
     text = _answer(s51)
     assert "too few seeds: `reward_conditioned` 0.04 (0 seeds, no runaway alarm logged in 1 run)" in text  # 0 complete
+
+
+def _targets_section(declared=("93", "—", "95")):
+    """A results section's prediction-5 rows and a trace table (controller_trace's columns) of two arms."""
+    rows = [f"| target β 0.01 (kl_target 0.15) | {seed} | 0.009 | 0.0055 | 0.005 | {end} | 0.0047 (72) | 94 | 74 | {d} | 0.3 | no |"
+            for seed, (d, end) in enumerate(zip(declared, ("0.005", "0.0097", "0.0052")))]
+    rows += [f"| ziegler β 1 (kl_target 0.15) | {seed} | 0.6 | 0.37 | 0.22 | 0.1353 | 0.1353 (100) | 100 | — | — | 0.025 | no |"
+             for seed in range(2)]
+    return "\n".join([
+        evidence_answer.RESULTS_51, "", "| prediction | claim | measured | verdict |", "|---|---|---|---|",
+        "| 5 | `target` holds K (±25%) in at most half of its runs | 1 of 3 | held |",
+        "| 5 | `ziegler` holds K (±25%) in at most half of its runs | 0 of 2 | held |", "",
+        "**What β did**, run by run:", "",
+        "| arm | seed | β step 25 | β step 50 | β step 75 | β step 100 | least β (step) | β last changed | "
+        "KL 10-step mean first above K | declared unreachable | final KL | held K |", "|" + "---|" * 12, *rows, ""])
+
+
+def test_the_target_and_ziegler_lines_read_prediction_5_and_the_trace():
+    targets = evidence_answer.targets_51(_targets_section())
+    assert targets["held"] == {"target": (1, 3), "ziegler": (0, 2)}
+    arm = targets["trace"][("target", 0.01)]
+    assert (arm["seeds"], arm["declared"], arm["declared_end"], arm["kl_target"]) == (3, [93, 95], [0.005, 0.0052], 0.15)
+    s51 = {"targets": targets}
+    assert evidence_answer.target_51(s51) == (
+        "- **`target`: it held its target in 1 of 3 runs on the real model.** [Study 51]"
+        "(evidence/study51-real-model.md#part-b-results): within ±25 % of its target in 1 of 3 runs (`ziegler` 0 of 2); "
+        "from β0 0.01 it declared 0.15 unreachable in 2 of 3 seeds (steps 93-95; β at step 100 0.005-0.0052). ")
+    assert evidence_answer.ziegler_51(s51) == "; study 51: β at step 100 0.14 from 1"
+    nothing = {"targets": evidence_answer.targets_51(_targets_section(declared=("—", "—", "—")))}
+    assert "from β0 0.01 β stopped at 0.005-0.0097, nothing declared. " in evidence_answer.target_51(nothing)
+
+
+def test_without_prediction_5_the_target_line_is_study_49s():
+    assert evidence_answer.targets_51("### Part B: results\n\nno predictions\n") is None
+    assert evidence_answer.target_51(None) == evidence_answer.target_51({"targets": None}) == (
+        "- **`target`: it held no chosen KL on the long task; it does say when one is out of reach.** ")
+    assert evidence_answer.ziegler_51(None) == ""
