@@ -96,8 +96,10 @@ def test_a_kl_that_does_not_respond_is_declared_unreachable_within_the_stated_up
                 declared = step
     assert declared is not None and declared <= stated_updates(ratio, cfg), (declared, stated_updates(ratio, cfg))
     (message,) = [r.getMessage() for r in caplog.records if "not reachable" in r.getMessage()]
-    assert "kl_target=0.01 is not reachable" in message and f"({ratio * 0.01:.4g}, the KL this run could reach)" in message
-    assert "stopped responding to beta at beta=0.1" in message  # the least KL was seen at the start
+    assert "kl_target=0.01 is not reachable" in message and "did not fall by a fifth over 10 updates" in message
+    # the least KL above the target was seen at the start, at β0
+    assert f"Its least smoothed value above the target was {ratio * 0.01:.4g}, at beta=0.1." in message
+    assert "A KL still growing with training looks the same to this test" in message
     assert set(betas[declared - 1:]) == {0.1} and max(betas) < 0.2  # capped where it stopped; never pushed to ×2
 
 
@@ -274,3 +276,47 @@ def test_the_new_targets_own_checkpoint_is_not_taken_for_an_old_one():
     c = make_controller("target", ControllerConfig(0.1, kl_target=0.01))
     with pytest.raises(ValueError, match="cannot load β-controller state of 'target' into a 'ziegler' controller"):
         make_controller("ziegler", ControllerConfig(0.1)).load_state_dict(c.state_dict())
+
+
+def _stop_updates(cfg):
+    """The update at which a KL far below the target, never rising, has kept β stopped ``target_patience`` updates:
+    no fall in the ``target_warmup_steps`` updates, then ×``target_max_fall`` an update while the next step stays
+    within ×1/2 of β0 (the episode began at update 1, at β0), then ``target_patience`` frozen updates."""
+    falls = math.floor(math.log(0.5) / math.log(cfg.target_max_fall))  # β0 · fall^k >= β0 / 2
+    if cfg.target_max_fall ** falls * cfg.beta <= cfg.beta / 2 + 1e-15:
+        falls -= 1
+    return cfg.target_warmup_steps + falls + cfg.target_patience, cfg.beta * cfg.target_max_fall ** falls
+
+
+@pytest.mark.parametrize("beta0, kl", [(1.0, 0.005), (0.02, 1e-4)])
+def test_a_kl_far_below_the_target_that_never_rises_is_said_once_when_beta_stops(beta0, kl, caplog):
+    """Study 51's run from β0 1: the KL 30 times below the target; β stops at half its start and stays. The warning
+    comes once, at the stated update, with β where it stopped; β's path is the formula's (the warning changes no β)."""
+    cfg = ControllerConfig(beta0, kl_target=0.15)
+    c = make_controller("target", cfg)
+    at, stopped = _stop_updates(c.config)
+    warned, betas = [], []
+    with caplog.at_level(logging.WARNING, logger="unsloth_adaptive_kl"):
+        for step in range(1, 121):
+            before = len(caplog.records)
+            c.update(global_step=step, kl=kl, num_completions=N)
+            betas.append(c.beta)
+            warned += [step for r in caplog.records[before:] if "lowers beta no further" in r.getMessage()]
+    assert warned == [at]
+    (message,) = [r.getMessage() for r in caplog.records if "lowers beta no further" in r.getMessage()]
+    assert f"beta stopped at {stopped:.4g}, half the beta where this fall began ({beta0:.4g})" in message
+    assert "for 10 updates" in message and "kl_target=0.15" in message
+    expected = [beta0] * c.config.target_warmup_steps + [
+        max(beta0 * c.config.target_max_fall ** k, stopped) for k in range(1, 121 - c.config.target_warmup_steps)]
+    assert betas == pytest.approx(expected, rel=1e-12)
+    assert c.metrics() == {TARGET_REACHABLE: 1.0}  # below the target nothing is declared
+
+
+def test_beta_stopped_at_its_range_floor_below_the_target_names_the_bound(caplog):
+    cfg = ControllerConfig(0.02, kl_target=0.15, target_beta_range=1.5, target_warmup_steps=0)
+    c = make_controller("target", cfg)
+    with caplog.at_level(logging.WARNING, logger="unsloth_adaptive_kl"):
+        for step in range(1, 80):
+            c.update(global_step=step, kl=1e-4, num_completions=N)
+    (message,) = [r.getMessage() for r in caplog.records if "lowers beta no further" in r.getMessage()]
+    assert c.beta == pytest.approx(0.02 / 1.5) and "its lower bound (0.01333: beta / target_beta_range" in message

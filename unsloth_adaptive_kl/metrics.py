@@ -29,7 +29,7 @@ TOKEN_KL_TOP1PCT_SHARE = "adaptive_kl/token_kl_top1pct_share"
 #: 0 until the runaway alarm (:mod:`.runaway`) fires, 1 from the step it fired at on (logged every optimizer step).
 RUNAWAY_ALARM = "adaptive_kl/runaway_alarm"
 #: Logged by the ``target`` controller only: 1 while its kl_target is held or may still be, 0 from the update at
-#: which it declared the target unreachable (the KL stopped responding to a rising β; docs/methods.md).
+#: which it declared the target unreachable (the KL above it did not fall while a risen β was held; docs/methods.md).
 TARGET_REACHABLE = "adaptive_kl/target_reachable"
 METRIC_NAMES = (
     RAW_KL, ADAPTED_KL, CURRENT_BETA, SKIPPED_UPDATES, NONFINITE_KL_BATCHES, TOKEN_KL_MAX, TOKEN_KL_P99, TOKEN_KL_TOP1PCT_SHARE,
