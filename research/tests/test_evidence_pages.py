@@ -273,6 +273,7 @@ def _targets_section(declared=("93", "—", "95")):
 
 def test_the_target_and_ziegler_lines_read_prediction_5_and_the_trace():
     targets = evidence_answer.targets_51(_targets_section())
+    # not a registry list: the two prediction-5 rows the synthetic section holds
     assert targets["held"] == {"target": (1, 3), "ziegler": (0, 2)}
     arm = targets["trace"][("target", 0.01)]
     assert (arm["seeds"], arm["declared"], arm["declared_end"], arm["kl_target"]) == (3, [93, 95], [0.005, 0.0052], 0.15)
