@@ -163,6 +163,53 @@ def test_reward_placement_lowers_each_reward_by_beta_times_its_summed_kl_before_
     assert sums[metrics.TOKENS].item() == mask.sum().item() and sums[metrics.COMPLETIONS].item() == mask.shape[0]
 
 
+def equal_reward(completions, **kwargs) -> list[float]:
+    """Every completion the same reward: each group has no task signal (stock GRPO's advantage 0)."""
+    return [1.0] * len(completions)
+
+
+def tiny_length_reward(completions, **kwargs) -> list[float]:
+    """Rewards that differ within a group by far less than β × the summed KL of a moved policy."""
+    return [len(c) / 1e5 for c in completions]
+
+
+def group_counts64(rewards, penalty, num_generations):
+    """(groups whose penalty spread exceeds a reward spread > 0, groups of equal rewards whose penalties differ), by a
+    loop over the groups in float64 (every reward scored, every penalty finite here)."""
+    dominated = only = 0
+    for start in range(0, len(rewards), num_generations):
+        r = [float(x) for x in rewards[start:start + num_generations]]
+        p = [float(x) for x in penalty[start:start + num_generations]]
+        r_spread, p_spread = max(r) - min(r), max(p) - min(p)
+        dominated += p_spread > r_spread > 0
+        only += r_spread == 0 and p_spread > 0
+    return dominated, only
+
+
+@pytest.mark.parametrize("reward_funcs, counts", [("equal", (0, 2)), ("tiny", (2, 0)), ("varied", None)])
+def test_a_real_scoring_call_logs_the_groups_the_kl_dominates_or_alone_orders(tiny_checkpoint, tmp_path, monkeypatch, reward_funcs, counts):
+    """adaptive_kl/kl_dominated_groups and adaptive_kl/kl_only_groups from TRL's own scoring of one generation batch,
+    against a float64 loop over its groups: with every reward equal, every group whose penalties differ is KL-only; with
+    rewards that differ by 1e-5 a character, the KL's spread dominates every group."""
+    funcs = {"equal": [equal_reward], "tiny": [tiny_length_reward], "varied": [toy.format_reward, length_reward]}[reward_funcs]
+    trainer = make_trainer(tiny_checkpoint, tmp_path, reward_funcs=funcs, kl_adaptation_method="none", kl_estimator="k3")
+    move_policy_away_from_reference(trainer)
+    trainer.model.train()
+    seen = {}
+    spy(monkeypatch, trainer, "_calculate_rewards", seen)
+    spy(monkeypatch, KLTerm, "per_token", seen)
+    torch.manual_seed(0)
+    trainer._generate_and_score_completions(generation_batch(trainer))
+    ((_, _, rewards_per_func),) = seen["_calculate_rewards"]
+    ((args, _, _),) = seen["per_token"]
+    penalty, _raw = penalty64("none", "k3", args[1], args[2], args[3], beta=BETA, clip_threshold=0.05, kl_target=0.02)
+    dominated, only = group_counts64(rewards_per_func.double().sum(1).tolist(), penalty.tolist(), trainer.num_generations)
+    if counts is not None:  # of the batch's two groups
+        assert (dominated, only) == counts
+    assert trainer._metrics["train"][metrics.KL_DOMINATED_GROUPS] == [float(dominated)]
+    assert trainer._metrics["train"][metrics.KL_ONLY_GROUPS] == [float(only)]
+
+
 def test_the_penalty_reuses_trls_old_log_probs_when_trl_computes_them(tiny_checkpoint, tmp_path, monkeypatch):
     # steps_per_generation=2 with one accumulation step: generation is not aligned with the optimizer step,
     # so TRL computes old_per_token_logps (the policy at scoring time); no second forward is made.

@@ -885,6 +885,8 @@ def scenario_reward_placement():
         "pad_token_id": TOKENIZER.pad_token_id,
         "rewards_per_func": seen["rewards_per_func"].tolist(), "advantages": out["advantages"].tolist(),
         "kl_penalty": list(t._metrics["train"]["adaptive_kl/kl_penalty"]), "num_generations": t.num_generations,
+        "kl_dominated_groups": list(t._metrics["train"]["adaptive_kl/kl_dominated_groups"]),
+        "kl_only_groups": list(t._metrics["train"]["adaptive_kl/kl_only_groups"]),
     }  # fmt: skip
 
     # Prompts of two lengths: Unsloth scores the old and reference log-probs on its left-packed layout (the
