@@ -47,7 +47,7 @@ import unsloth_adaptive_kl  # before any GRPOConfig is made: it adds the kl_* fi
 from transformers import PrinterCallback, TrainerCallback
 from transformers.utils import logging as transformers_logging
 from trl import GRPOConfig, GRPOTrainer
-from unsloth_adaptive_kl import ADAPTED_KL, CURRENT_BETA, RAW_KL, smollm2
+from unsloth_adaptive_kl import ADAPTED_KL, CURRENT_BETA, RAW_KL, parse_method, smollm2
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 import toy  # noqa: E402  (examples/toy.py: the tiny model's tokenizer, model and sums, built here without a download)
@@ -115,9 +115,9 @@ def recording_lengths(reward_fn, lengths_by_step: dict):
 
 # -- 3. The methods: everything but kl_adaptation_method is the same for every method ------------------------------
 def method_fields(method: str, completions_per_step: int) -> dict:
-    """This package's GRPOConfig fields. Each method reads only its own; they are set for all to keep one config."""
-    return dict(
-        kl_adaptation_method=method,
+    """This package's GRPOConfig fields for one method: the settings below, each given only to the methods that read
+    it (the package warns of a field set that the chosen method does not read)."""
+    settings = dict(
         # dynamic: beta x 0.9 while the mean reward of the last 3 steps is above 0.3 (the tiny start model's reward
         # is about 0.3-0.5: set it where your model's reward means "good enough")
         reward_threshold=0.3, reward_window=3,
@@ -127,6 +127,9 @@ def method_fields(method: str, completions_per_step: int) -> dict:
         kl_horizon=10 * completions_per_step,
         beta_min=0.001,  # the floor of every controller
     )
+    parsed = parse_method(method)
+    read = {p.name for p in (*parsed.parameters, *parsed.controller_parameters)}
+    return {"kl_adaptation_method": method, **{name: value for name, value in settings.items() if name in read}}
 
 
 class OneLinePerStep(TrainerCallback):
