@@ -254,6 +254,17 @@ def ziegler_51(s51: dict | None) -> str:
     return "; study 51: β at step 100 " + ", ".join(f"{span(arm['end'], '.2g')} from {beta0:g}" for beta0, arm in arms)
 
 
+def decay_51(s51: dict | None) -> str:
+    """Study 51's test of study 33's β decay (``schedule`` from β0 1), as a clause: its arms' verdicts and Δ; "" without
+    such an arm."""
+    arms = [] if s51 is None else [a for a in s51["controllers"] if a["method"] == "schedule" and a["beta0"] == 1]
+    if not arms:
+        return ""
+    parts = ", ".join(f"{a['params'].get('beta_schedule', '')} {a['verdict']}".strip()
+                      + ("" if number_or_none(a["delta"] or "") is None else f" {number(a['delta']):+.3f}") for a in arms)
+    return f" (tested as `schedule` from β 1 on the real model: {parts})"
+
+
 def answer(s26: dict, s33: dict, s49: dict, s51: dict | None = None) -> str:
     b1, b2 = s33["best"]
     lo_b, hi_b = sorted((b1, b2))
@@ -331,7 +342,8 @@ def answer(s26: dict, s33: dict, s49: dict, s51: dict | None = None) -> str:
         "- **" + ", ".join(name for name, _, _ in others) + ":** study 33, β 0.04: Δ reward against `none` "
         + ", ".join(f"{mean:+.3f}" for _, mean, _ in others) + "; no gain.",
         f"- **Not known:** {not_known}; whether study 33's β decay found after the data ({gain:+.3f}, 1 of 6 "
-        f"tests, Bonferroni p {gain_bonferroni:.3f}, exact p {gain_p:.4f}) is real; tasks where longer completions pay.",
+        f"tests, Bonferroni p {gain_bonferroni:.3f}, exact p {gain_p:.4f}) is real on its task" + decay_51(s51)
+        + "; tasks where longer completions pay.",
     ]
     if len(lines) > MAX_LINES:
         raise ValueError(f"the answer has {len(lines)} lines: allowed: at most {MAX_LINES} (one screen)")

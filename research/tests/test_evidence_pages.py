@@ -237,6 +237,8 @@ def test_study_51s_table_gives_the_headline_and_every_controllers_verdict(tmp_pa
     assert "study 51: -0.100 [-0.100, -0.100] against β 0.04, lost; study 33:" in lines[4]
     assert "**Not known:** models past 135 M, full fine-tuning, runs past 100 steps" in text
     assert "pretrained models and real tasks (no study has run one)" not in text
+    assert "is real on its task (tested as `schedule` from β 1 on the real model: linear lost -0.100); tasks" in text
+    assert "tested as `schedule`" not in _answer(None)
 
 
 def test_a_controller_that_beat_the_best_fixed_beta_on_the_real_model_changes_the_headline(tmp_path):
