@@ -74,6 +74,22 @@ def spy(monkeypatch, obj, name, seen):
     monkeypatch.setattr(obj, name, wrapper)
 
 
+def spied_scoring(monkeypatch, trainer):
+    """One generation batch scored by TRL's own function, the policy first moved off the reference: its output, the
+    rewards per function it computed, and the arguments of the one per-token KL at scoring time (term, logp, ref, mask,
+    coef, statistic)."""
+    move_policy_away_from_reference(trainer)
+    trainer.model.train()
+    seen = {}
+    spy(monkeypatch, trainer, "_calculate_rewards", seen)
+    spy(monkeypatch, KLTerm, "per_token", seen)
+    torch.manual_seed(0)
+    out = trainer._generate_and_score_completions(generation_batch(trainer))
+    ((_, _, rewards_per_func),) = seen["_calculate_rewards"]
+    ((args, _, _),) = seen["per_token"]
+    return out, rewards_per_func, args
+
+
 def plain_policy_logps(trainer, out):
     """The policy's log-probs of the sampled tokens from a plain forward (float64 log-softmax), not TRL's kernel."""
     ids = torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1)
@@ -130,16 +146,7 @@ def test_reward_placement_lowers_each_reward_by_beta_times_its_summed_kl_before_
     trainer = make_trainer(
         tiny_checkpoint, tmp_path, kl_adaptation_method=method, kl_estimator=estimator, kl_clip_threshold=0.05, kl_target=0.02, kl_horizon=1000.0
     )
-    move_policy_away_from_reference(trainer)
-    trainer.model.train()
-    seen = {}
-    spy(monkeypatch, trainer, "_calculate_rewards", seen)
-    spy(monkeypatch, KLTerm, "per_token", seen)
-    torch.manual_seed(0)
-    out = trainer._generate_and_score_completions(generation_batch(trainer))
-
-    ((_, _, rewards_per_func),) = seen["_calculate_rewards"]
-    ((args, _, _),) = seen["per_token"]  # one per-token KL at scoring time: (term, logp, ref, mask, coef, statistic)
+    out, rewards_per_func, args = spied_scoring(monkeypatch, trainer)
     logp, ref, mask = args[1], args[2], args[3]
     assert args[4] is None  # no importance ratio at scoring time: the policy is the sampling policy
     assert torch.equal(ref, out["ref_per_token_logps"]) and torch.equal(mask, out["completion_mask"])
@@ -193,15 +200,7 @@ def test_a_real_scoring_call_logs_the_groups_the_kl_dominates_or_alone_orders(ti
     rewards that differ by 1e-5 a character, the KL's spread dominates every group."""
     funcs = {"equal": [equal_reward], "tiny": [tiny_length_reward], "varied": [toy.format_reward, length_reward]}[reward_funcs]
     trainer = make_trainer(tiny_checkpoint, tmp_path, reward_funcs=funcs, kl_adaptation_method="none", kl_estimator="k3")
-    move_policy_away_from_reference(trainer)
-    trainer.model.train()
-    seen = {}
-    spy(monkeypatch, trainer, "_calculate_rewards", seen)
-    spy(monkeypatch, KLTerm, "per_token", seen)
-    torch.manual_seed(0)
-    trainer._generate_and_score_completions(generation_batch(trainer))
-    ((_, _, rewards_per_func),) = seen["_calculate_rewards"]
-    ((args, _, _),) = seen["per_token"]
+    _, rewards_per_func, args = spied_scoring(monkeypatch, trainer)
     penalty, _raw = penalty64("none", "k3", args[1], args[2], args[3], beta=BETA, clip_threshold=0.05, kl_target=0.02)
     dominated, only = group_counts64(rewards_per_func.double().sum(1).tolist(), penalty.tolist(), trainer.num_generations)
     if counts is not None:  # of the batch's two groups

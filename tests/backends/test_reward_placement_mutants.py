@@ -4,7 +4,7 @@ tokens TRL's tool_mask leaves out, and the Unsloth rewrite's left padding on a b
 
 import pytest
 import torch
-from test_kl_placement import BETA, generation_batch, make_trainer, move_policy_away_from_reference, spy
+from test_kl_placement import BETA, generation_batch, make_trainer, move_policy_away_from_reference, spied_scoring, spy
 
 import reference
 from unsloth_adaptive_kl import metrics
@@ -257,15 +257,7 @@ def test_the_trl_rewrite_leaves_the_excluded_tokens_out_of_the_penalty_and_the_c
     eos = trainer.processing_class.eos_token_id
     trainer.args.kl_exclude_token_ids = [eos]
     trainer._adaptive_kl.term = build(trainer.args).term
-    move_policy_away_from_reference(trainer)
-    trainer.model.train()
-    seen = {}
-    spy(monkeypatch, trainer, "_calculate_rewards", seen)
-    spy(monkeypatch, KLTerm, "per_token", seen)
-    torch.manual_seed(0)
-    out = trainer._generate_and_score_completions(generation_batch(trainer))
-    ((_, _, rewards_per_func),) = seen["_calculate_rewards"]
-    ((args, _, _),) = seen["per_token"]
+    out, rewards_per_func, args = spied_scoring(monkeypatch, trainer)
     kept = out["completion_mask"].bool() & (out["completion_ids"] != eos)
     assert (out["completion_mask"].bool() & (out["completion_ids"] == eos)).sum() >= 2  # EOS was sampled: the case tells
     assert torch.equal(args[3].bool(), kept)
