@@ -148,7 +148,7 @@ def study_51(text: str) -> dict | None:
         params = dict(o.split(" ", 1) if " " in o else (o, "") for o in options.rstrip(")").split(", ") if o)
         arms.append({"label": r["arm"], "method": method, "beta0": float(beta0), "params": params,
                      "seeds": int(number(r["seeds (complete)"].split("(")[1])), "reward": number_or_none(r["final reward"]),
-                     "kl": number_or_none(r["final KL"]), "median": number_or_none(r["median length"]),
+                     "kl": number_or_none(r["final KL"]),
                      "runaways": int(number(r["runaways"])), "verdict": r["verdict"],
                      "unlogged": int(m.group(1)) if (m := re.search(r"\((\d+) not logged\)", r["runaways"])) else 0,
                      "delta": None if r is best else r["Δ final reward vs best [95 % CI]"],

@@ -321,6 +321,24 @@ def group_advantages64(rewards, num_generations):
     return ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-4)).view(-1)
 
 
+def group_spreads64(rewards, penalty, num_generations):
+    """Python loops, float64: per group of ``num_generations``, (penalty spread, reward spread) (max - min) over the
+    completions with a reward (NaN: unscored) and a finite penalty; 0 for fewer than two such."""
+    out = []
+    for start in range(0, len(rewards), num_generations):
+        kept = [i for i in range(start, start + num_generations) if rewards[i] == rewards[i] and math.isfinite(penalty[i])]
+        r, p = [float(rewards[i]) for i in kept], [float(penalty[i]) for i in kept]
+        out.append(((max(p) - min(p)) if len(p) > 1 else 0.0, (max(r) - min(r)) if len(r) > 1 else 0.0))
+    return out
+
+
+def group_counts64(rewards, penalty, num_generations):
+    """(groups whose penalty spread exceeds a reward spread > 0, groups of equal rewards whose penalties differ):
+    the reward placement's kl_dominated_groups and kl_only_groups, from :func:`group_spreads64`."""
+    spreads = group_spreads64(rewards, penalty, num_generations)
+    return sum(p > r > 0 for p, r in spreads), sum(r == 0 and p > 0 for p, r in spreads)
+
+
 def course_line(method, betas, *, adapts=None):
     """The line a run of ``method`` should log when ``train()`` ends, from the β its steps logged (``betas``, in order):
     None with a fixed β; the first and last β, the steps where β changed and its extremes, written out here from the

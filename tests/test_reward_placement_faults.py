@@ -9,6 +9,7 @@ import math
 from types import SimpleNamespace
 
 import pytest
+import reference
 import torch
 from one_process_trainer import OneProcessTrainer
 
@@ -111,24 +112,13 @@ def test_kl_penalty_is_the_mean_over_the_scored_completions_only():
     assert trainer._metrics["eval"][metrics.KL_PENALTY] == [pytest.approx(0.2)]
 
 
-def _spreads64(rewards, penalty, n):
-    """Python loops, float64: per group, (penalty spread, reward spread) over the scored completions with a finite
-    penalty."""
-    out = []
-    for g in range(len(rewards) // n):
-        kept = [i for i in range(g * n, g * n + n) if rewards[i] == rewards[i] and math.isfinite(penalty[i])]
-        r, p = [rewards[i] for i in kept], [penalty[i] for i in kept]
-        out.append(((max(p) - min(p)) if len(p) > 1 else 0.0, (max(r) - min(r)) if len(r) > 1 else 0.0))
-    return out
-
-
 def test_a_group_whose_penalties_spread_wider_than_its_rewards_is_counted_and_warned_once(caplog):
     """Finding 5: the issue's case, one completion of a group of 4 right and 4 wrong answers with a penalty of 119 at
     β 0.04 (one token at log-ratio +8): seven completions then got the same advantage. Such a group is counted and
     warned about; a group of equal rewards (no task signal to lose) and a group the KL does not outweigh are not."""
     rewards = [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0] + [0.5] * 8 + [1.0, 0.0] * 4
     penalty = [119.0] + [0.08] * 7 + [0.3, 5.0] + [0.1] * 6 + [0.1, 0.2] * 4
-    spreads = _spreads64(rewards, penalty, 8)
+    spreads = reference.group_spreads64(rewards, penalty, 8)
     expected = [p > r > 0 for p, r in spreads]
     assert expected == [True, False, False]
     trainer = _Trainer()
@@ -147,7 +137,7 @@ def test_the_dominated_groups_match_a_python_loop_on_random_batches_with_unscore
     rewards[torch.rand(24, generator=g) < 0.15] = math.nan
     penalty = torch.rand(24, generator=g).double() * 1.5
     penalty[torch.rand(24, generator=g) < 0.1] = math.inf
-    spreads = _spreads64(rewards.tolist(), penalty.tolist(), 4)
+    spreads = reference.group_spreads64(rewards.tolist(), penalty.tolist(), 4)
     count, worst = kl_term.kl_dominated_groups(rewards, penalty, 4)
     assert count == sum(p > r > 0 for p, r in spreads)
     if count:

@@ -48,6 +48,10 @@ def trace(rows: list[dict], planned: int = 100) -> dict:
             "final_kl": final_kl, "kl_target": kl_target, "held": study49.held(final_kl, kl_target)}
 
 
+def dash(value, fmt: str = "d") -> str:
+    return "—" if value is None else format(value, fmt)
+
+
 def report(directories: list[str], planned: int = 100) -> str:
     head = ("| arm | seed | " + " | ".join(f"β step {s}" for s in AT) + " | least β (step) | β last changed | "
             f"KL {WINDOW}-step mean first above K | declared unreachable | final KL | held K |")
@@ -59,7 +63,6 @@ def report(directories: list[str], planned: int = 100) -> str:
         name = arms_report.label(method, first)
         for seed, rows in sorted(seeds.items()):
             t = trace(rows, planned)
-            dash = lambda v, fmt="d": "—" if v is None else format(v, fmt)  # noqa: E731
             out.append(f"| {name} | {seed} | " + " | ".join(dash(t["beta_at"].get(s), ".4g") for s in AT)
                        + f" | {t['least']:.4g} ({t['least_step']}) | {dash(t['last_change'])} | {dash(t['kl_above'])} | "
                        f"{dash(t['declared'])} | {dash(t['final_kl'], '.3f')} | {'yes' if t['held'] else 'no'} |")

@@ -180,19 +180,6 @@ def tiny_length_reward(completions, **kwargs) -> list[float]:
     return [len(c) / 1e5 for c in completions]
 
 
-def group_counts64(rewards, penalty, num_generations):
-    """(groups whose penalty spread exceeds a reward spread > 0, groups of equal rewards whose penalties differ), by a
-    loop over the groups in float64 (every reward scored, every penalty finite here)."""
-    dominated = only = 0
-    for start in range(0, len(rewards), num_generations):
-        r = [float(x) for x in rewards[start:start + num_generations]]
-        p = [float(x) for x in penalty[start:start + num_generations]]
-        r_spread, p_spread = max(r) - min(r), max(p) - min(p)
-        dominated += p_spread > r_spread > 0
-        only += r_spread == 0 and p_spread > 0
-    return dominated, only
-
-
 @pytest.mark.parametrize("reward_funcs, counts", [("equal", (0, 2)), ("tiny", (2, 0)), ("varied", None)])
 def test_a_real_scoring_call_logs_the_groups_the_kl_dominates_or_alone_orders(tiny_checkpoint, tmp_path, monkeypatch, reward_funcs, counts):
     """adaptive_kl/kl_dominated_groups and adaptive_kl/kl_only_groups from TRL's own scoring of one generation batch,
@@ -202,7 +189,7 @@ def test_a_real_scoring_call_logs_the_groups_the_kl_dominates_or_alone_orders(ti
     trainer = make_trainer(tiny_checkpoint, tmp_path, reward_funcs=funcs, kl_adaptation_method="none", kl_estimator="k3")
     _, rewards_per_func, args = spied_scoring(monkeypatch, trainer)
     penalty, _raw = penalty64("none", "k3", args[1], args[2], args[3], beta=BETA, clip_threshold=0.05, kl_target=0.02)
-    dominated, only = group_counts64(rewards_per_func.double().sum(1).tolist(), penalty.tolist(), trainer.num_generations)
+    dominated, only = reference.group_counts64(rewards_per_func.double().sum(1).tolist(), penalty.tolist(), trainer.num_generations)
     if counts is not None:  # of the batch's two groups
         assert (dominated, only) == counts
     assert trainer._metrics["train"][metrics.KL_DOMINATED_GROUPS] == [float(dominated)]

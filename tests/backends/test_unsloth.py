@@ -531,11 +531,7 @@ def test_reward_placement_lowers_each_reward_by_beta_times_its_summed_kl_on_the_
     assert (advantages - reference.group_advantages64(rewards, scored["num_generations"])).abs().max() > 1e-2
     assert scored["kl_penalty"] == [pytest.approx(penalty.mean().item(), rel=1e-6)]
     # the groups the KL dominates, or alone orders (equal rewards), by a float64 loop over the batch's groups
-    n, dominated, only = scored["num_generations"], 0, 0
-    for start in range(0, len(rewards), n):
-        r, p = rewards[start:start + n].tolist(), penalty[start:start + n].tolist()
-        dominated += max(p) - min(p) > max(r) - min(r) > 0
-        only += max(r) == min(r) and max(p) > min(p)
+    dominated, only = reference.group_counts64(rewards.tolist(), penalty.tolist(), scored["num_generations"])
     assert (scored["kl_dominated_groups"], scored["kl_only_groups"]) == ([float(dominated)], [float(only)])
 
 
